@@ -1,0 +1,31 @@
+"""``--attention-backend`` names and the factory that builds the hybrid MLA + KDA backend."""
+from __future__ import annotations
+
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+from sglang.srt.layers.attention.torch_native_backend import (
+    KDA_PREFILL_IMPLS,
+    TorchNativeKDABackend,
+    TorchNativeMLABackend,
+)
+
+ATTENTION_BACKENDS = ("torch_native", "triton")
+
+
+def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto") -> AttentionBackend:
+    """Build the attention backend called ``name`` for a hybrid KDA + MLA model.
+
+    * ``"torch_native"``: plain PyTorch for both MLA and KDA, the reference. Here ``"auto"`` means
+      the pure torch KDA prefill; pass ``kda_prefill_impl="fla"`` to use fla-core's ``chunk_kda``.
+    * ``"triton"``: until the project's Triton kernels exist this builds the same torch-native
+      hybrid, but with ``"auto"`` the KDA prefill goes through fla-core's ``chunk_kda`` whenever
+      CUDA and fla are available (torch otherwise). ``"torch"`` / ``"fla"`` are honoured as given.
+    """
+    if name not in ATTENTION_BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r}; choices: {', '.join(ATTENTION_BACKENDS)}")
+    if kda_prefill_impl not in KDA_PREFILL_IMPLS:
+        raise ValueError(f"kda_prefill_impl must be one of {KDA_PREFILL_IMPLS}, got {kda_prefill_impl!r}")
+    if name == "torch_native" and kda_prefill_impl == "auto":
+        kda_prefill_impl = "torch"
+    return HybridLinearAttnBackend(TorchNativeMLABackend(),
+                                   TorchNativeKDABackend(kda_prefill_impl=kda_prefill_impl))

@@ -1,0 +1,306 @@
+"""Plain-PyTorch attention backends over the real pools: the reference every fast path matches.
+
+* :class:`TorchNativeMLABackend` — MLA in absorbed form (multi-query attention over the latent
+  cache of :class:`~sglang.srt.mem_cache.memory_pool.MLATokenToKVPool`).
+* :class:`TorchNativeKDABackend` — KDA over :class:`~sglang.srt.mem_cache.memory_pool.KDAStatePool`
+  (short-conv window + fp32 recurrent state per request slot).
+
+Both run on CPU and on CUDA. Decode works from device tensors only; the MLA decode reads one host
+integer per forward (the longest sequence, to size the padded gather), which is acceptable for a
+reference backend that is never captured in a CUDA graph.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, List, Optional
+
+import torch
+
+from sglang.srt.layers.attention import fla_kda
+from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+from sglang.srt.layers.attention.kda_ops import (
+    causal_conv1d,
+    causal_conv1d_update,
+    kda_chunked,
+    kda_recurrent,
+    kda_step,
+    l2norm,
+)
+from sglang.srt.layers.attention.mla_ops import mla_absorbed_attention, mla_decode_attention
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+KDA_PREFILL_IMPLS = ("auto", "torch", "fla")
+
+# Extends up to this many tokens run the token-by-token recurrence; longer ones the chunked form
+# (the chunked form's fixed per-chunk cost only pays off once a chunk has some length).
+RECURRENT_MAX_TOKENS = 16
+
+
+@dataclass
+class _ExtendLayout:
+    """Host-side per-request layout of an extend-like batch (one entry per request)."""
+
+    slots: List[int]  # req_pool_indices
+    prefix_lens: List[int]
+    extend_lens: List[int]
+    starts: List[int]  # first row of the request in the flattened T rows
+
+
+def _extend_layout(forward_batch: "ForwardBatch") -> _ExtendLayout:
+    """Per-request lengths from the host mirrors when the scheduler filled them, else from the
+    device tensors (verify / draft extend carry no host mirrors)."""
+    slots = forward_batch.req_pool_indices.tolist()
+    if forward_batch.extend_seq_lens_cpu is not None and forward_batch.extend_prefix_lens_cpu is not None:
+        extend_lens = list(forward_batch.extend_seq_lens_cpu)
+        prefix_lens = list(forward_batch.extend_prefix_lens_cpu)
+    else:
+        extend_lens = forward_batch.extend_seq_lens.tolist()
+        prefix_lens = forward_batch.extend_prefix_lens.tolist()
+    if not len(slots) == len(extend_lens) == len(prefix_lens):
+        raise ValueError(f"extend batch: {len(slots)} requests but {len(extend_lens)} extend lengths "
+                         f"and {len(prefix_lens)} prefix lengths")
+    starts, acc = [], 0
+    for n in extend_lens:
+        starts.append(acc)
+        acc += n
+    if acc != forward_batch.num_tokens:
+        raise ValueError(f"extend batch: extend lengths sum to {acc} but the batch has "
+                         f"{forward_batch.num_tokens} tokens")
+    return _ExtendLayout(slots, prefix_lens, extend_lens, starts)
+
+
+class _MetadataCache:
+    """Per-forward metadata kept on the backend (``ForwardBatch.attn_metadata`` is a single slot
+    and a hybrid wrapper holds two backends). Built eagerly by ``init_forward_metadata`` and
+    rebuilt lazily if a layer is called with a batch the backend has not seen."""
+
+    def __init__(self):
+        self._batch: Optional["ForwardBatch"] = None
+        self._meta: Any = None
+
+    def get(self, forward_batch: "ForwardBatch", build, refresh: bool = False) -> Any:
+        """The metadata of ``forward_batch``; ``refresh`` rebuilds it even for a batch object seen
+        before (a runner may refill one batch object between forwards)."""
+        if refresh or self._batch is not forward_batch:
+            self._meta = build(forward_batch)
+            self._batch = forward_batch
+        return self._meta
+
+
+# ============================================================================================
+# MLA
+# ============================================================================================
+@dataclass
+class _MLADecodeMeta:
+    max_len: int  # longest sequence of the batch (pads the gathered cache rows)
+
+
+class TorchNativeMLABackend(AttentionBackend):
+    """MLA (absorbed form) in plain PyTorch; see :class:`~sglang.srt.layers.radix_attention.RadixAttention`
+    for the call contract. Extends loop over requests; decode is batched over requests."""
+
+    needs_cpu_seq_lens = False
+
+    def __init__(self):
+        self._cache = _MetadataCache()
+
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        """Build the per-forward layout once (every MLA layer of the forward shares it)."""
+        self._cache.get(forward_batch, self._build, refresh=True)
+
+    @staticmethod
+    def _build(forward_batch: "ForwardBatch"):
+        if forward_batch.forward_mode.is_idle():
+            return None
+        if forward_batch.forward_mode.is_decode():
+            # One host read per forward, not per layer: the padded width of the gather.
+            max_len = int(forward_batch.seq_lens.max()) if forward_batch.batch_size else 0
+            return _MLADecodeMeta(max_len)
+        return _extend_layout(forward_batch)
+
+    @staticmethod
+    def _check(q, k, layer, forward_batch):
+        t = q.shape[0]
+        dk = layer.head_dim
+        if q.numel() != t * layer.tp_q_head_num * dk:
+            raise ValueError(f"MLA layer {layer.layer_id}: q must be [T, {layer.tp_q_head_num}, {dk}], "
+                             f"got {tuple(q.shape)}")
+        if k is None or tuple(k.shape) != (t, dk):
+            raise ValueError(f"MLA layer {layer.layer_id}: k must be [{t}, {dk}], "
+                             f"got {None if k is None else tuple(k.shape)}")
+        if forward_batch.token_to_kv_pool is None or forward_batch.req_to_token_pool is None:
+            raise ValueError("MLA attention needs forward_batch.token_to_kv_pool and req_to_token_pool")
+        return q.view(t, layer.tp_q_head_num, dk)
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """Prefill / chunked prefill / verify: each request attends to its cached prefix and,
+        causally, to its new tokens."""
+        q = self._check(q, k, layer, forward_batch)
+        out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
+        if q.shape[0] == 0:
+            return out
+        pool = forward_batch.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k)
+        buf = pool.get_kv_buffer(layer.layer_id)
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        lay: _ExtendLayout = self._cache.get(forward_batch, self._build)
+        # The new rows come straight from k (cast to the cache dtype, i.e. exactly what the cache
+        # holds), so the result does not depend on save_kv_cache.
+        new_rows = k.to(buf.dtype)
+        for slot, prefix, n, start in zip(lay.slots, lay.prefix_lens, lay.extend_lens, lay.starts):
+            if n == 0:
+                continue
+            prefix_rows = buf[req_to_token[slot, :prefix].long()]
+            kv = torch.cat([prefix_rows, new_rows[start:start + n]], dim=0)
+            out[start:start + n] = mla_absorbed_attention(
+                q[start:start + n], kv, layer.v_head_dim, layer.scaling, q_start=prefix)
+        return out
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
+        """One token per request, batched: gather every request's rows up to the longest
+        sequence, mask the padding, one batched attention."""
+        q = self._check(q, k, layer, forward_batch)
+        b = q.shape[0]
+        if b == 0:
+            return q.new_empty(0, layer.tp_q_head_num, layer.v_head_dim)
+        pool = forward_batch.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k)
+        buf = pool.get_kv_buffer(layer.layer_id)
+        meta: _MLADecodeMeta = self._cache.get(forward_batch, self._build)
+        seq_lens = forward_batch.seq_lens
+        slots = forward_batch.req_to_token_pool.req_to_token[forward_batch.req_pool_indices, :meta.max_len]
+        kv = buf[slots.long()]  # [B, max_len, Dk]
+        # The current token's row from k itself, so that save_kv_cache=False still sees it.
+        kv[torch.arange(b, device=kv.device), seq_lens - 1] = k.to(buf.dtype)
+        return mla_decode_attention(q, kv, seq_lens, layer.v_head_dim, layer.scaling)
+
+
+# ============================================================================================
+# KDA
+# ============================================================================================
+class TorchNativeKDABackend(AttentionBackend):
+    """KDA in plain PyTorch; see :class:`~sglang.srt.layers.radix_attention.RadixLinearAttention`
+    for the call contract.
+
+    ``kda_prefill_impl``: ``"torch"`` (chunked/recurrent torch math), ``"fla"`` (fla-core's
+    ``chunk_kda``; needs CUDA and fla) or ``"auto"`` (fla when the tensors are on CUDA and fla
+    imports, torch otherwise). Decode is always the batched torch step.
+    """
+
+    needs_cpu_seq_lens = False
+
+    def __init__(self, kda_prefill_impl: str = "auto"):
+        if kda_prefill_impl not in KDA_PREFILL_IMPLS:
+            raise ValueError(f"kda_prefill_impl must be one of {KDA_PREFILL_IMPLS}, got {kda_prefill_impl!r}")
+        if kda_prefill_impl == "fla" and not fla_kda.is_available():
+            raise ValueError("kda_prefill_impl='fla' needs CUDA and fla-core (pip install fla-core)")
+        self.kda_prefill_impl = kda_prefill_impl
+        self._cache = _MetadataCache()
+
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        """Extend-like batches: the host-side per-request layout; decode needs none."""
+        self._cache.get(forward_batch, self._build, refresh=True)
+
+    @staticmethod
+    def _build(forward_batch: "ForwardBatch"):
+        mode = forward_batch.forward_mode
+        if mode.is_idle() or mode.is_decode() or mode.is_target_verify():
+            return None
+        return _extend_layout(forward_batch)
+
+    def _use_fla(self, x: torch.Tensor) -> bool:
+        if self.kda_prefill_impl == "torch":
+            return False
+        return x.is_cuda and fla_kda.is_available()
+
+    @staticmethod
+    def _prepare(q, k, v, g, beta, layer, forward_batch):
+        """Validate shapes and return ``(mixed [T, 3C], conv pool, ssm pool)``."""
+        if g is None or beta is None:
+            raise ValueError(f"KDA layer {layer.layer_id}: forward needs g and beta keyword arguments")
+        t = q.shape[0]
+        h, d = layer.num_heads, layer.head_dim
+        for name, x in (("q", q), ("k", k), ("v", v)):
+            if x is None or x.numel() != t * h * d:
+                raise ValueError(f"KDA layer {layer.layer_id}: {name} must be [{t}, {h * d}], "
+                                 f"got {None if x is None else tuple(x.shape)}")
+        if tuple(g.shape) != (t, h, d) or tuple(beta.shape) != (t, h):
+            raise ValueError(f"KDA layer {layer.layer_id}: g must be [{t}, {h}, {d}] and beta "
+                             f"[{t}, {h}], got {tuple(g.shape)} and {tuple(beta.shape)}")
+        pool = forward_batch.kda_state_pool
+        if pool is None:
+            raise ValueError("KDA attention needs forward_batch.kda_state_pool")
+        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+        return mixed, pool.get_conv_state(layer.layer_id), pool.get_ssm_state(layer.layer_id)
+
+    @staticmethod
+    def _split_heads(y: torch.Tensor, layer):
+        """Conv output ``[T, 3C]`` -> fp32 ``q, k`` (L2-normalised) and ``v``, each ``[T, H, D]``."""
+        t = y.shape[0]
+        qc, kc, vc = y.float().view(t, 3, layer.num_heads, layer.head_dim).unbind(1)
+        return l2norm(qc), l2norm(kc), vc
+
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, g=None, beta=None,
+                       **kwargs):
+        """Run each request from its pooled state and write the new conv window and state back."""
+        if forward_batch.forward_mode.is_target_verify():
+            raise ValueError("KDA target-verify needs the speculative scratch of the NEXTN worker "
+                             "(stage-then-commit); the torch_native KDA backend does not stage state")
+        mixed, conv_pool, ssm_pool = self._prepare(q, k, v, g, beta, layer, forward_batch)
+        t = mixed.shape[0]
+        out = q.new_empty(t, layer.num_heads, layer.head_dim)
+        if t == 0:
+            return out
+        lay: _ExtendLayout = self._cache.get(forward_batch, self._build)
+        reqs = [(s, st, n) for s, st, n in zip(lay.slots, lay.starts, lay.extend_lens) if n > 0]
+        # Short convolution per request (it needs that request's window), state written back.
+        y = torch.empty_like(mixed)
+        for slot, start, n in reqs:
+            y[start:start + n], window = causal_conv1d(mixed[start:start + n], layer.conv_weight,
+                                                       conv_pool[slot])
+            conv_pool[slot].copy_(window)
+        qn, kn, vn = self._split_heads(y, layer)
+        gf, bf = g.float(), beta.float()
+        if self._use_fla(mixed):
+            self._extend_fla(qn, kn, vn, gf, bf, layer, reqs, ssm_pool, out, q.dtype)
+            return out
+        for slot, start, n in reqs:
+            rows = slice(start, start + n)
+            fn = kda_recurrent if n <= RECURRENT_MAX_TOKENS else kda_chunked
+            o, state = fn(qn[rows], kn[rows], vn[rows], gf[rows], bf[rows], layer.scale,
+                          initial_state=ssm_pool[slot])
+            out[rows] = o.to(out.dtype)
+            ssm_pool[slot].copy_(state)
+        return out
+
+    @staticmethod
+    def _extend_fla(qn, kn, vn, gf, bf, layer, reqs, ssm_pool, out, dtype):
+        """All requests in one varlen ``chunk_kda`` call; q/k/v go in the model dtype."""
+        rows = torch.cat([torch.arange(st, st + n) for _, st, n in reqs]).to(qn.device)
+        slots = torch.tensor([s for s, _, _ in reqs], dtype=torch.int64, device=qn.device)
+        lens = [n for _, _, n in reqs]
+        o, final = fla_kda.chunk_kda_varlen(
+            qn[rows].to(dtype), kn[rows].to(dtype), vn[rows].to(dtype), gf[rows], bf[rows],
+            layer.scale, ssm_pool[slots], lens)
+        out[rows] = o.to(out.dtype)
+        ssm_pool.index_copy_(0, slots, final)
+
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, g=None, beta=None,
+                       **kwargs):
+        """One token per request, batched over the batch: gather states by slot, one step,
+        scatter back (device ops only, no host sync)."""
+        mixed, conv_pool, ssm_pool = self._prepare(q, k, v, g, beta, layer, forward_batch)
+        b = mixed.shape[0]
+        if b == 0:
+            return q.new_empty(0, layer.num_heads, layer.head_dim)
+        slots = forward_batch.req_pool_indices
+        y, window = causal_conv1d_update(mixed, layer.conv_weight, conv_pool[slots])
+        conv_pool.index_copy_(0, slots, window.to(conv_pool.dtype))
+        qn, kn, vn = self._split_heads(y, layer)
+        o, state = kda_step(qn, kn, vn, g.float(), beta.float(), layer.scale, ssm_pool[slots])
+        ssm_pool.index_copy_(0, slots, state)
+        return o.to(q.dtype)

@@ -1,0 +1,344 @@
+"""KDA reference math (kda_ops) and the torch-native KDA backend over the real state pool."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sglang.srt.layers.attention import fla_kda
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, create_attn_backend
+from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+from sglang.srt.layers.attention.kda_ops import (
+    causal_conv1d,
+    causal_conv1d_update,
+    kda_chunked,
+    kda_gate,
+    kda_recurrent,
+    l2norm,
+)
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeKDABackend
+from sglang.srt.layers.radix_attention import RadixLinearAttention
+from sglang.srt.mem_cache.memory_pool import KDAStatePool, ReqToTokenPool
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+H, D, KERNEL = 2, 8, 4
+C = H * D
+REL_TOL = 1e-5  # chunked vs recurrent, fp32: max |diff| / max |reference|
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+
+
+def random_inputs(t: int, h: int = H, d: int = D, lower_bound: float = -5.0, seed: int = 0):
+    gen = torch.Generator().manual_seed(seed)
+    q = l2norm(torch.randn(t, h, d, generator=gen))
+    k = l2norm(torch.randn(t, h, d, generator=gen))
+    v = torch.randn(t, h, d, generator=gen)
+    g = kda_gate(torch.randn(t, h, d, generator=gen), torch.randn(h, generator=gen) * 0.5,
+                 torch.randn(h * d, generator=gen), lower_bound)
+    beta = torch.rand(t, h, generator=gen)
+    return q, k, v, g, beta
+
+
+# ---------------------------------------------------------------------------------------------
+# kda_ops
+# ---------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("t", [1, 5, 63, 64, 65, 150])
+def test_chunked_equals_recurrent(t):
+    q, k, v, g, beta = random_inputs(t, seed=t)
+    s0 = torch.randn(H, D, D, generator=torch.Generator().manual_seed(99))
+    o_r, s_r, all_r = kda_recurrent(q, k, v, g, beta, 0.35, s0, return_all_states=True)
+    o_c, s_c, all_c = kda_chunked(q, k, v, g, beta, 0.35, s0, return_all_states=True)
+    assert rel_err(o_c, o_r) < REL_TOL
+    assert rel_err(s_c, s_r) < REL_TOL
+    assert rel_err(all_c, all_r) < REL_TOL
+    assert torch.equal(all_r[-1], s_r)
+    # Smaller chunks give the same answer too.
+    o_16, s_16 = kda_chunked(q, k, v, g, beta, 0.35, s0, chunk_size=16)
+    assert rel_err(o_16, o_r) < REL_TOL and rel_err(s_16, s_r) < REL_TOL
+
+
+def test_recurrent_matches_delta_rule_by_hand():
+    """One head, two tokens, written out with explicit matrices (model.md §3.2)."""
+    q, k, v, g, beta = random_inputs(2, h=1, d=3, seed=5)
+    S = torch.zeros(3, 3)
+    outs = []
+    for i in range(2):
+        S = torch.diag(g[i, 0].exp()) @ S
+        S = S + beta[i, 0] * torch.outer(k[i, 0], v[i, 0] - S.t() @ k[i, 0])
+        outs.append(S.t() @ (0.5 * q[i, 0]))
+    o, s = kda_recurrent(q, k, v, g, beta, 0.5)
+    assert torch.allclose(o[:, 0], torch.stack(outs), atol=1e-6)
+    assert torch.allclose(s[0], S, atol=1e-6)
+
+
+def test_chunked_stays_finite_near_lower_bound():
+    """g close to -5 for 200 tokens: cumulative decay within a chunk reaches about -320."""
+    q, k, v, _, beta = random_inputs(200, seed=3)
+    g = torch.full((200, H, D), -4.99)
+    s0 = torch.randn(H, D, D)
+    o_c, s_c = kda_chunked(q, k, v, g, beta, D ** -0.5, s0)
+    o_r, s_r = kda_recurrent(q, k, v, g, beta, D ** -0.5, s0)
+    assert torch.isfinite(o_c).all() and torch.isfinite(s_c).all()
+    assert rel_err(o_c, o_r) < REL_TOL and rel_err(s_c, s_r) < REL_TOL
+
+
+def test_gate_forms():
+    f = torch.randn(7, H, D)
+    a_log, dt_bias = torch.randn(H), torch.randn(H * D)
+    g = kda_gate(f, a_log, dt_bias, -5.0)
+    expect = -5.0 * torch.sigmoid(a_log.exp().view(H, 1) * (f + dt_bias.view(H, D)))
+    assert g.dtype == torch.float32 and torch.allclose(g, expect)
+    assert (g < 0).all() and (g > -5).all()
+    g2 = kda_gate(f, a_log, dt_bias, None)
+    expect2 = -a_log.exp().view(H, 1) * torch.nn.functional.softplus(f + dt_bias.view(H, D))
+    assert torch.allclose(g2, expect2) and (g2 <= 0).all()
+
+
+def test_l2norm():
+    x = torch.randn(4, 3, 5)
+    y = l2norm(x)
+    assert torch.allclose(y, x / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6))
+
+
+def test_conv_matches_conv1d_and_chunks():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(11, 6, generator=gen)
+    w = torch.randn(6, KERNEL, generator=gen)
+    y, state = causal_conv1d(x, w)
+    # nn.functional.conv1d cross-correlation with left padding K-1 is the definition.
+    ref = torch.nn.functional.conv1d(x.t().unsqueeze(0), w.unsqueeze(1), padding=KERNEL - 1,
+                                     groups=6)[0, :, :11].t()
+    assert torch.allclose(y, torch.nn.functional.silu(ref), atol=1e-6)
+    assert torch.equal(state, x[-(KERNEL - 1):].t())
+    # Pieces shorter than K-1 with the carried window give the one-shot result.
+    pieces, st = [], None
+    for a, b in [(0, 1), (1, 3), (3, 8), (8, 11)]:
+        yp, st = causal_conv1d(x[a:b], w, st)
+        pieces.append(yp)
+    assert torch.allclose(torch.cat(pieces), y, atol=1e-6) and torch.equal(st, state)
+    # Batched single-step update agrees with the per-sequence form.
+    y_step, st_step = causal_conv1d_update(x[8:9], w, causal_conv1d(x[:8], w)[1].unsqueeze(0))
+    assert torch.allclose(y_step, y[8:9], atol=1e-6)
+    assert torch.equal(st_step[0], causal_conv1d(x[:9], w)[1])
+
+
+def test_bad_shapes_raise():
+    with pytest.raises(ValueError, match="conv_state"):
+        causal_conv1d(torch.randn(3, 4), torch.randn(4, KERNEL), torch.zeros(4, 2))
+    q, k, v, g, beta = random_inputs(3)
+    with pytest.raises(ValueError, match="initial_state"):
+        kda_chunked(q, k, v, g, beta, 1.0, torch.zeros(H, D, D + 1))
+    with pytest.raises(ValueError, match="beta"):
+        kda_recurrent(q, k, v, g, beta[:, :1], 1.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# Backend through the pools
+# ---------------------------------------------------------------------------------------------
+class Harness:
+    """A KDA layer over a real KDAStatePool / ReqToTokenPool, driven through ForwardBatch."""
+
+    def __init__(self, backend=None, size: int = 4, device: str = "cpu"):
+        gen = torch.Generator().manual_seed(0)
+        self.device = device
+        self.layer = RadixLinearAttention(layer_id=3, num_heads=H, head_dim=D, conv_kernel=KERNEL)
+        self.layer.conv_weight.data.copy_(torch.randn(3 * C, KERNEL, generator=gen) * 0.5)
+        self.layer.to(device)
+        self.req_pool = ReqToTokenPool(size, 512, device)
+        self.state_pool = KDAStatePool(size, [1, 3], H, D, D, KERNEL, torch.float32, device)
+        self.backend = backend or create_attn_backend("torch_native")
+
+    def new_request(self) -> int:
+        slot = self.req_pool.alloc(1)[0]
+        self.state_pool.clear_slots([slot])
+        return slot
+
+    def _run(self, fb, q, k, v, g, beta):
+        fb.attn_backend = self.backend
+        self.backend.init_forward_metadata(fb)
+        return self.layer(q, k, v, g, beta, fb)
+
+    def extend(self, slots, prefix_lens, tensors, mode=ForwardMode.EXTEND):
+        q, k, v, g, beta = tensors
+        lens = [t.shape[0] for t in q]
+        cat = [torch.cat(x).to(self.device) for x in (q, k, v, g, beta)]
+        t = sum(lens)
+        fb = ForwardBatch.for_extend(torch.zeros(t, dtype=torch.int64, device=self.device), slots,
+                                     prefix_lens, lens,
+                                     torch.arange(1, t + 1), forward_mode=mode,
+                                     req_to_token_pool=self.req_pool, kda_state_pool=self.state_pool)
+        return self._run(fb, *cat)
+
+    def decode(self, slots, seq_lens, q, k, v, g, beta):
+        b, dev = len(slots), self.device
+        fb = ForwardBatch.for_decode(torch.zeros(b, dtype=torch.int64, device=dev),
+                                     torch.tensor(slots, device=dev), torch.tensor(seq_lens, device=dev),
+                                     torch.arange(1, b + 1, device=dev),
+                                     req_to_token_pool=self.req_pool, kda_state_pool=self.state_pool)
+        return self._run(fb, *(x.to(dev) for x in (q, k, v, g, beta)))
+
+    def states(self, slot):
+        return (self.state_pool.get_conv_state(3)[slot].clone(),
+                self.state_pool.get_ssm_state(3)[slot].clone())
+
+
+def projections(t: int, seed: int):
+    """Pre-conv q, k, v [T, H*D] plus g [T, H, D] and beta [T, H] as a model would pass them."""
+    gen = torch.Generator().manual_seed(seed)
+    q, k, v = (torch.randn(t, C, generator=gen) for _ in range(3))
+    g = kda_gate(torch.randn(t, H, D, generator=gen), torch.zeros(H), torch.randn(C, generator=gen), -5.0)
+    beta = torch.rand(t, H, generator=gen)
+    return q, k, v, g, beta
+
+
+def rows(tensors, a, b):
+    return tuple(x[a:b] for x in tensors)
+
+
+def test_backend_matches_ops_one_shot():
+    """The backend = conv + split + l2norm + recurrence written with kda_ops directly."""
+    h = Harness()
+    slot = h.new_request()
+    x = projections(30, seed=1)
+    out = h.extend([slot], [0], tuple([a] for a in x))
+    y, window = causal_conv1d(torch.cat(x[:3], -1), h.layer.conv_weight)
+    qc, kc, vc = y.view(30, 3, H, D).unbind(1)
+    o, s = kda_recurrent(l2norm(qc), l2norm(kc), vc, x[3], x[4], D ** -0.5)
+    assert rel_err(out, o) < REL_TOL
+    conv, ssm = h.states(slot)
+    assert torch.equal(conv, window) and rel_err(ssm, s) < REL_TOL
+    assert h.state_pool.get_ssm_state(1).abs().sum() == 0  # other layer untouched
+
+
+def test_split_extend_and_decode_match_one_shot():
+    t, first = 40, 23
+    x = projections(t, seed=2)
+    one = Harness()
+    s1 = one.new_request()
+    out_full = one.extend([s1], [0], tuple([a] for a in x))
+    ref_state = one.states(s1)
+
+    two = Harness()
+    s2 = two.new_request()
+    out_a = two.extend([s2], [0], tuple([a] for a in rows(x, 0, first)))
+    out_b = two.extend([s2], [first], tuple([a] for a in rows(x, first, t)))
+    assert rel_err(torch.cat([out_a, out_b]), out_full) < REL_TOL
+    for got, ref in zip(two.states(s2), ref_state):
+        assert rel_err(got, ref) < REL_TOL
+
+    dec = Harness()
+    s3 = dec.new_request()
+    outs = [dec.extend([s3], [0], tuple([a] for a in rows(x, 0, first)))]
+    for i in range(first, t):
+        outs.append(dec.decode([s3], [i + 1], *rows(x, i, i + 1)))
+    assert rel_err(torch.cat(outs), out_full) < REL_TOL
+    for got, ref in zip(dec.states(s3), ref_state):
+        assert rel_err(got, ref) < REL_TOL
+
+
+def test_ragged_batch_equals_alone():
+    """Three requests of different lengths in one extend and one decode == each run alone."""
+    lens = [3, 70, 17]
+    prompts = [projections(n, seed=10 + i) for i, n in enumerate(lens)]
+    steps = [projections(1, seed=50 + i) for i in range(3)]
+    alone_out, alone_state = [], []
+    for x, step, n in zip(prompts, steps, lens):
+        h = Harness()
+        slot = h.new_request()
+        out = h.extend([slot], [0], tuple([a] for a in x))
+        alone_out.append(torch.cat([out, h.decode([slot], [n + 1], *step)]))
+        alone_state.append(h.states(slot))
+
+    h = Harness()
+    slots = [h.new_request() for _ in lens]
+    out = h.extend(slots, [0, 0, 0], tuple(list(parts) for parts in zip(*prompts)))
+    dec = h.decode(slots, [n + 1 for n in lens], *(torch.cat(p) for p in zip(*steps)))
+    start = 0
+    for i, n in enumerate(lens):
+        got = torch.cat([out[start:start + n], dec[i:i + 1]])
+        assert rel_err(got, alone_out[i]) < REL_TOL
+        for a, b in zip(h.states(slots[i]), alone_state[i]):
+            assert rel_err(a, b) < REL_TOL
+        start += n
+
+
+def test_target_verify_raises_without_mutation():
+    h = Harness()
+    slot = h.new_request()
+    x = projections(5, seed=4)
+    h.extend([slot], [0], tuple([a] for a in rows(x, 0, 3)))
+    before = h.states(slot)
+    with pytest.raises(ValueError, match="target-verify"):
+        h.extend([slot], [3], tuple([a] for a in rows(x, 3, 5)), mode=ForwardMode.TARGET_VERIFY)
+    for a, b in zip(h.states(slot), before):
+        assert torch.equal(a, b)
+
+
+def test_backend_rejects_bad_inputs():
+    h = Harness()
+    slot = h.new_request()
+    q, k, v, g, beta = projections(4, seed=6)
+    with pytest.raises(ValueError, match="g must be"):
+        h.extend([slot], [0], ([q], [k], [v], [g[:, :1]], [beta]))
+    with pytest.raises(ValueError, match="kda_prefill_impl"):
+        TorchNativeKDABackend(kda_prefill_impl="cuda")
+
+
+def test_registry():
+    assert set(ATTENTION_BACKENDS) == {"torch_native", "triton"}
+    for name in ATTENTION_BACKENDS:
+        backend = create_attn_backend(name)
+        assert isinstance(backend, HybridLinearAttnBackend) and backend.needs_cpu_seq_lens is False
+    assert create_attn_backend("torch_native").linear_attn_backend.kda_prefill_impl == "torch"
+    assert create_attn_backend("triton").linear_attn_backend.kda_prefill_impl == "auto"
+    with pytest.raises(ValueError, match="torch_native, triton"):
+        create_attn_backend("flashinfer")
+
+
+def test_hybrid_routes_by_kind():
+    class Layer:
+        kind, layer_id = "gdn", 0
+
+    with pytest.raises(ValueError, match="'gdn'"):
+        create_attn_backend("torch_native")._route(Layer())
+
+
+# ---------------------------------------------------------------------------------------------
+# fla-core (GPU only)
+# ---------------------------------------------------------------------------------------------
+FLA_TOL = 2e-2  # bf16 fla vs fp32 torch math on the same bf16 inputs: max |diff| / max |ref|
+
+
+@pytest.mark.gpu
+def test_fla_chunk_kda_matches_torch_bf16():
+    if not fla_kda.is_available():
+        pytest.skip("fla-core not installed")
+    dev, h, d = "cuda", 4, 64
+    lens = [1, 37, 200]
+    q, k, v, g, beta = random_inputs(sum(lens), h=h, d=d, seed=7)
+    q, k, v = (x.to(dev, torch.bfloat16) for x in (q, k, v))
+    g, beta = g.to(dev), beta.to(dev)
+    s0 = torch.randn(len(lens), h, d, d, device=dev) * 0.1
+    o, final = fla_kda.chunk_kda_varlen(q, k, v, g, beta, d ** -0.5, s0, lens)
+    start = 0
+    for i, n in enumerate(lens):
+        sl = slice(start, start + n)
+        o_ref, s_ref = kda_chunked(q[sl], k[sl], v[sl], g[sl], beta[sl], d ** -0.5, s0[i])
+        assert rel_err(o[sl], o_ref) < FLA_TOL
+        assert rel_err(final[i], s_ref) < FLA_TOL
+        start += n
+
+
+@pytest.mark.gpu
+def test_backend_fla_prefill_matches_torch_on_cuda():
+    if not fla_kda.is_available():
+        pytest.skip("fla-core not installed")
+    x = projections(90, seed=8)
+    outs, finals = [], []
+    for impl in ("torch", "fla"):
+        h = Harness(backend=TorchNativeKDABackend(impl), device="cuda")
+        slot = h.new_request()
+        outs.append(h.extend([slot], [0], tuple([a] for a in x)))
+        finals.append(h.states(slot)[1])
+    assert rel_err(outs[1], outs[0]) < FLA_TOL and rel_err(finals[1], finals[0]) < FLA_TOL
