@@ -1,0 +1,186 @@
+"""Typed registry of the ``SGLANG_*`` environment flags this engine reads.
+
+Every flag is declared once, here, with its type, default and meaning, and read through
+``envs.SGLANG_X.get()``. Reading goes through one parser per type so that a typo such as
+``SGLANG_OPT_FUSED_KDA_VERIFY=ture`` fails loudly (``ValueError`` naming the variable) instead of
+silently meaning "off". Flags are read at call time, not import time, so tests and launchers can
+set them late (``with envs.SGLANG_X.override(True): ...``).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List, Optional, Type
+
+_TRUE = ("1", "true", "yes")
+_FALSE = ("0", "false", "no")
+
+
+def parse_bool(name: str, raw: str) -> bool:
+    """Parse a boolean flag value (1/true/yes, 0/false/no; case-insensitive)."""
+    value = raw.strip().lower()
+    if value in _TRUE:
+        return True
+    if value in _FALSE:
+        return False
+    raise ValueError(
+        f"environment variable {name}={raw!r} is not a boolean; "
+        f"use one of {', '.join(_TRUE + _FALSE)}"
+    )
+
+
+@dataclass(frozen=True)
+class EnvField:
+    """One environment flag: its variable name, value type, default and documentation."""
+
+    name: str
+    type: Type
+    default: Any
+    doc: str
+
+    def __post_init__(self) -> None:
+        if self.type not in (bool, int, float, str):
+            raise TypeError(f"{self.name}: unsupported flag type {self.type!r}")
+
+    def is_set(self) -> bool:
+        """True when the variable is present and non-empty in the environment."""
+        return bool(os.environ.get(self.name, "").strip())
+
+    def get(self) -> Any:
+        """Current value: the parsed variable, or the default when unset or empty."""
+        raw = os.environ.get(self.name)
+        if raw is None or not raw.strip():
+            return self.default
+        return self.parse(raw)
+
+    def parse(self, raw: str) -> Any:
+        """Convert a raw string to this flag's type; ``ValueError`` names the variable."""
+        if self.type is bool:
+            return parse_bool(self.name, raw)
+        if self.type is str:
+            return raw
+        try:
+            return self.type(raw.strip())
+        except ValueError:
+            raise ValueError(
+                f"environment variable {self.name}={raw!r} is not a valid {self.type.__name__}"
+            ) from None
+
+    def set(self, value: Any) -> None:
+        """Set the variable in this process's environment (validated by round-tripping)."""
+        raw = _format(value)
+        self.parse(raw)
+        os.environ[self.name] = raw
+
+    def clear(self) -> None:
+        """Remove the variable, so ``get()`` returns the default."""
+        os.environ.pop(self.name, None)
+
+    @contextlib.contextmanager
+    def override(self, value: Any) -> Iterator[None]:
+        """Temporarily set the flag (restores the previous raw value, or its absence)."""
+        previous = os.environ.get(self.name)
+        self.set(value)
+        try:
+            yield
+        finally:
+            if previous is None:
+                os.environ.pop(self.name, None)
+            else:
+                os.environ[self.name] = previous
+
+
+def _format(value: Any) -> str:
+    # bools go out as 1/0 so that any reader (including child processes) parses them.
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return str(value)
+
+
+class Envs:
+    """The registry: each class attribute is an :class:`EnvField` named after its variable."""
+
+    SGLANG_ENABLE_METADATA_GLUE_GRAPH = EnvField(
+        "SGLANG_ENABLE_METADATA_GLUE_GRAPH",
+        bool,
+        False,
+        "Capture the per-replay attention-metadata preparation of the decode/verify CUDA graph "
+        "into its own small graph (batch-1 host overhead). Ignored for DSPARK, whose verify "
+        "plans are recomputed on the host every step.",
+    )
+    SGLANG_OPT_FUSED_KDA_VERIFY = EnvField(
+        "SGLANG_OPT_FUSED_KDA_VERIFY",
+        bool,
+        False,
+        "Run the KDA chain of a speculative verify (conv update -> gated delta rule -> gated "
+        "RMSNorm) as one fused kernel chain instead of separate ops.",
+    )
+    SGLANG_ENABLE_FUSED_VERIFY_EXTEND_GRAPH = EnvField(
+        "SGLANG_ENABLE_FUSED_VERIFY_EXTEND_GRAPH",
+        bool,
+        False,
+        "NEXTN: capture the target verify and the draft extend that follows it in one CUDA graph.",
+    )
+    SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION = EnvField(
+        "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION",
+        bool,
+        True,
+        "/health runs a one-token generation through the scheduler; off: it only checks that "
+        "the processes are alive.",
+    )
+    SGLANG_HEALTH_CHECK_TIMEOUT = EnvField(
+        "SGLANG_HEALTH_CHECK_TIMEOUT",
+        float,
+        20.0,
+        "Seconds /health waits for its generation before reporting the server unhealthy.",
+    )
+    SGLANG_IS_IN_CI = EnvField(
+        "SGLANG_IS_IN_CI",
+        bool,
+        False,
+        "Set by the CI runner: tests may shrink their workloads.",
+    )
+
+
+envs = Envs()
+
+
+def list_env_fields() -> List[EnvField]:
+    """All registered flags, sorted by name."""
+    fields = [v for v in vars(Envs).values() if isinstance(v, EnvField)]
+    return sorted(fields, key=lambda f: f.name)
+
+
+def get_env_field(name: str) -> EnvField:
+    """Look a flag up by variable name; ``KeyError`` lists the known ones."""
+    for f in list_env_fields():
+        if f.name == name:
+            return f
+    known = ", ".join(f.name for f in list_env_fields())
+    raise KeyError(f"unknown environment flag {name!r}; known flags: {known}")
+
+
+def env_snapshot() -> Dict[str, Any]:
+    """Current parsed value of every flag (for logs and /server_info)."""
+    return {f.name: f.get() for f in list_env_fields()}
+
+
+def unknown_sglang_env_vars(environ: Optional[Dict[str, str]] = None) -> List[str]:
+    """``SGLANG_*`` variables present in the environment that no flag declares (likely typos)."""
+    environ = os.environ if environ is None else environ
+    known = {f.name for f in list_env_fields()}
+    return sorted(k for k in environ if k.startswith("SGLANG_") and k not in known)
+
+
+def describe_envs() -> str:
+    """A human-readable table of the flags: name, type, default, current value and doc."""
+    lines = []
+    for f in list_env_fields():
+        try:
+            current = repr(f.get())
+        except ValueError as e:
+            current = f"<invalid: {e}>"
+        lines.append(f"{f.name} ({f.type.__name__}, default {f.default!r}, now {current})")
+        lines.append(f"    {f.doc}")
+    return "\n".join(lines)

@@ -1,0 +1,484 @@
+"""Server arguments: SGLang's flag names and defaults, validated and resolved in one place.
+
+``ServerArgs`` is built either directly (``ServerArgs(model_path=..., tp_size=2)``, as the
+``Engine`` API does) or from the command line (``prepare_server_args(sys.argv[1:])``). On
+construction it fills device-dependent defaults (``_resolve``) and validates (``check``): a
+contradictory or unsupported value raises ``ValueError`` whose message starts with the flag it is
+about, and the CLI turns that into an argparse error (exit code 2).
+
+``PortArgs`` names the ZMQ IPC endpoints that connect the tokenizer, scheduler and detokenizer
+processes.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import logging
+import os
+import random
+import socket
+import tempfile
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence
+
+from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, parse_override_args, resolve_model_path
+
+logger = logging.getLogger(__name__)
+
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "half", "float")
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
+LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
+LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
+KDA_PREFILL_IMPL_CHOICES = ("auto", "torch", "fla")
+FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
+
+# Attention backends implemented in this engine.
+SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "triton")
+# Upstream backends for other hardware that we serve with this device's default backend (triton
+# on CUDA, torch_native on CPU) so that published launch commands work unchanged. trtllm_mla is
+# Blackwell-only upstream (FlashInfer's TRT-LLM MLA kernels); here our own MLA kernels do its work.
+SUBSTITUTED_ATTENTION_BACKENDS = ("trtllm_mla",)
+# Names upstream SGLang accepts but this engine does not implement (clearer error than "unknown").
+KNOWN_UPSTREAM_ATTENTION_BACKENDS = (
+    "flashinfer", "fa3", "fa4", "flashmla", "cutlass_mla", "cutedsl_mla", "trtllm_mha",
+    "flex_attention", "hpc_ops", "aiter", "wave", "dsa", "dsv4", "ascend", "intel_amx",
+)
+
+# Speculative algorithms; EAGLE is accepted as another spelling of NEXTN (upstream maps NEXTN to
+# its EAGLE worker: the MTP layer drafts a chain exactly like an EAGLE head).
+SPECULATIVE_ALGORITHMS = ("NEXTN", "DSPARK")
+SPECULATIVE_ALIASES = {"EAGLE": "NEXTN"}
+# (num_steps, eagle_topk, num_draft_tokens) upstream auto-chooses for Bailing MTP.
+NEXTN_DEFAULT_SPEC = (3, 1, 4)
+# Upstream resets the default running-request cap to this when speculation is on.
+SPECULATIVE_MAX_RUNNING_REQUESTS = 48
+DEFAULT_CHUNKED_PREFILL_SIZE = 8192
+DEFAULT_MEM_FRACTION_STATIC = 0.85
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+@dataclass
+class ServerArgs:
+    """All launch options of the server/engine (field = flag name with ``-`` -> ``_``)."""
+
+    # Model and tokenizer
+    model_path: Optional[str] = None  # None: the bundled tiny model
+    tokenizer_path: Optional[str] = None  # None: same as the model
+    trust_remote_code: bool = False
+    load_format: str = "auto"
+    json_model_override_args: str = "{}"
+    context_length: Optional[int] = None  # None: from the model config
+    served_model_name: Optional[str] = None
+    # HTTP
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: Optional[str] = None
+    skip_server_warmup: bool = False
+    # Runtime
+    dtype: str = "auto"  # auto: bfloat16 on CUDA, float32 on CPU
+    device: str = "auto"
+    tp_size: int = 1
+    random_seed: Optional[int] = None
+    mem_fraction_static: Optional[float] = None
+    max_running_requests: Optional[int] = None
+    max_total_tokens: Optional[int] = None
+    chunked_prefill_size: Optional[int] = None  # -1 disables chunking
+    disable_radix_cache: bool = False
+    disable_overlap_schedule: bool = False
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: Optional[int] = None
+    attention_backend: Optional[str] = None
+    flashinfer_allreduce_fusion_backend: Optional[str] = None
+    kda_prefill_impl: str = "auto"
+    watchdog_timeout: float = 300.0
+    # Speculative decoding
+    speculative_algorithm: Optional[str] = None
+    speculative_draft_model_path: Optional[str] = None
+    speculative_num_steps: Optional[int] = None
+    speculative_eagle_topk: Optional[int] = None
+    speculative_num_draft_tokens: Optional[int] = None
+    speculative_dspark_block_size: Optional[int] = None
+    # Logging and metrics
+    log_level: str = "info"
+    stream_interval: int = 1
+    decode_log_interval: int = 40
+    enable_metrics: bool = False
+
+    def __post_init__(self) -> None:
+        self._resolve()
+        self.check()
+
+    # ------------------------------------------------------------------ resolution
+    def resolved_device(self) -> str:
+        """``cuda`` or ``cpu``: ``--device auto`` picks CUDA when a GPU is visible."""
+        if self.device == "auto":
+            return "cuda" if _cuda_available() else "cpu"
+        return self.device
+
+    def resolved_dtype(self):
+        """The torch dtype of weights/activations: ``auto`` is bf16 on CUDA and fp32 on CPU."""
+        import torch
+
+        names = {
+            "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
+            "float32": torch.float32, "float": torch.float32,
+        }
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
+        return names[self.dtype]
+
+    def resolved_model_path(self) -> str:
+        """The checkpoint folder or preset name; ``None`` becomes the bundled model's folder."""
+        return resolve_model_path(self.model_path)
+
+    def resolved_tokenizer_path(self) -> str:
+        """Where the tokenizer lives (defaults to the model folder)."""
+        return self.tokenizer_path or self.resolved_model_path()
+
+    def is_speculative(self) -> bool:
+        """True when a speculative algorithm is enabled."""
+        return self.speculative_algorithm is not None
+
+    def url(self) -> str:
+        """Base URL of the HTTP server."""
+        return f"http://{self.host}:{self.port}"
+
+    def _resolve(self) -> None:
+        """Fill defaults that depend on other fields or on the machine. Never raises on bad
+        values: those are left for ``check`` so that its messages name the flag."""
+        if isinstance(self.speculative_algorithm, str):
+            name = self.speculative_algorithm.strip().upper()
+            name = SPECULATIVE_ALIASES.get(name, name)
+            self.speculative_algorithm = None if name in ("", "NONE") else name
+        if isinstance(self.attention_backend, str):
+            self.attention_backend = self.attention_backend.strip().lower()
+        if self.device not in DEVICE_CHOICES:
+            return  # check() reports it; everything below depends on the device
+        on_cuda = self.resolved_device() == "cuda"
+        default_backend = "triton" if on_cuda else "torch_native"
+        if self.attention_backend in SUBSTITUTED_ATTENTION_BACKENDS:
+            logger.warning(
+                "--attention-backend %s is served by this engine's %s backend",
+                self.attention_backend, default_backend,
+            )
+            self.attention_backend = default_backend
+        if self.attention_backend is None:
+            self.attention_backend = default_backend
+        if not on_cuda:
+            self.disable_cuda_graph = True  # graphs are a CUDA feature
+        if self.chunked_prefill_size is None:
+            self.chunked_prefill_size = DEFAULT_CHUNKED_PREFILL_SIZE
+        if self.mem_fraction_static is None:
+            self.mem_fraction_static = DEFAULT_MEM_FRACTION_STATIC
+        if self.random_seed is None:
+            self.random_seed = random.randint(0, (1 << 30) - 1)
+        if self.served_model_name is None:
+            self.served_model_name = self.model_path or BUNDLED_MODEL_DIR.name
+        if self.speculative_algorithm == "NEXTN":
+            self._resolve_nextn()
+        if self.is_speculative() and self.max_running_requests is None:
+            self.max_running_requests = SPECULATIVE_MAX_RUNNING_REQUESTS
+        if self.cuda_graph_max_bs is None:
+            # Batch-1 first: a verify graph holds num_draft_tokens rows per request, so fewer bs.
+            cap = 16 if self.is_speculative() else 32
+            if isinstance(self.max_running_requests, int) and self.max_running_requests > 0:
+                cap = min(cap, self.max_running_requests)
+            self.cuda_graph_max_bs = cap
+
+    def _resolve_nextn(self) -> None:
+        """Chain defaults: steps/topk/draft = 3/1/4 when unset; a chain of ``s`` draft steps
+        verifies ``s + 1`` tokens, so a missing one of the pair follows from the other."""
+        steps, topk, draft = NEXTN_DEFAULT_SPEC
+        if self.speculative_eagle_topk is None:
+            self.speculative_eagle_topk = topk
+        if self.speculative_num_steps is None and self.speculative_num_draft_tokens is None:
+            self.speculative_num_steps, self.speculative_num_draft_tokens = steps, draft
+        elif self.speculative_num_steps is None and isinstance(self.speculative_num_draft_tokens, int):
+            self.speculative_num_steps = self.speculative_num_draft_tokens - 1
+        elif self.speculative_num_draft_tokens is None and isinstance(self.speculative_num_steps, int):
+            self.speculative_num_draft_tokens = self.speculative_num_steps + 1
+
+    # ------------------------------------------------------------------ validation
+    def check(self) -> None:
+        """Raise ``ValueError`` (message starts with the offending flag) on any bad value."""
+        _choice("--dtype", self.dtype, DTYPE_CHOICES)
+        _choice("--device", self.device, DEVICE_CHOICES)
+        _choice("--load-format", self.load_format, LOAD_FORMAT_CHOICES)
+        _choice("--log-level", self.log_level, LOG_LEVEL_CHOICES)
+        _choice("--kda-prefill-impl", self.kda_prefill_impl, KDA_PREFILL_IMPL_CHOICES)
+        if self.flashinfer_allreduce_fusion_backend is not None:
+            _choice(
+                "--flashinfer-allreduce-fusion-backend",
+                self.flashinfer_allreduce_fusion_backend,
+                FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES,
+            )
+        if self.device == "cuda" and not _cuda_available():
+            raise ValueError("--device cuda: CUDA is not available on this machine")
+        _int_at_least("--tp-size", self.tp_size, 1)
+        if self.resolved_device() == "cuda":
+            import torch
+
+            if self.tp_size > torch.cuda.device_count():
+                raise ValueError(
+                    f"--tp-size {self.tp_size} exceeds the {torch.cuda.device_count()} visible GPUs"
+                )
+        _int_at_least("--port", self.port, 1)
+        if self.port > 65535:
+            raise ValueError(f"--port must be <= 65535, got {self.port}")
+        if not isinstance(self.host, str) or not self.host:
+            raise ValueError("--host must be a non-empty host name or address")
+        for flag, value in (
+            ("--context-length", self.context_length),
+            ("--max-running-requests", self.max_running_requests),
+            ("--max-total-tokens", self.max_total_tokens),
+            ("--cuda-graph-max-bs", self.cuda_graph_max_bs),
+        ):
+            if value is not None:
+                _int_at_least(flag, value, 1)
+        _int_at_least("--stream-interval", self.stream_interval, 1)
+        _int_at_least("--decode-log-interval", self.decode_log_interval, 1)
+        cps = self.chunked_prefill_size
+        if cps is not None and (not _is_int(cps) or (cps != -1 and cps <= 0)):
+            raise ValueError(f"--chunked-prefill-size must be -1 or > 0, got {cps!r}")
+        mfs = self.mem_fraction_static
+        if mfs is not None and (not _is_number(mfs) or not 0.0 < mfs < 1.0):
+            raise ValueError(f"--mem-fraction-static must be in (0, 1), got {mfs!r}")
+        if not _is_number(self.watchdog_timeout) or self.watchdog_timeout <= 0:
+            raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout!r}")
+        if self.random_seed is not None and not _is_int(self.random_seed):
+            raise ValueError(f"--random-seed must be an integer, got {self.random_seed!r}")
+        parse_override_args(self.json_model_override_args)  # names the flag on bad JSON
+        self._check_attention_backend()
+        self._check_kda_prefill_impl()
+        self._check_speculative()
+
+    def _check_attention_backend(self) -> None:
+        name = self.attention_backend
+        if name is None or name in SUPPORTED_ATTENTION_BACKENDS:
+            return
+        supported = ", ".join(SUPPORTED_ATTENTION_BACKENDS + SUBSTITUTED_ATTENTION_BACKENDS)
+        if name in KNOWN_UPSTREAM_ATTENTION_BACKENDS:
+            raise ValueError(
+                f"--attention-backend {name} is an upstream SGLang backend that this engine does "
+                f"not implement; supported: {supported}"
+            )
+        raise ValueError(f"--attention-backend {name!r} is unknown; supported: {supported}")
+
+    def _check_kda_prefill_impl(self) -> None:
+        if self.kda_prefill_impl != "fla":
+            return
+        if self.resolved_device() != "cuda":
+            raise ValueError("--kda-prefill-impl fla needs CUDA (fla-core's chunk_kda is GPU-only)")
+        if importlib.util.find_spec("fla") is None:
+            raise ValueError("--kda-prefill-impl fla needs the fla-core package (pip install fla-core)")
+
+    def _check_speculative(self) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            for flag, value in (
+                ("--speculative-draft-model-path", self.speculative_draft_model_path),
+                ("--speculative-num-steps", self.speculative_num_steps),
+                ("--speculative-eagle-topk", self.speculative_eagle_topk),
+                ("--speculative-num-draft-tokens", self.speculative_num_draft_tokens),
+                ("--speculative-dspark-block-size", self.speculative_dspark_block_size),
+            ):
+                if value is not None:
+                    raise ValueError(f"{flag} needs --speculative-algorithm (NEXTN or DSPARK)")
+            return
+        if algo not in SPECULATIVE_ALGORITHMS:
+            raise ValueError(
+                f"--speculative-algorithm {algo!r} is not supported; supported: "
+                f"{', '.join(SPECULATIVE_ALGORITHMS)} (EAGLE is accepted as NEXTN)"
+            )
+        if algo == "NEXTN":
+            self._check_nextn()
+        else:
+            self._check_dspark()
+
+    def _check_nextn(self) -> None:
+        _int_at_least("--speculative-num-steps", self.speculative_num_steps, 1)
+        _int_at_least("--speculative-eagle-topk", self.speculative_eagle_topk, 1)
+        _int_at_least("--speculative-num-draft-tokens", self.speculative_num_draft_tokens, 2)
+        if self.speculative_eagle_topk > 1:
+            # The KDA recurrent state cannot branch: verify stages one state per chain position.
+            raise ValueError(
+                f"--speculative-eagle-topk {self.speculative_eagle_topk}: hybrid KDA models "
+                "support chain drafts only (topk 1)"
+            )
+        if self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
+            raise ValueError(
+                f"--speculative-num-draft-tokens must equal --speculative-num-steps + 1 for a "
+                f"chain (topk 1): got {self.speculative_num_draft_tokens} draft tokens for "
+                f"{self.speculative_num_steps} steps"
+            )
+        if self.speculative_dspark_block_size is not None:
+            raise ValueError("--speculative-dspark-block-size is DSPARK-only")
+
+    def _check_dspark(self) -> None:
+        if not self.speculative_draft_model_path:
+            raise ValueError("--speculative-algorithm DSPARK needs --speculative-draft-model-path")
+        for flag, value in (
+            ("--speculative-num-steps", self.speculative_num_steps),
+            ("--speculative-num-draft-tokens", self.speculative_num_draft_tokens),
+        ):
+            if value is not None:
+                raise ValueError(
+                    f"{flag} is NEXTN-only; DSPARK's block size comes from the draft checkpoint "
+                    "(or --speculative-dspark-block-size)"
+                )
+        if self.speculative_eagle_topk is not None and self.speculative_eagle_topk != 1:
+            raise ValueError("--speculative-eagle-topk: DSPARK drafts a single chain (topk 1)")
+        if self.speculative_dspark_block_size is not None:
+            _int_at_least("--speculative-dspark-block-size", self.speculative_dspark_block_size, 2)
+
+    # ------------------------------------------------------------------ CLI
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Register every flag (SGLang's names) on ``parser``; defaults come from the fields."""
+        d = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+        a = parser.add_argument
+        a("--model-path", "--model", type=str, default=d["model_path"],
+          help="Checkpoint folder or preset name (e.g. ling-3.0-flash); default: bundled model.")
+        a("--tokenizer-path", type=str, default=d["tokenizer_path"], help="Default: the model path.")
+        a("--trust-remote-code", action="store_true", help="Accepted for compatibility.")
+        a("--load-format", choices=LOAD_FORMAT_CHOICES, default=d["load_format"],
+          help="dummy: random weights from the config (performance work).")
+        a("--json-model-override-args", type=str, default=d["json_model_override_args"],
+          help="JSON object overriding config.json fields, e.g. '{\"num_hidden_layers\": 2}'.")
+        a("--context-length", type=int, default=d["context_length"])
+        a("--served-model-name", type=str, default=d["served_model_name"])
+        a("--host", type=str, default=d["host"])
+        a("--port", type=int, default=d["port"])
+        a("--api-key", type=str, default=d["api_key"], help="Require this bearer token.")
+        a("--skip-server-warmup", action="store_true")
+        a("--dtype", choices=DTYPE_CHOICES, default=d["dtype"],
+          help="auto: bfloat16 on CUDA, float32 on CPU.")
+        a("--device", choices=DEVICE_CHOICES, default=d["device"])
+        a("--tp-size", "--tensor-parallel-size", type=int, default=d["tp_size"])
+        a("--random-seed", type=int, default=d["random_seed"])
+        a("--mem-fraction-static", type=float, default=d["mem_fraction_static"],
+          help=f"Fraction of GPU memory for weights and caches (default {DEFAULT_MEM_FRACTION_STATIC}).")
+        a("--max-running-requests", type=int, default=d["max_running_requests"])
+        a("--max-total-tokens", type=int, default=d["max_total_tokens"])
+        a("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"],
+          help=f"Tokens per prefill chunk (default {DEFAULT_CHUNKED_PREFILL_SIZE}); -1 disables.")
+        a("--disable-radix-cache", action="store_true")
+        a("--disable-overlap-schedule", action="store_true")
+        a("--disable-cuda-graph", action="store_true")
+        a("--cuda-graph-max-bs", type=int, default=d["cuda_graph_max_bs"])
+        a("--attention-backend", type=str, default=d["attention_backend"],
+          help=f"One of {', '.join(SUPPORTED_ATTENTION_BACKENDS)} "
+               "(trtllm_mla is accepted and served by the default); default triton on CUDA, "
+               "torch_native on CPU.")
+        a("--flashinfer-allreduce-fusion-backend", choices=FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES,
+          default=d["flashinfer_allreduce_fusion_backend"], help="Accepted for compatibility.")
+        a("--kda-prefill-impl", choices=KDA_PREFILL_IMPL_CHOICES, default=d["kda_prefill_impl"],
+          help="KDA prefill kernel: torch (reference), fla (fla-core chunk_kda), auto.")
+        a("--watchdog-timeout", type=float, default=d["watchdog_timeout"])
+        a("--speculative-algorithm", type=str, default=d["speculative_algorithm"],
+          help="NEXTN (alias EAGLE) or DSPARK.")
+        a("--speculative-draft-model-path", "--speculative-draft-model", type=str,
+          default=d["speculative_draft_model_path"])
+        a("--speculative-num-steps", type=int, default=d["speculative_num_steps"])
+        a("--speculative-eagle-topk", type=int, default=d["speculative_eagle_topk"])
+        a("--speculative-num-draft-tokens", type=int, default=d["speculative_num_draft_tokens"])
+        a("--speculative-dspark-block-size", type=int, default=d["speculative_dspark_block_size"])
+        a("--log-level", choices=LOG_LEVEL_CHOICES, default=d["log_level"])
+        a("--stream-interval", type=int, default=d["stream_interval"])
+        a("--decode-log-interval", type=int, default=d["decode_log_interval"])
+        a("--enable-metrics", action="store_true", help="Accepted; metrics are in the logs.")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
+        """Build (resolve + validate) from a namespace produced by ``add_cli_args``."""
+        names = [f.name for f in dataclasses.fields(cls)]
+        return cls(**{n: getattr(args, n) for n in names if hasattr(args, n)})
+
+
+add_cli_args = ServerArgs.add_cli_args
+
+
+def prepare_server_args(argv: Sequence[str]) -> ServerArgs:
+    """Parse ``argv`` (without the program name); bad values exit with code 2 naming the flag."""
+    parser = argparse.ArgumentParser(prog="python -m sglang.launch_server")
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(list(argv))
+    try:
+        return ServerArgs.from_cli_args(args)
+    except ValueError as e:
+        parser.error(str(e))  # exits with status 2
+        raise  # unreachable; keeps type checkers happy
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int_at_least(flag: str, value: Any, low: int) -> None:
+    if not _is_int(value) or value < low:
+        raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
+
+
+def _choice(flag: str, value: Any, choices: Sequence[str]) -> None:
+    if value not in choices:
+        raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")
+
+
+# ---------------------------------------------------------------------- ports
+def _ipc_name() -> str:
+    # A fresh temp-file path; ZMQ binds a Unix socket there (it replaces the placeholder file).
+    fd, path = tempfile.mkstemp(prefix="sglang-", suffix=".ipc")
+    os.close(fd)
+    return f"ipc://{path}"
+
+
+def _free_tcp_port(host: str = "127.0.0.1") -> int:
+    # Port 0 lets the OS choose an unused port; it stays free with high probability until used.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class PortArgs:
+    """ZMQ endpoints between processes, and the TCP port for ``torch.distributed`` init."""
+
+    tokenizer_ipc_name: str  # TokenizerManager PULL <- detokenizer
+    scheduler_input_ipc_name: str  # scheduler rank 0 PULL <- TokenizerManager
+    detokenizer_ipc_name: str  # DetokenizerManager PULL <- scheduler
+    rpc_ipc_name: str  # engine <-> scheduler control
+    metrics_ipc_name: str  # scheduler PUSH of metrics
+    nccl_port: int
+
+    @staticmethod
+    def init_new(server_args: ServerArgs) -> "PortArgs":
+        """Fresh ``ipc://`` temp-file endpoints and a free port for this server instance."""
+        host = server_args.host if server_args.host not in ("0.0.0.0", "::") else "127.0.0.1"
+        try:
+            port = _free_tcp_port(host)
+        except OSError:
+            port = _free_tcp_port("127.0.0.1")
+        return PortArgs(
+            tokenizer_ipc_name=_ipc_name(),
+            scheduler_input_ipc_name=_ipc_name(),
+            detokenizer_ipc_name=_ipc_name(),
+            rpc_ipc_name=_ipc_name(),
+            metrics_ipc_name=_ipc_name(),
+            nccl_port=port,
+        )
+
+    def ipc_paths(self) -> List[str]:
+        """Filesystem paths behind the ``ipc://`` endpoints (for cleanup at shutdown)."""
+        names = (self.tokenizer_ipc_name, self.scheduler_input_ipc_name, self.detokenizer_ipc_name,
+                 self.rpc_ipc_name, self.metrics_ipc_name)
+        return [n[len("ipc://"):] for n in names if n.startswith("ipc://")]
