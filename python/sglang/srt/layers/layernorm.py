@@ -1,0 +1,96 @@
+"""RMS norms: the plain one (optionally fused with the residual add) and the KDA output norm.
+
+Both normalise in fp32 and cast the result back to the input dtype (model.md §3.3).
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple, Union
+
+import torch
+from torch import nn
+
+from sglang.srt.layers.linear import copy_checked
+from sglang.srt.model_loader.weight_utils import LazyWeight
+
+__all__ = ["RMSNorm", "GatedRMSNorm", "rms_norm"]
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """``x * rsqrt(mean(x^2) + eps) * weight`` over the last dim, in fp32, returned in x's dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * weight.float()).to(x.dtype)
+
+
+def _norm_weight(size: int, dtype: Optional[torch.dtype]) -> nn.Parameter:
+    w = nn.Parameter(torch.ones(size, dtype=dtype or torch.get_default_dtype()),
+                     requires_grad=False)
+    w.weight_loader = _load_whole
+    return w
+
+
+def _load_whole(param: nn.Parameter, loaded: LazyWeight, shard_id=None) -> None:
+    copy_checked(param, param.data, loaded.load(), loaded.name)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm with a learned scale. ``forward(x, residual)`` fuses the residual add.
+
+    Without ``residual`` it returns the normed ``x``. With it, it returns
+    ``(norm(x + residual), x + residual)`` — the decoder layers carry the un-normed stream in
+    ``residual`` so that each add happens once, next to the norm that consumes it.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6,
+                 params_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.hidden_size = hidden_size
+        self.variance_epsilon = eps
+        self.weight = _norm_weight(hidden_size, params_dtype)
+
+    def forward(
+        self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
+    ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
+        """``norm(x)``, or ``(norm(x + residual), x + residual)`` when ``residual`` is given."""
+        if x.shape[-1] != self.hidden_size:
+            raise ValueError(f"RMSNorm({self.hidden_size}) got input of shape {tuple(x.shape)}")
+        if residual is None:
+            return rms_norm(x, self.weight, self.variance_epsilon)
+        x = x + residual
+        return rms_norm(x, self.weight, self.variance_epsilon), x
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.variance_epsilon}"
+
+
+class GatedRMSNorm(nn.Module):
+    """Per-head RMSNorm times an activated output gate (KDA output, model.md §3.3).
+
+    ``forward(x [..., D], gate [..., D]) = rmsnorm_D(x) * weight * act(gate)`` with ``act`` =
+    sigmoid (Ling) or ``swish`` (silu; other FLA models). The weight ``[D]`` is shared by all
+    heads; the whole computation runs in fp32.
+    """
+
+    def __init__(self, hidden_size: int, eps: float = 1e-6, activation: str = "sigmoid",
+                 params_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        if activation not in ("sigmoid", "swish", "silu"):
+            raise ValueError(f"GatedRMSNorm: unsupported activation {activation!r}")
+        self.hidden_size = hidden_size
+        self.variance_epsilon = eps
+        self.activation = activation
+        self.weight = _norm_weight(hidden_size, params_dtype)
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        """``rmsnorm(x) * weight * act(gate)`` over the last dim, in x's dtype."""
+        if x.shape != gate.shape or x.shape[-1] != self.hidden_size:
+            raise ValueError(f"GatedRMSNorm({self.hidden_size}): x {tuple(x.shape)} and gate "
+                             f"{tuple(gate.shape)} must match with last dim {self.hidden_size}")
+        xf = x.float()
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+        gf = gate.float()
+        act = torch.sigmoid(gf) if self.activation == "sigmoid" else gf * torch.sigmoid(gf)
+        return (y * self.weight.float() * act).to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.hidden_size}, eps={self.variance_epsilon}, act={self.activation}"

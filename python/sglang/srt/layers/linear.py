@@ -1,0 +1,234 @@
+"""Tensor-parallel linear layers (SGLang's names: Replicated / Column / MergedColumn / Row).
+
+Weights are stored ``[out_features, in_features]`` like the checkpoints. The TP rank and size
+are read from :mod:`sglang.srt.distributed` when a layer is built, so a layer holds only its own
+shard. Every parameter carries ``weight_loader(param, loaded: LazyWeight, shard_id=None)``: it
+narrows the checkpoint tensor to this rank's range (so a rank never reads another rank's rows),
+checks the shape and copies with dtype conversion. ``forward`` returns the output tensor only
+(upstream returns ``(output, bias)``; nothing here needs the split bias).
+"""
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.srt.distributed import (
+    divide,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
+from sglang.srt.model_loader.weight_utils import LazyWeight
+
+__all__ = [
+    "LinearBase",
+    "ReplicatedLinear",
+    "ColumnParallelLinear",
+    "MergedColumnParallelLinear",
+    "RowParallelLinear",
+    "copy_checked",
+    "normal_dummy_init",
+]
+
+
+def copy_checked(param: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, name: str) -> None:
+    """Copy ``src`` into ``dst`` (a view of ``param``) converting dtype; a shape mismatch is an error.
+
+    ``name`` is the checkpoint tensor's name; the parameter's own name is added when the model
+    tagged it (``param.qualname``), so the message says which side disagrees.
+    """
+    if tuple(dst.shape) != tuple(src.shape):
+        qual = getattr(param, "qualname", None)
+        target = f"parameter {qual!r}" if qual else "parameter"
+        raise ValueError(
+            f"{name}: checkpoint slice has shape {tuple(src.shape)} but {target} "
+            f"{tuple(param.shape)} expects {tuple(dst.shape)} here"
+        )
+    with torch.no_grad():
+        dst.copy_(src)
+
+
+def normal_dummy_init(fan_in: int):
+    """A ``dummy_init`` hook drawing N(0, 1/fan_in), for weights whose last dim is not the fan-in
+    (row-parallel shards, transposed or stacked layouts)."""
+
+    def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill ``tensor`` in place."""
+        values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32,
+                             device=generator.device)
+        with torch.no_grad():
+            tensor.copy_(values * fan_in ** -0.5)
+
+    return init
+
+
+def _new_param(shape: Sequence[int], dtype: torch.dtype) -> nn.Parameter:
+    # Inference only: no autograd bookkeeping on weights.
+    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
+
+
+class LinearBase(nn.Module):
+    """Common state: full (unsharded) sizes, the TP rank/size seen at construction, dtype."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool,
+                 params_dtype: Optional[torch.dtype]):
+        super().__init__()
+        self.input_size = input_size
+        self.output_size = output_size
+        self.params_dtype = params_dtype or torch.get_default_dtype()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.has_bias = bias
+
+    def _make_params(self, out_local: int, in_local: int) -> None:
+        # Subclasses define ``weight_loader`` with their own slicing rule.
+        self.weight = _new_param((out_local, in_local), self.params_dtype)
+        self.weight.weight_loader = self.weight_loader
+        if self.has_bias:
+            self.bias = _new_param((out_local,), self.params_dtype)
+            self.bias.weight_loader = self.weight_loader
+        else:
+            self.register_parameter("bias", None)
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size}, bias={self.has_bias}, "
+                f"tp={self.tp_rank}/{self.tp_size}")
+
+
+class ReplicatedLinear(LinearBase):
+    """The full weight on every rank (small projections whose output every rank needs)."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 params_dtype: Optional[torch.dtype] = None):
+        super().__init__(input_size, output_size, bias, params_dtype)
+        self._make_params(output_size, input_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: LazyWeight, shard_id=None) -> None:
+        """Copy the whole checkpoint tensor."""
+        copy_checked(param, param.data, loaded.load(), loaded.name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [.., in] -> [.., out]``."""
+        return F.linear(x, self.weight, self.bias)
+
+
+class ColumnParallelLinear(LinearBase):
+    """Output features split evenly over ranks; rank r holds rows ``[r*n, (r+1)*n)``.
+
+    With ``gather_output`` the shards are all-gathered back to the full width.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 gather_output: bool = False, params_dtype: Optional[torch.dtype] = None):
+        super().__init__(input_size, output_size, bias, params_dtype)
+        self.gather_output = gather_output
+        self.output_size_per_partition = divide(output_size, self.tp_size, "output_size")
+        self._make_params(self.output_size_per_partition, input_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: LazyWeight, shard_id=None) -> None:
+        """Narrow the checkpoint rows to this rank's block."""
+        n = self.output_size_per_partition
+        if loaded.shape[0] != self.output_size:
+            raise ValueError(f"{loaded.name}: expected {self.output_size} rows, got shape "
+                             f"{loaded.shape}")
+        copy_checked(param, param.data, loaded.narrow(0, self.tp_rank * n, n), loaded.name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [.., in] -> [.., out / tp]`` (or ``[.., out]`` with ``gather_output``)."""
+        y = F.linear(x, self.weight, self.bias)
+        return tensor_model_parallel_all_gather(y) if self.gather_output else y
+
+
+class MergedColumnParallelLinear(ColumnParallelLinear):
+    """Several logical outputs computed by one matmul, each sharded over ranks on its own.
+
+    The local weight is ``[shard_0 | shard_1 | ...]`` where ``shard_i`` is this rank's slice of
+    logical output ``i`` (e.g. gate|up of a SwiGLU, or q|k|v|b|f|g of KDA, each split per head).
+    ``weight_loader(param, loaded, shard_id=i)`` fills logical output ``i`` from its own
+    checkpoint tensor; ``shard_id=None`` loads an already-fused checkpoint tensor.
+    """
+
+    def __init__(self, input_size: int, output_sizes: List[int], bias: bool = False,
+                 gather_output: bool = False, params_dtype: Optional[torch.dtype] = None):
+        self.output_sizes = list(output_sizes)
+        tp = get_tensor_model_parallel_world_size()
+        self.output_sizes_per_partition = [
+            divide(s, tp, f"merged output {i} size") for i, s in enumerate(self.output_sizes)
+        ]
+        super().__init__(input_size, sum(self.output_sizes), bias, gather_output, params_dtype)
+        if gather_output:
+            # A gathered fused output would interleave the ranks' pieces of each logical output.
+            raise ValueError("MergedColumnParallelLinear does not support gather_output")
+
+    def local_offsets(self) -> List[int]:
+        """Start row of each logical output's shard inside the local weight."""
+        offs, acc = [], 0
+        for n in self.output_sizes_per_partition:
+            offs.append(acc)
+            acc += n
+        return offs
+
+    def split_output(self, y: torch.Tensor) -> List[torch.Tensor]:
+        """Split the fused local output into the per-logical-output pieces."""
+        return list(torch.split(y, self.output_sizes_per_partition, dim=-1))
+
+    def weight_loader(self, param: nn.Parameter, loaded: LazyWeight, shard_id=None) -> None:
+        """Fill logical output ``shard_id`` (or all of them from a fused tensor when ``None``)."""
+        ids = range(len(self.output_sizes)) if shard_id is None else [int(shard_id)]
+        offs = self.local_offsets()
+        full_offs = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+        for i in ids:
+            if not 0 <= i < len(self.output_sizes):
+                raise ValueError(f"{loaded.name}: shard_id {i} out of range for "
+                                 f"{len(self.output_sizes)} merged outputs")
+            n = self.output_sizes_per_partition[i]
+            expected_rows = self.output_size if shard_id is None else self.output_sizes[i]
+            if loaded.shape[0] != expected_rows:
+                raise ValueError(f"{loaded.name}: expected {expected_rows} rows for merged output "
+                                 f"{i}, got shape {loaded.shape}")
+            base = full_offs[i] if shard_id is None else 0
+            src = loaded.narrow(0, base + self.tp_rank * n, n)
+            copy_checked(param, param.data.narrow(0, offs[i], n), src, loaded.name)
+
+
+class RowParallelLinear(LinearBase):
+    """Input features split over ranks (``[r*n, (r+1)*n)`` columns); outputs are partial sums.
+
+    The partial outputs are all-reduced unless ``reduce_results=False`` (the caller then sums
+    several partial results and reduces once, e.g. routed + shared experts). A bias is added
+    after the reduction so that it is counted once.
+    """
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False,
+                 reduce_results: bool = True, params_dtype: Optional[torch.dtype] = None):
+        super().__init__(input_size, output_size, bias, params_dtype)
+        self.reduce_results = reduce_results
+        self.input_size_per_partition = divide(input_size, self.tp_size, "input_size")
+        self._make_params(output_size, self.input_size_per_partition)
+        # The local last dim is input_size / tp; the variance should follow the full fan-in.
+        self.weight.dummy_init = normal_dummy_init(input_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: LazyWeight, shard_id=None) -> None:
+        """Narrow the checkpoint columns to this rank's block (bias: copied whole)."""
+        if param.dim() == 1:
+            copy_checked(param, param.data, loaded.load(), loaded.name)
+            return
+        n = self.input_size_per_partition
+        if len(loaded.shape) != 2 or loaded.shape[1] != self.input_size:
+            raise ValueError(f"{loaded.name}: expected {self.input_size} columns, got shape "
+                             f"{loaded.shape}")
+        copy_checked(param, param.data, loaded.narrow(1, self.tp_rank * n, n), loaded.name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x [.., in / tp]`` (this rank's input block) ``-> [.., out]``."""
+        y = F.linear(x, self.weight)
+        if self.reduce_results:
+            y = tensor_model_parallel_all_reduce(y)
+        # Unreduced partial sums get the bias on one rank only, so the later sum counts it once.
+        if self.bias is not None and (self.reduce_results or self.tp_rank == 0):
+            y = y + self.bias
+        return y

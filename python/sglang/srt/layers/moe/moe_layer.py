@@ -1,0 +1,148 @@
+"""The Bailing MoE block: router + stacked routed experts + shared expert, one all-reduce.
+
+Under TP every rank holds every expert, sliced along the intermediate dim (as the dense MLP
+is), computes the routed and shared partial sums for all tokens and adds them; a single
+all-reduce then completes both (model.md §5.1 step 7: the shared expert is not scaled).
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from torch import nn
+
+from sglang.srt.distributed import (
+    divide,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+    tensor_model_parallel_all_reduce,
+)
+from sglang.srt.layers.activation import SiluAndMul
+from sglang.srt.layers.linear import (
+    MergedColumnParallelLinear,
+    RowParallelLinear,
+    copy_checked,
+    normal_dummy_init,
+)
+from sglang.srt.layers.moe.fused_moe_native import fused_moe
+from sglang.srt.layers.moe.topk import MoEGate
+from sglang.srt.model_loader.weight_utils import LazyWeight
+
+__all__ = ["BailingMLP", "FusedMoE", "BailingMoE"]
+
+
+class BailingMLP(nn.Module):
+    """SwiGLU MLP ``down(act(gate(x)) * up(x))`` with gate|up fused and the intermediate sharded.
+
+    Used for the dense layers (``reduce_results=True``) and as the shared expert
+    (``reduce_results=False``: the MoE block reduces once for routed + shared).
+    """
+
+    def __init__(self, hidden_size: int, intermediate_size: int, swiglu_limit: float = 0.0,
+                 reduce_results: bool = True, params_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size], params_dtype=params_dtype)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size,
+                                           reduce_results=reduce_results, params_dtype=params_dtype)
+        self.act_fn = SiluAndMul(swiglu_limit)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``[T, H] -> [T, H]`` (a partial sum when ``reduce_results=False``)."""
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class FusedMoE(nn.Module):
+    """Stacked routed-expert weights (SGLang's parameter names ``w13_weight``, ``w2_weight``).
+
+    ``w13_weight [E, 2*I_local, H]`` holds each expert's gate rows then up rows of this rank's
+    intermediate slice; ``w2_weight [E, H, I_local]`` the matching down-projection columns.
+    Load with ``weight_loader(param, loaded, shard_id, expert_id)``, ``shard_id`` in
+    ``{"w1" (gate), "w3" (up), "w2" (down)}``.
+    """
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 swiglu_limit: float = 0.0, params_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.num_experts = num_experts
+        self.hidden_size = hidden_size
+        self.intermediate_size = intermediate_size
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.tp_size = get_tensor_model_parallel_world_size()
+        self.intermediate_size_per_partition = divide(
+            intermediate_size, self.tp_size, "moe_intermediate_size")
+        self.swiglu_limit = float(swiglu_limit)
+        dtype = params_dtype or torch.get_default_dtype()
+        i_local = self.intermediate_size_per_partition
+        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i_local, hidden_size,
+                                                   dtype=dtype), requires_grad=False)
+        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i_local, dtype=dtype),
+                                      requires_grad=False)
+        self.w13_weight.weight_loader = self.weight_loader
+        self.w2_weight.weight_loader = self.weight_loader
+        # w2's fan-in is the full intermediate width, not the local slice in its last dim.
+        self.w2_weight.dummy_init = normal_dummy_init(intermediate_size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: LazyWeight, shard_id: str,
+                      expert_id: int) -> None:
+        """Copy one expert's gate (w1), up (w3) or down (w2) projection slice for this rank."""
+        if not 0 <= expert_id < self.num_experts:
+            raise ValueError(f"{loaded.name}: expert id {expert_id} out of range "
+                             f"[0, {self.num_experts})")
+        i_full, i_local = self.intermediate_size, self.intermediate_size_per_partition
+        start = self.tp_rank * i_local
+        if shard_id in ("w1", "w3"):
+            if tuple(loaded.shape) != (i_full, self.hidden_size):
+                raise ValueError(f"{loaded.name}: expected {(i_full, self.hidden_size)}, got "
+                                 f"{loaded.shape}")
+            offset = 0 if shard_id == "w1" else i_local
+            dst = param.data[expert_id].narrow(0, offset, i_local)
+            copy_checked(param, dst, loaded.narrow(0, start, i_local), loaded.name)
+        elif shard_id == "w2":
+            if tuple(loaded.shape) != (self.hidden_size, i_full):
+                raise ValueError(f"{loaded.name}: expected {(self.hidden_size, i_full)}, got "
+                                 f"{loaded.shape}")
+            copy_checked(param, param.data[expert_id], loaded.narrow(1, start, i_local),
+                         loaded.name)
+        else:
+            raise ValueError(f"{loaded.name}: unknown expert shard_id {shard_id!r}")
+
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
+                topk_ids: torch.Tensor) -> torch.Tensor:
+        """Partial (this rank's intermediate slice) routed output ``[T, H]``; not reduced."""
+        return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
+                         self.swiglu_limit)
+
+    def extra_repr(self) -> str:
+        return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
+                f"intermediate={self.intermediate_size} (local "
+                f"{self.intermediate_size_per_partition}), limit={self.swiglu_limit}")
+
+
+class BailingMoE(nn.Module):
+    """Ling's MoE block (HF ``mlp``): ``gate`` router, ``experts``, ``shared_experts``."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, intermediate_size: int,
+                 shared_intermediate_size: int, num_expert_group: int, topk_group: int,
+                 renormalize: bool, routed_scaling_factor: float, use_expert_bias: bool,
+                 router_dtype: str, expert_swiglu_limit: float = 0.0,
+                 shared_swiglu_limit: float = 0.0, params_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.gate = MoEGate(hidden_size, num_experts, top_k, num_expert_group, topk_group,
+                            renormalize, routed_scaling_factor, use_expert_bias, router_dtype,
+                            params_dtype)
+        self.experts = FusedMoE(num_experts, hidden_size, intermediate_size, expert_swiglu_limit,
+                                params_dtype)
+        self.shared_experts = (
+            BailingMLP(hidden_size, shared_intermediate_size, shared_swiglu_limit,
+                       reduce_results=False, params_dtype=params_dtype)
+            if shared_intermediate_size > 0 else None
+        )
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """``[T, H] -> [T, H]``: routed + shared experts, complete after the one all-reduce."""
+        topk = self.gate(hidden)
+        out = self.experts(hidden, topk.topk_weights, topk.topk_ids)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(hidden)
+        return tensor_model_parallel_all_reduce(out)

@@ -1,0 +1,112 @@
+"""MoE router: sigmoid scores, bias-corrected group-limited top-k (model.md §5.1).
+
+Per token: ``p = sigmoid(x W^T)`` (fp32 logits); selection scores ``s = p + expert_bias``; the
+experts are split into ``n_group`` groups, a group's score is the sum of its two best ``s``,
+the ``topk_group`` best groups stay eligible; the top-``k`` eligible ``s`` pick the experts.
+Their weights come from the *unbiased* ``p``, optionally renormalised (``+1e-20``), then scaled
+by ``routed_scaling_factor``.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from sglang.srt.layers.linear import copy_checked
+from sglang.srt.model_loader.weight_utils import LazyWeight
+
+__all__ = ["TopKOutput", "select_experts", "MoEGate"]
+
+
+class TopKOutput(NamedTuple):
+    """``topk_weights [T, k]`` fp32 and ``topk_ids [T, k]`` int64 (best selection score first)."""
+
+    topk_weights: torch.Tensor
+    topk_ids: torch.Tensor
+
+
+def select_experts(
+    router_logits: torch.Tensor,
+    top_k: int,
+    expert_bias: Optional[torch.Tensor] = None,
+    num_expert_group: int = 1,
+    topk_group: int = 1,
+    renormalize: bool = True,
+    routed_scaling_factor: float = 1.0,
+) -> TopKOutput:
+    """Sigmoid routing with selection bias and group limiting, from ``router_logits [T, E]``."""
+    if router_logits.dim() != 2:
+        raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
+    t, e = router_logits.shape
+    if e % num_expert_group or not 1 <= topk_group <= num_expert_group:
+        raise ValueError(f"bad grouping: {e} experts, {num_expert_group} groups, "
+                         f"topk_group {topk_group}")
+    scores = torch.sigmoid(router_logits.float())
+    choice = scores if expert_bias is None else scores + expert_bias.float()
+    if num_expert_group > 1 and topk_group < num_expert_group:
+        per_group = e // num_expert_group
+        grouped = choice.view(t, num_expert_group, per_group)
+        group_scores = grouped.topk(min(2, per_group), dim=-1).values.sum(-1)  # [T, G]
+        keep = group_scores.topk(topk_group, dim=-1).indices
+        group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        expert_mask = group_mask.unsqueeze(-1).expand(t, num_expert_group, per_group).reshape(t, e)
+        choice = choice.masked_fill(~expert_mask, float("-inf"))
+    topk_ids = choice.topk(top_k, dim=-1).indices
+    topk_weights = scores.gather(1, topk_ids)
+    if renormalize:
+        topk_weights = topk_weights / (topk_weights.sum(-1, keepdim=True) + 1e-20)
+    if routed_scaling_factor != 1.0:
+        topk_weights = topk_weights * routed_scaling_factor
+    return TopKOutput(topk_weights, topk_ids)
+
+
+def _load_whole(param: nn.Parameter, loaded: LazyWeight, shard_id=None) -> None:
+    copy_checked(param, param.data, loaded.load(), loaded.name)
+
+
+class MoEGate(nn.Module):
+    """The router of one MoE layer (HF ``mlp.gate``): weight ``[E, H]`` + ``expert_bias [E]``.
+
+    Replicated on every rank (each rank needs every token's selection). ``router_dtype`` "fp32"
+    keeps the weight in fp32 and computes ``x.float() @ W^T``; "bf16" keeps the weight in the
+    model dtype and upcasts the logits (faster, as SGLang does; model.md §5.1).
+    """
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, num_expert_group: int,
+                 topk_group: int, renormalize: bool, routed_scaling_factor: float,
+                 use_expert_bias: bool = True, router_dtype: str = "fp32",
+                 params_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        if router_dtype not in ("fp32", "float32", "bf16", "bfloat16"):
+            raise ValueError(f"router_dtype must be 'fp32' or 'bf16', got {router_dtype!r}")
+        self.router_fp32 = router_dtype in ("fp32", "float32")
+        self.top_k = top_k
+        self.num_expert_group = num_expert_group
+        self.topk_group = topk_group
+        self.renormalize = renormalize
+        self.routed_scaling_factor = routed_scaling_factor
+        w_dtype = torch.float32 if self.router_fp32 else (params_dtype or torch.get_default_dtype())
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=w_dtype),
+                                   requires_grad=False)
+        self.weight.weight_loader = _load_whole
+        if use_expert_bias:
+            # Selection-only bias; fp32 in checkpoints, kept fp32 here.
+            self.expert_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                            requires_grad=False)
+            self.expert_bias.weight_loader = _load_whole
+        else:
+            self.register_parameter("expert_bias", None)
+
+    def router_logits(self, x: torch.Tensor) -> torch.Tensor:
+        """fp32 ``[T, E]`` logits."""
+        if self.router_fp32:
+            return F.linear(x.float(), self.weight)
+        return F.linear(x.to(self.weight.dtype), self.weight).float()
+
+    def forward(self, x: torch.Tensor) -> TopKOutput:
+        """Route ``x [T, H]`` (the post-attention-normed hidden states)."""
+        return select_experts(self.router_logits(x), self.top_k, self.expert_bias,
+                              self.num_expert_group, self.topk_group, self.renormalize,
+                              self.routed_scaling_factor)

@@ -1,0 +1,531 @@
+"""BailingMoeV3ForCausalLM (Ling-3.0): KDA linear attention + gated MLA + grouped-top-k MoE.
+
+The math is model.md §3 (KDA), §4 (MLA in absorbed form), §5 (MoE); checkpoint names are §2.1.
+Every layer is tensor-parallel by heads (attention) or by the intermediate dim (MLPs, experts),
+with the TP rank/size read when the model is built.
+
+Weight loading goes through a table of :class:`WeightSlot` (checkpoint name -> full shape and
+the parameter whose ``weight_loader`` takes it), built from the modules themselves, so the
+name list of :meth:`BailingMoeV3ForCausalLM.checkpoint_spec` and the loader cannot disagree.
+"""
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Iterable, NamedTuple, Optional, Set, Tuple
+
+import torch
+from torch import nn
+
+from sglang.srt.configs.bailing_moe_v3 import BailingMoeV3Config
+from sglang.srt.distributed import (
+    divide,
+    get_tensor_model_parallel_rank,
+    get_tensor_model_parallel_world_size,
+)
+from sglang.srt.layers.attention.kda_ops import kda_gate
+from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
+from sglang.srt.layers.linear import (
+    ColumnParallelLinear,
+    LinearBase,
+    MergedColumnParallelLinear,
+    ReplicatedLinear,
+    RowParallelLinear,
+    copy_checked,
+    normal_dummy_init,
+)
+from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from sglang.srt.layers.moe.moe_layer import BailingMLP, BailingMoE
+from sglang.srt.layers.radix_attention import RadixAttention, RadixLinearAttention
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, get_rope
+from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_loader.weight_utils import LazyWeight
+
+__all__ = [
+    "WeightSlot",
+    "BailingKDA",
+    "BailingMLA",
+    "BailingMoeV3DecoderLayer",
+    "BailingMoeV3Model",
+    "BailingMoeV3ForCausalLM",
+    "EntryClass",
+]
+
+
+# ============================================================================================
+# Weight-slot table
+# ============================================================================================
+class WeightSlot(NamedTuple):
+    """One checkpoint tensor: its full (unsharded) shape and where it goes."""
+
+    shape: Tuple[int, ...]
+    param: nn.Parameter
+    shard_id: Any = None
+    expert_id: Optional[int] = None
+
+    def load(self, loaded: LazyWeight) -> None:
+        """Hand the tensor to the parameter's ``weight_loader``."""
+        if self.expert_id is None:
+            self.param.weight_loader(self.param, loaded, self.shard_id)
+        else:
+            self.param.weight_loader(self.param, loaded, self.shard_id, self.expert_id)
+
+
+Slots = Dict[str, WeightSlot]
+
+
+def linear_slot(name: str, layer: LinearBase) -> Slots:
+    """The slot of a (replicated / column / row parallel) linear layer's weight."""
+    return {name: WeightSlot((layer.output_size, layer.input_size), layer.weight)}
+
+
+def _merged_slots(prefix: str, names: Iterable[str], layer: MergedColumnParallelLinear) -> Slots:
+    return {f"{prefix}{n}.weight": WeightSlot((size, layer.input_size), layer.weight, i)
+            for i, (n, size) in enumerate(zip(names, layer.output_sizes))}
+
+
+def norm_slot(name: str, norm: nn.Module) -> Slots:
+    """The slot of a norm's weight."""
+    return {name: WeightSlot((norm.hidden_size,), norm.weight)}
+
+
+def _mlp_slots(prefix: str, mlp: BailingMLP) -> Slots:
+    slots = _merged_slots(prefix, ("gate_proj", "up_proj"), mlp.gate_up_proj)
+    slots.update(linear_slot(f"{prefix}down_proj.weight", mlp.down_proj))
+    return slots
+
+
+def _moe_slots(prefix: str, moe: BailingMoE) -> Slots:
+    gate, experts = moe.gate, moe.experts
+    slots = {f"{prefix}gate.weight": WeightSlot(tuple(gate.weight.shape), gate.weight)}
+    if gate.expert_bias is not None:
+        slots[f"{prefix}gate.expert_bias"] = WeightSlot(tuple(gate.expert_bias.shape),
+                                                        gate.expert_bias)
+    h, i = experts.hidden_size, experts.intermediate_size
+    for e in range(experts.num_experts):
+        p = f"{prefix}experts.{e}."
+        slots[p + "gate_proj.weight"] = WeightSlot((i, h), experts.w13_weight, "w1", e)
+        slots[p + "up_proj.weight"] = WeightSlot((i, h), experts.w13_weight, "w3", e)
+        slots[p + "down_proj.weight"] = WeightSlot((h, i), experts.w2_weight, "w2", e)
+    if moe.shared_experts is not None:
+        slots.update(_mlp_slots(f"{prefix}shared_experts.", moe.shared_experts))
+    return slots
+
+
+def _fp32_vector(n: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(n, dtype=torch.float32), requires_grad=False)
+
+
+def _uniform_dummy_init(low: float, high: float, log: bool = False):
+    """``dummy_init`` hook: U(low, high), or log of it."""
+
+    def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
+        """Fill ``tensor`` in place."""
+        u = torch.rand(tensor.shape, generator=generator, device=generator.device,
+                       dtype=torch.float64) * (high - low) + low
+        with torch.no_grad():
+            tensor.copy_(u.log() if log else u)
+
+    return init
+
+
+# ============================================================================================
+# KDA (model.md §3)
+# ============================================================================================
+class BailingKDA(nn.Module):
+    """Kimi Delta Attention with a full-rank forget gate and a sigmoid-gated output norm.
+
+    The six input projections run as one column-parallel matmul (``fused_qkvbfg_proj``, per-head
+    shards of q|k|v|b|f|g); the short convolution and the recurrence live in the backend
+    (:class:`RadixLinearAttention`), which owns the per-request conv window and state.
+    """
+
+    def __init__(self, config: BailingMoeV3Config, layer_id: int,
+                 params_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        self.total_num_heads = config.num_attention_heads
+        self.num_heads = divide(self.total_num_heads, tp, "num_attention_heads")
+        self.head_dim = config.head_dim
+        hd = self.total_num_heads * self.head_dim
+        self.fused_qkvbfg_proj = MergedColumnParallelLinear(
+            config.hidden_size, [hd, hd, hd, self.total_num_heads, hd, hd],
+            params_dtype=params_dtype)
+        local = self.num_heads * self.head_dim
+        self.A_log = _fp32_vector(self.num_heads)
+        self.A_log.weight_loader = self._load_head_vector
+        self.A_log.dummy_init = _uniform_dummy_init(1.0, 16.0, log=True)
+        self.dt_bias = _fp32_vector(local)
+        self.dt_bias.weight_loader = self._load_head_vector
+        self.dt_bias.dummy_init = _uniform_dummy_init(-0.1, 0.1)
+        self.o_norm = GatedRMSNorm(self.head_dim, config.rms_norm_eps, "sigmoid", params_dtype)
+        self.o_proj = RowParallelLinear(hd, config.hidden_size, params_dtype=params_dtype)
+        self.attn = RadixLinearAttention(layer_id, self.num_heads, self.head_dim,
+                                         config.short_conv_kernel_size)
+        conv = self.attn.conv_weight
+        conv.data = conv.data.to(params_dtype or torch.get_default_dtype())
+        conv.weight_loader = self._load_conv
+        self.lower_bound = config.kda_lower_bound if config.kda_safe_gate else None
+
+    def _load_head_vector(self, param: nn.Parameter, loaded: LazyWeight, shard_id=None) -> None:
+        """A_log / dt_bias: this rank's contiguous block of a per-head (or per-channel) vector.
+
+        Any stored layout with the right element count is accepted (Kimi keeps A_log as
+        ``[1, 1, H, 1]``); such tiny tensors are read whole and flattened.
+        """
+        n = param.numel()
+        full = n * get_tensor_model_parallel_world_size()
+        numel = 1
+        for s in loaded.shape:
+            numel *= s
+        if numel != full:
+            raise ValueError(f"{loaded.name}: expected {full} elements, got shape {loaded.shape}")
+        if len(loaded.shape) == 1:
+            src = loaded.narrow(0, self.tp_rank * n, n)
+        else:
+            src = loaded.load().reshape(-1).narrow(0, self.tp_rank * n, n)
+        copy_checked(param, param.data, src, loaded.name)
+
+    def _load_conv(self, param: nn.Parameter, loaded: LazyWeight, shard_id: int) -> None:
+        """``{q,k,v}_conv1d.weight [H*D, 1, K]`` -> rows of block ``shard_id`` (q|k|v), per-head shard."""
+        local = self.num_heads * self.head_dim
+        full = self.total_num_heads * self.head_dim
+        kernel = param.shape[1]
+        if loaded.shape not in ((full, 1, kernel), (full, kernel)):
+            raise ValueError(f"{loaded.name}: expected ({full}, 1, {kernel}), got {loaded.shape}")
+        src = loaded.narrow(0, self.tp_rank * local, local).reshape(local, kernel)
+        copy_checked(param, param.data.narrow(0, shard_id * local, local), src, loaded.name)
+
+    def weight_slots(self, prefix: str) -> Slots:
+        """Checkpoint names under ``prefix`` (``...attention.``)."""
+        full = self.total_num_heads * self.head_dim
+        kernel = self.attn.conv_kernel
+        slots = _merged_slots(prefix, ("q_proj", "k_proj", "v_proj", "b_proj", "f_proj", "g_proj"),
+                              self.fused_qkvbfg_proj)
+        for i, n in enumerate(("q_conv1d", "k_conv1d", "v_conv1d")):
+            slots[f"{prefix}{n}.weight"] = WeightSlot((full, 1, kernel), self.attn.conv_weight, i)
+        slots[f"{prefix}A_log"] = WeightSlot((self.total_num_heads,), self.A_log)
+        slots[f"{prefix}dt_bias"] = WeightSlot((full,), self.dt_bias)
+        slots.update(norm_slot(f"{prefix}o_norm.weight", self.o_norm))
+        slots.update(linear_slot(f"{prefix}o_proj.weight", self.o_proj))
+        return slots
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        """``x [T, hidden]`` (input-normed) -> ``[T, hidden]`` after the all-reduce in o_proj."""
+        t, h, d = x.shape[0], self.num_heads, self.head_dim
+        q, k, v, b, f, z = self.fused_qkvbfg_proj.split_output(self.fused_qkvbfg_proj(x))
+        g = kda_gate(f.view(t, h, d), self.A_log, self.dt_bias, self.lower_bound)
+        beta = torch.sigmoid(b.float())
+        o = self.attn(q, k, v, g, beta, forward_batch)  # [T, h, d]
+        o = self.o_norm(o, z.view(t, h, d))
+        return self.o_proj(o.reshape(t, h * d))
+
+
+# ============================================================================================
+# MLA (model.md §4), absorbed form for prefill and decode alike
+# ============================================================================================
+class BailingMLA(nn.Module):
+    """Multi-head latent attention with a head-wise sigmoid output gate.
+
+    ``kv_b_proj`` is never kept whole: its loader splits each head's block into
+    ``w_kc [h, qk_nope, kv_lora_rank]`` (W_UK, absorbed into the query) and
+    ``w_vc [h, kv_lora_rank, v_head_dim]`` (W_UV^T, applied to the latent output).
+    """
+
+    def __init__(self, config: BailingMoeV3Config, layer_id: int, rope: RotaryEmbedding,
+                 params_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        tp = get_tensor_model_parallel_world_size()
+        self.tp_rank = get_tensor_model_parallel_rank()
+        dtype = params_dtype or torch.get_default_dtype()
+        hidden = config.hidden_size
+        self.total_num_heads = config.num_attention_heads
+        self.num_heads = divide(self.total_num_heads, tp, "num_attention_heads")
+        self.qk_nope_head_dim = config.qk_nope_head_dim
+        self.qk_rope_head_dim = config.qk_rope_head_dim
+        self.v_head_dim = config.v_head_dim
+        self.kv_lora_rank = config.kv_lora_rank
+        self.q_lora_rank = config.q_lora_rank
+        qk_total = self.total_num_heads * config.qk_head_dim
+        if self.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, params_dtype=dtype)
+            self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps, dtype)
+            self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, qk_total, params_dtype=dtype)
+        else:
+            self.q_proj = ColumnParallelLinear(hidden, qk_total, params_dtype=dtype)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(
+            hidden, self.kv_lora_rank + self.qk_rope_head_dim, params_dtype=dtype)
+        self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps, dtype)
+        h = self.num_heads
+        self.w_kc = nn.Parameter(torch.empty(h, self.qk_nope_head_dim, self.kv_lora_rank,
+                                             dtype=dtype), requires_grad=False)
+        self.w_vc = nn.Parameter(torch.empty(h, self.kv_lora_rank, self.v_head_dim, dtype=dtype),
+                                 requires_grad=False)
+        self.w_kc.weight_loader = self._load_kv_b
+        self.w_vc.dummy_init = normal_dummy_init(self.kv_lora_rank)
+        self.g_proj = ColumnParallelLinear(hidden, self.total_num_heads, params_dtype=dtype)
+        self.dense = RowParallelLinear(self.total_num_heads * self.v_head_dim, hidden,
+                                       params_dtype=dtype)
+        self.rotary_emb = rope
+        self.attn = RadixAttention(layer_id, h, self.kv_lora_rank, self.qk_rope_head_dim,
+                                   scaling=config.qk_head_dim ** -0.5)
+
+    def _load_kv_b(self, param: nn.Parameter, loaded: LazyWeight, shard_id=None) -> None:
+        """``kv_b_proj.weight [H*(nope+v), r]``: this rank's heads, split into w_kc and w_vc."""
+        per_head = self.qk_nope_head_dim + self.v_head_dim
+        full = (self.total_num_heads * per_head, self.kv_lora_rank)
+        if tuple(loaded.shape) != full:
+            raise ValueError(f"{loaded.name}: expected {full}, got {loaded.shape}")
+        h = self.num_heads
+        blocks = loaded.narrow(0, self.tp_rank * h * per_head, h * per_head)
+        blocks = blocks.reshape(h, per_head, self.kv_lora_rank)
+        copy_checked(self.w_kc, self.w_kc.data, blocks[:, : self.qk_nope_head_dim], loaded.name)
+        copy_checked(self.w_vc, self.w_vc.data,
+                     blocks[:, self.qk_nope_head_dim:].transpose(1, 2), loaded.name)
+
+    def weight_slots(self, prefix: str) -> Slots:
+        """Checkpoint names under ``prefix`` (``...attention.``)."""
+        slots: Slots = {}
+        if self.q_lora_rank:
+            slots.update(linear_slot(f"{prefix}q_a_proj.weight", self.q_a_proj))
+            slots.update(norm_slot(f"{prefix}q_a_layernorm.weight", self.q_a_layernorm))
+            slots.update(linear_slot(f"{prefix}q_b_proj.weight", self.q_b_proj))
+        else:
+            slots.update(linear_slot(f"{prefix}q_proj.weight", self.q_proj))
+        slots.update(linear_slot(f"{prefix}kv_a_proj_with_mqa.weight", self.kv_a_proj_with_mqa))
+        slots.update(norm_slot(f"{prefix}kv_a_layernorm.weight", self.kv_a_layernorm))
+        per_head = self.qk_nope_head_dim + self.v_head_dim
+        slots[f"{prefix}kv_b_proj.weight"] = WeightSlot(
+            (self.total_num_heads * per_head, self.kv_lora_rank), self.w_kc)
+        slots.update(linear_slot(f"{prefix}g_proj.weight", self.g_proj))
+        slots.update(linear_slot(f"{prefix}dense.weight", self.dense))
+        return slots
+
+    def forward(self, positions: torch.Tensor, x: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        """``x [T, hidden]`` (input-normed) -> ``[T, hidden]`` after the all-reduce in dense."""
+        t, h = x.shape[0], self.num_heads
+        if self.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q_nope, q_rope = q.view(t, h, -1).split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x).split(
+            [self.kv_lora_rank, self.qk_rope_head_dim], -1)
+        latent = self.kv_a_layernorm(latent)
+        q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope)
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)  # [T, h, r]
+        o_latent = self.attn(torch.cat([q_latent, q_rope], dim=-1),
+                             torch.cat([latent, k_rope], dim=-1), forward_batch)
+        o = torch.bmm(o_latent.transpose(0, 1), self.w_vc).transpose(0, 1)  # [T, h, v]
+        gate = torch.sigmoid(self.g_proj(x).float()).unsqueeze(-1)  # one scalar per head
+        o = (o.float() * gate).to(x.dtype)
+        return self.dense(o.reshape(t, h * self.v_head_dim))
+
+
+# ============================================================================================
+# Decoder layer and model
+# ============================================================================================
+class BailingMoeV3DecoderLayer(nn.Module):
+    """Pre-norm block: attention (KDA or MLA) then MLP (dense or MoE), residuals fused into norms.
+
+    ``is_nextn`` builds the MTP layer's block: MLA + MoE, no SwiGLU clamp (model.md §5.4, §6.1).
+    """
+
+    def __init__(self, config: BailingMoeV3Config, layer_id: int, rope: RotaryEmbedding,
+                 params_dtype: Optional[torch.dtype] = None, is_nextn: bool = False):
+        super().__init__()
+        self.layer_id = layer_id
+        self.is_kda = not is_nextn and config.is_kda_layer(layer_id)
+        eps, hidden = config.rms_norm_eps, config.hidden_size
+        self.input_layernorm = RMSNorm(hidden, eps, params_dtype)
+        self.attention = (BailingKDA(config, layer_id, params_dtype) if self.is_kda
+                          else BailingMLA(config, layer_id, rope, params_dtype))
+        self.post_attention_layernorm = RMSNorm(hidden, eps, params_dtype)
+        self.is_moe = is_nextn or config.is_moe_layer(layer_id)
+        if self.is_moe:
+            expert_limit = 0.0 if is_nextn else config.expert_swiglu_limit(layer_id)
+            shared_limit = 0.0 if is_nextn else config.shared_expert_swiglu_limit(layer_id)
+            self.mlp = BailingMoE(
+                hidden, config.num_experts, config.num_experts_per_tok,
+                config.moe_intermediate_size, config.shared_expert_intermediate_size,
+                config.n_group, config.topk_group, config.norm_topk_prob,
+                config.routed_scaling_factor, config.moe_router_enable_expert_bias,
+                config.router_dtype, expert_limit, shared_limit, params_dtype)
+        else:
+            self.mlp = BailingMLP(hidden, config.intermediate_size, params_dtype=params_dtype)
+
+    def weight_slots(self, prefix: str) -> Slots:
+        """Checkpoint names under ``prefix`` (``model.layers.{i}.``)."""
+        slots = norm_slot(f"{prefix}input_layernorm.weight", self.input_layernorm)
+        slots.update(norm_slot(f"{prefix}post_attention_layernorm.weight",
+                                self.post_attention_layernorm))
+        slots.update(self.attention.weight_slots(f"{prefix}attention."))
+        if self.is_moe:
+            slots.update(_moe_slots(f"{prefix}mlp.", self.mlp))
+        else:
+            slots.update(_mlp_slots(f"{prefix}mlp.", self.mlp))
+        return slots
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
+                residual: Optional[torch.Tensor],
+                forward_batch: ForwardBatch) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Returns ``(mlp output, residual stream)``; their sum is the layer's output."""
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.attention(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+def make_rope(config: BailingMoeV3Config) -> RotaryEmbedding:
+    """The one RoPE of all MLA layers: rope dims only, ``partial_rotary_factor`` ignored (§4.2)."""
+    return get_rope(config.qk_rope_head_dim, config.qk_rope_head_dim,
+                    config.max_position_embeddings, config.rope_theta,
+                    is_neox_style=not config.rope_interleave, rope_scaling=config.rope_scaling)
+
+
+class BailingMoeV3Model(nn.Module):
+    """Embedding, decoder layers and the final norm (HF ``model.*``)."""
+
+    def __init__(self, config: BailingMoeV3Config, params_dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.config = config
+        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
+                                                      params_dtype)
+        rope = make_rope(config)
+        self.layers = nn.ModuleList(
+            BailingMoeV3DecoderLayer(config, i, rope, params_dtype)
+            for i in range(config.num_hidden_layers))
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> torch.Tensor:
+        """Final-normed hidden states ``[T, hidden]``."""
+        hidden_states, residual = self.word_embeddings(input_ids), None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
+        return self.norm(hidden_states, residual)[0]  # the config guarantees >= 1 layer
+
+
+_LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
+_ALIASES = ((".mlp.gate.e_score_correction_bias", ".mlp.gate.expert_bias"),)
+
+
+def canonical_alias(name: str) -> Optional[str]:
+    """Shared name normalisation: ``None`` for tensors never loaded, aliases to canonical names."""
+    if name.endswith("rotary_emb.inv_freq"):
+        return None
+    for old, new in _ALIASES:
+        if name.endswith(old):
+            return name[: -len(old)] + new
+    return name
+
+
+def tag_parameter_names(module: nn.Module) -> None:
+    """Record each parameter's qualified name on it, for error messages of weight loaders."""
+    for name, param in module.named_parameters():
+        param.qualname = name
+
+
+def load_into_slots(slots: Slots, weights: Iterable[Tuple[str, LazyWeight]],
+                    canonical) -> Set[str]:
+    """Route ``(name, LazyWeight)`` pairs through ``canonical`` and into ``slots``; returns the
+    canonical names loaded. A name that is neither ignorable nor in the table is an error."""
+    loaded: Set[str] = set()
+    for name, weight in weights:
+        cname = canonical(name)
+        if cname is None:
+            continue
+        slot = slots.get(cname)
+        if slot is None:
+            raise ValueError(f"unexpected checkpoint tensor {name!r}: the model has no parameter "
+                             "for it (wrong architecture or config?)")
+        slot.load(weight)
+        loaded.add(cname)
+    return loaded
+
+
+class BailingMoeV3ForCausalLM(nn.Module):
+    """The Ling-3.0 target model: ``forward(input_ids, positions, forward_batch)`` -> logits."""
+
+    def __init__(self, config: BailingMoeV3Config, dtype: Optional[torch.dtype] = None):
+        super().__init__()
+        self.config = config
+        self.dtype = dtype or torch.get_default_dtype()
+        self.model = BailingMoeV3Model(config, self.dtype)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, self.dtype)
+        if config.tie_word_embeddings:
+            self.lm_head.weight = self.model.word_embeddings.weight
+        self.logits_processor = LogitsProcessor(config.vocab_size)
+        tag_parameter_names(self)
+        self._slots: Optional[Slots] = None
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        """fp32 logits per the forward mode; hidden states per ``capture_hidden_mode``."""
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+
+    # ---------------------------------------------------------------- draft sharing
+    def get_embed_and_head(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """This rank's shards of the token embedding and the LM head (shared with drafts)."""
+        return self.model.word_embeddings.weight, self.lm_head.weight
+
+    def set_embed_and_head(self, embed: torch.Tensor, head: torch.Tensor) -> None:
+        """Replace the embedding and LM head with tensors of the same (local) shapes."""
+        for module, w in ((self.model.word_embeddings, embed), (self.lm_head, head)):
+            if tuple(w.shape) != tuple(module.weight.shape):
+                raise ValueError(f"set_embed_and_head: expected {tuple(module.weight.shape)}, "
+                                 f"got {tuple(w.shape)}")
+            del module.weight
+            module.weight = w if isinstance(w, nn.Parameter) else nn.Parameter(
+                w, requires_grad=False)
+            if not hasattr(module.weight, "weight_loader"):
+                module.weight.weight_loader = module.weight_loader
+        self._slots = None  # the table points at the replaced parameters
+
+    # ---------------------------------------------------------------- weights
+    def weight_slots(self) -> Slots:
+        """Checkpoint name -> slot for every tensor this model loads (built once)."""
+        if self._slots is None:
+            m = self.model
+            slots: Slots = {"model.word_embeddings.weight": WeightSlot(
+                (self.config.vocab_size, self.config.hidden_size), m.word_embeddings.weight)}
+            for i, layer in enumerate(m.layers):
+                slots.update(layer.weight_slots(f"model.layers.{i}."))
+            slots.update(norm_slot("model.norm.weight", m.norm))
+            if not self.config.tie_word_embeddings:
+                slots["lm_head.weight"] = WeightSlot(
+                    (self.config.vocab_size, self.config.hidden_size), self.lm_head.weight)
+            self._slots = slots
+        return self._slots
+
+    def checkpoint_spec(self) -> Dict[str, Tuple[int, ...]]:
+        """Every checkpoint tensor the target consumes, with its full unsharded shape."""
+        return {name: slot.shape for name, slot in self.weight_slots().items()}
+
+    def canonical_checkpoint_name(self, name: str) -> Optional[str]:
+        """Canonical spec name of a checkpoint tensor, or ``None`` to skip it silently (rotary
+        caches, the MTP layer ``model.layers.{N}.*`` and beyond, a tied ``lm_head``)."""
+        m = _LAYER_RE.match(name)
+        if m and int(m.group(1)) >= self.config.num_hidden_layers:
+            return None
+        if self.config.tie_word_embeddings and name == "lm_head.weight":
+            return None
+        return canonical_alias(name)
+
+    def load_weights(self, weights: Iterable[Tuple[str, LazyWeight]]) -> Set[str]:
+        """Load ``(name, LazyWeight)`` pairs (raw or canonical names); returns the names loaded.
+
+        Nothing needs post-processing: ``kv_b_proj`` is split into ``w_kc``/``w_vc`` as it loads.
+        """
+        return load_into_slots(self.weight_slots(), weights, self.canonical_checkpoint_name)
+
+
+EntryClass = [BailingMoeV3ForCausalLM]
