@@ -1,0 +1,332 @@
+"""ModelRunner: one TP rank's model, memory pools and attention backend, run eagerly.
+
+Init order (as upstream): TP group -> model (``get_model``) -> pools sized from memory -> attention
+backend. :meth:`ModelRunner.forward` attaches the pools and backend to a :class:`ForwardBatch`,
+lets the backend build its metadata and calls the model.
+
+Example — prefill one request, then one greedy decode step (the caller, normally the scheduler,
+owns slot bookkeeping: it allocates KV slots and records them in ``req_to_token``)::
+
+    runner = ModelRunner(ModelConfig.from_path(path), device="cpu", dtype=torch.float32)
+    req = runner.req_to_token_pool.alloc(1)[0]
+    runner.kda_state_pool.clear_slots([req])              # every sequence starts from zero state
+    ids = torch.tensor([11, 12, 13, 14])
+    loc = runner.token_to_kv_pool_allocator.alloc(len(ids))
+    runner.req_to_token_pool.write(req, 0, loc)
+    out = runner.forward(ForwardBatch.for_extend(ids, [req], [0], [len(ids)], loc))
+    nxt = out.next_token_logits.argmax(-1)                # [1]
+
+    loc = runner.token_to_kv_pool_allocator.alloc(1)
+    runner.req_to_token_pool.write(req, len(ids), loc)
+    out = runner.forward(ForwardBatch.for_decode(
+        nxt, torch.tensor([req]), torch.tensor([len(ids) + 1]), loc))
+"""
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, List, Optional, Union
+
+import torch
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed import parallel_state as ps
+from sglang.srt.layers.attention.attention_registry import create_attn_backend
+from sglang.srt.mem_cache.memory_pool import (
+    KDAStatePool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+    TokenToKVPoolAllocator,
+)
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_loader.loader import get_model
+
+if TYPE_CHECKING:
+    from sglang.srt.configs.bailing_moe_v3 import BailingMoeV3Config
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_RUNNING_REQUESTS = 16
+DEFAULT_MEM_FRACTION_STATIC = 0.88
+# Without --max-total-tokens on CPU: enough for tests and demos, small enough for host memory.
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
+    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
+}
+
+
+def resolve_dtype(dtype: Union[str, torch.dtype], hf_config: "BailingMoeV3Config") -> torch.dtype:
+    """``--dtype``: a torch dtype or its name; ``"auto"`` takes ``torch_dtype`` of the config."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = hf_config.torch_dtype if dtype == "auto" else dtype
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(sorted(_DTYPES))}")
+    return _DTYPES[name]
+
+
+def mla_pool_layer_ids(config: "BailingMoeV3Config", is_draft: bool,
+                       draft_extra_mla_layers: bool) -> List[int]:
+    """Layer ids that get an MLA latent cache.
+
+    A NEXTN draft has one layer, the MTP layer (id ``num_hidden_layers``). A target that will
+    share its pools with such a draft (``draft_extra_mla_layers``) also reserves that layer.
+    """
+    has_mtp = config.num_nextn_predict_layers > 0
+    if is_draft:
+        if not has_mtp:
+            raise ValueError("a draft runner needs a config with num_nextn_predict_layers = 1")
+        return [config.mtp_layer_id]
+    ids = list(config.full_attention_layer_ids)
+    if draft_extra_mla_layers and has_mtp:
+        ids.append(config.mtp_layer_id)
+    return ids
+
+
+def kv_bytes_per_token(config: "BailingMoeV3Config", num_layers: int, dtype: torch.dtype) -> int:
+    """Bytes one token occupies across the MLA latent caches."""
+    return num_layers * config.kv_cache_dim * _itemsize(dtype)
+
+
+def kda_bytes_per_slot(config: "BailingMoeV3Config", num_layers: int, local_heads: int,
+                       conv_dtype: torch.dtype) -> int:
+    """Bytes of one request slot across the KDA pools: conv windows plus the fp32 state."""
+    d = config.head_dim
+    conv = 3 * local_heads * d * max(config.short_conv_kernel_size - 1, 0) * _itemsize(conv_dtype)
+    ssm = local_heads * d * d * 4
+    return num_layers * (conv + ssm)
+
+
+def kv_slots_from_memory(*, total_bytes: int, fraction: float, used_bytes: int,
+                         req_map_bytes: int, state_bytes: int, bytes_per_token: int,
+                         free_bytes: int, max_total_tokens: Optional[int] = None) -> int:
+    """KV slots that fit in ``fraction * total_bytes`` after what is already allocated
+    (``used_bytes``: the weights), the request map and the KDA state slots; capped by
+    ``max_total_tokens``. Raises ``ValueError`` when nothing remains or the device lacks the
+    free memory for the result (e.g. another process holds it)."""
+    if bytes_per_token <= 0:
+        raise ValueError("no MLA layer to size a KV cache for")
+    gib = float(1 << 30)
+    budget = int(total_bytes * fraction)
+    left = budget - used_bytes - req_map_bytes - state_bytes
+    tokens = left // bytes_per_token - 1  # slot 0 is the padding slot
+    if tokens < 1:
+        raise ValueError(
+            f"mem_fraction_static={fraction} allows {budget / gib:.2f} GiB but the weights take "
+            f"{used_bytes / gib:.2f} GiB, the request map {req_map_bytes / gib:.2f} GiB and the "
+            f"KDA state slots {state_bytes / gib:.2f} GiB: no memory is left for the KV cache; "
+            "raise --mem-fraction-static or lower --max-running-requests / --context-length")
+    if max_total_tokens is not None:
+        tokens = min(tokens, int(max_total_tokens))
+    need = req_map_bytes + state_bytes + (tokens + 1) * bytes_per_token
+    if need > free_bytes:
+        raise ValueError(
+            f"the pools need {need / gib:.2f} GiB but only {free_bytes / gib:.2f} GiB of device "
+            "memory is free (another process on this GPU?); lower --mem-fraction-static")
+    return int(tokens)
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class ModelRunner:
+    """Holds one TP rank's model, pools and attention backend; runs forwards eagerly.
+
+    Pool sizing: on CUDA, ``mem_fraction_static`` (default 0.88) of the device's total memory is
+    the budget for everything allocated statically (weights, request map, KDA state slots, MLA
+    KV slots); what the weights leave is split into ``max_running_requests`` state slots and as
+    many KV slots as fit (capped by ``max_total_tokens`` if given). On CPU, or on CUDA with only
+    ``max_total_tokens`` given, that many KV slots are allocated (CPU default:
+    ``min(context_len * max_running_requests, 16384)``).
+
+    A draft runner (``is_draft``) may reuse the target's pools by passing them in; the target
+    must then have been built with ``draft_extra_mla_layers=True`` so its MLA pool covers the
+    MTP layer.
+    """
+
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        *,
+        device: Union[str, torch.device],
+        dtype: Union[str, torch.dtype],
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        nccl_port: Union[None, int, str] = None,
+        load_format: str = "auto",
+        attention_backend: str = "torch_native",
+        kda_prefill_impl: str = "auto",
+        max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
+        max_total_tokens: Optional[int] = None,
+        mem_fraction_static: Optional[float] = None,
+        context_length: Optional[int] = None,
+        random_seed: int = 0,
+        is_draft: bool = False,
+        draft_extra_mla_layers: bool = False,
+        req_to_token_pool: Optional[ReqToTokenPool] = None,
+        token_to_kv_pool_allocator: Optional[TokenToKVPoolAllocator] = None,
+        token_to_kv_pool: Optional[MLATokenToKVPool] = None,
+        kda_state_pool: Optional[KDAStatePool] = None,
+    ):
+        if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= tp_rank < tp_size):
+            raise ValueError(
+                f"need tp_size >= 1 and 0 <= tp_rank < tp_size, got {tp_rank}/{tp_size}")
+        if max_running_requests < 1:
+            raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
+        if max_total_tokens is not None and max_total_tokens < 1:
+            raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
+        if mem_fraction_static is not None and not 0.0 < mem_fraction_static < 1.0:
+            raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
+        self.model_config = model_config
+        self.hf_config = model_config.hf_config
+        self.tp_rank, self.tp_size = tp_rank, tp_size
+        self.is_draft = is_draft
+        self.max_running_requests = max_running_requests
+        self.dtype = resolve_dtype(dtype, self.hf_config)
+        self.device = self._init_device(torch.device(device))
+        self.context_len = self._resolve_context_len(context_length)
+        self._init_distributed(nccl_port)
+        torch.manual_seed(random_seed)
+
+        self.model = get_model(model_config, load_format=load_format, dtype=self.dtype,
+                               device=self.device, is_draft=is_draft, seed=random_seed)
+        self._init_pools(draft_extra_mla_layers, max_total_tokens, mem_fraction_static,
+                         req_to_token_pool, token_to_kv_pool_allocator, token_to_kv_pool,
+                         kda_state_pool)
+        self.attn_backend = create_attn_backend(attention_backend,
+                                                kda_prefill_impl=kda_prefill_impl)
+
+    # ------------------------------------------------------------------ init steps
+    def _init_device(self, device: torch.device) -> torch.device:
+        """On CUDA each TP rank owns GPU ``tp_rank`` unless an explicit index was given."""
+        if device.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError("device 'cuda' requested but CUDA is not available")
+            if device.index is None:
+                device = torch.device("cuda", self.tp_rank)
+            torch.cuda.set_device(device)
+        return device
+
+    def _resolve_context_len(self, context_length: Optional[int]) -> int:
+        model_len = self.model_config.context_len
+        if context_length is None:
+            return model_len
+        if context_length < 1 or context_length > model_len:
+            raise ValueError(
+                f"context_length {context_length} must be in [1, {model_len}] "
+                "(max_position_embeddings of the model)"
+            )
+        return int(context_length)
+
+    def _init_distributed(self, nccl_port: Union[None, int, str]) -> None:
+        if self.tp_size == 1:
+            ps.init_distributed_environment(1, 0, "")
+            return
+        if (torch.distributed.is_initialized()
+                and ps.get_tensor_model_parallel_world_size() == self.tp_size):
+            return  # a second runner (the draft) in a process whose TP group already exists
+        if nccl_port is None:
+            raise ValueError("tp_size > 1 needs nccl_port (a TCP port or an init_method URL)")
+        init_method = nccl_port if isinstance(nccl_port, str) else f"tcp://127.0.0.1:{nccl_port}"
+        backend = "nccl" if self.device.type == "cuda" else "gloo"
+        if self.device.type == "cpu":
+            ps.set_cpu_threads_for_rank(self.tp_size)
+        ps.init_distributed_environment(self.tp_size, self.tp_rank, init_method, backend=backend)
+
+    def _init_pools(self, draft_extra_mla_layers, max_total_tokens, mem_fraction_static,
+                    req_to_token_pool, token_to_kv_pool_allocator, token_to_kv_pool,
+                    kda_state_pool) -> None:
+        cfg = self.hf_config
+        mla_ids = mla_pool_layer_ids(cfg, self.is_draft, draft_extra_mla_layers)
+        kda_ids = [] if self.is_draft else cfg.kda_layer_ids
+        local_heads = ps.divide(cfg.num_attention_heads, self.tp_size, "num_attention_heads")
+        shared = (req_to_token_pool, token_to_kv_pool_allocator, token_to_kv_pool)
+        if any(p is not None for p in shared):
+            self._adopt_pools(shared, kda_state_pool, mla_ids)
+            return
+        if kda_state_pool is not None:
+            raise ValueError("kda_state_pool may only be shared together with the other pools")
+
+        self.max_total_num_tokens = self._plan_kv_tokens(
+            mla_ids, kda_ids, local_heads, max_total_tokens, mem_fraction_static)
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len,
+                                                self.device)
+        self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.max_total_num_tokens,
+                                                                 self.device)
+        self.token_to_kv_pool = MLATokenToKVPool(
+            self.max_total_num_tokens, mla_ids, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+            self.dtype, self.device)
+        self.kda_state_pool = KDAStatePool(
+            self.max_running_requests, kda_ids, local_heads, cfg.head_dim, cfg.head_dim,
+            cfg.short_conv_kernel_size, self.dtype, self.device)
+        logger.info("pools: %d KV slots over MLA layers %s, %d request slots over %d KDA layers",
+                    self.max_total_num_tokens, mla_ids, self.max_running_requests, len(kda_ids))
+
+    def _adopt_pools(self, shared, kda_state_pool, mla_ids: List[int]) -> None:
+        """Reuse pools built by another runner (the target's, for a NEXTN draft)."""
+        if any(p is None for p in shared):
+            raise ValueError("share all of req_to_token_pool, token_to_kv_pool_allocator and "
+                             "token_to_kv_pool, or none")
+        self.req_to_token_pool, self.token_to_kv_pool_allocator, self.token_to_kv_pool = shared
+        missing = [i for i in mla_ids if i not in self.token_to_kv_pool.layer_ids]
+        if missing:
+            raise ValueError(
+                f"shared MLA pool lacks layer(s) {missing}; build the target runner with "
+                "draft_extra_mla_layers=True")
+        self.kda_state_pool = kda_state_pool
+        self.max_total_num_tokens = self.token_to_kv_pool.size
+        self.context_len = self.req_to_token_pool.max_context_len
+        self.max_running_requests = self.req_to_token_pool.size
+
+    def _plan_kv_tokens(self, mla_ids, kda_ids, local_heads, max_total_tokens,
+                        mem_fraction_static) -> int:
+        """Number of KV slots (see the class docstring for the rule)."""
+        cfg = self.hf_config
+        if self.device.type != "cuda" or (mem_fraction_static is None and max_total_tokens):
+            if max_total_tokens is not None:
+                return int(max_total_tokens)
+            return min(self.context_len * self.max_running_requests, CPU_DEFAULT_MAX_TOTAL_TOKENS)
+
+        fraction = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+        free, total = torch.cuda.mem_get_info(self.device)
+        tokens = kv_slots_from_memory(
+            total_bytes=total, fraction=fraction,
+            used_bytes=torch.cuda.memory_allocated(self.device),  # weights (+ any earlier runner)
+            req_map_bytes=(self.max_running_requests + 1) * self.context_len * 4,
+            state_bytes=(self.max_running_requests + 1) * kda_bytes_per_slot(
+                cfg, len(kda_ids), local_heads, self.dtype),
+            bytes_per_token=kv_bytes_per_token(cfg, len(mla_ids), self.dtype),
+            free_bytes=free, max_total_tokens=max_total_tokens)
+        if tokens < self.context_len:
+            logger.warning("only %d KV slots fit; fewer than context_len %d", tokens,
+                           self.context_len)
+        return tokens
+
+    # ------------------------------------------------------------------ running
+    def forward(self, forward_batch: ForwardBatch, **model_kwargs: Any) -> "LogitsProcessorOutput":
+        """Run one eager forward; fills the batch's pool/backend handles first.
+
+        ``model_kwargs`` go to ``model.forward``. A NEXTN draft needs ``hidden_states`` (the
+        target's final-normed hidden states, row-aligned with the tokens); when not given it is
+        taken from ``forward_batch.spec_info.hidden_states``.
+        """
+        if self.is_draft and "hidden_states" not in model_kwargs:
+            hidden = getattr(forward_batch.spec_info, "hidden_states", None)
+            if hidden is None:
+                raise ValueError("a draft forward needs hidden_states (as a keyword or in "
+                                 "forward_batch.spec_info.hidden_states)")
+            model_kwargs["hidden_states"] = hidden
+        forward_batch.req_to_token_pool = self.req_to_token_pool
+        forward_batch.token_to_kv_pool = self.token_to_kv_pool
+        forward_batch.kda_state_pool = self.kda_state_pool
+        forward_batch.attn_backend = self.attn_backend
+        self.attn_backend.init_forward_metadata(forward_batch)
+        # no_grad rather than inference_mode: outputs may later be updated in place by the
+        # scheduler, which inference tensors forbid outside inference mode.
+        with torch.no_grad():
+            return self.model.forward(forward_batch.input_ids, forward_batch.positions,
+                                      forward_batch, **model_kwargs)

@@ -1,0 +1,72 @@
+"""Tensor parallelism on CPU: two gloo ranks give the same prefill logits and greedy decode as one.
+
+fp32 throughout; tolerance 1e-4 absolute (logits are O(1); the only difference between TP=1 and
+TP=2 is the summation order of the all-reduces). Greedy tokens must match exactly.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.multiprocessing as mp
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.distributed.parallel_state import destroy_distributed_environment, free_port
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.test.random_checkpoint import tiny_config, write_random_checkpoint
+
+PROMPT = [3, 141, 59, 265, 358, 97, 93, 238, 46, 264, 338, 327]
+DECODE_STEPS = 4
+ATOL = 1e-4
+
+
+def run_greedy(path: str, tp_rank: int = 0, tp_size: int = 1, port=None):
+    """Prefill logits ``[T, V]`` of PROMPT and the logits of DECODE_STEPS greedy decode steps."""
+    runner = ModelRunner(ModelConfig.from_path(path), device="cpu", dtype=torch.float32,
+                         tp_rank=tp_rank, tp_size=tp_size, nccl_port=port,
+                         max_running_requests=1, max_total_tokens=64)
+    req = runner.req_to_token_pool.alloc(1)[0]
+    runner.kda_state_pool.clear_slots([req])
+    ids = torch.tensor(PROMPT, dtype=torch.int64)
+    loc = runner.token_to_kv_pool_allocator.alloc(len(PROMPT))
+    runner.req_to_token_pool.write(req, 0, loc)
+    fb = ForwardBatch.for_extend(ids, [req], [0], [len(PROMPT)], loc, return_full_logits=True)
+    prefill = runner.forward(fb).next_token_logits
+    steps = []
+    token = prefill[-1:].argmax(-1)
+    for i in range(DECODE_STEPS):
+        seq_len = len(PROMPT) + i + 1
+        loc = runner.token_to_kv_pool_allocator.alloc(1)
+        runner.req_to_token_pool.write(req, seq_len - 1, loc)
+        fb = ForwardBatch.for_decode(token, torch.tensor([req]), torch.tensor([seq_len]), loc)
+        logits = runner.forward(fb).next_token_logits
+        steps.append(logits)
+        token = logits.argmax(-1)
+    return prefill, torch.cat(steps)
+
+
+def _rank_main(rank: int, path: str, port: int, out_dir: str) -> None:
+    try:
+        prefill, decode = run_greedy(path, rank, 2, port)
+        torch.save({"prefill": prefill, "decode": decode}, os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        destroy_distributed_environment()
+
+
+def test_tp2_matches_tp1(tmp_path):
+    cfg = tiny_config()
+    for key in ("num_attention_heads", "num_experts", "intermediate_size",
+                "moe_intermediate_size", "moe_shared_expert_intermediate_size", "vocab_size"):
+        assert cfg[key] % 2 == 0, key
+    path = write_random_checkpoint(str(tmp_path / "ckpt"))
+    mp.spawn(_rank_main, args=(path, free_port(), str(tmp_path)), nprocs=2, join=True)
+
+    ref_prefill, ref_decode = run_greedy(path)
+    for rank in range(2):
+        got = torch.load(os.path.join(tmp_path, f"rank{rank}.pt"))
+        assert got["prefill"].shape == ref_prefill.shape == (len(PROMPT), cfg["vocab_size"])
+        torch.testing.assert_close(got["prefill"], ref_prefill, atol=ATOL, rtol=0)
+        torch.testing.assert_close(got["decode"], ref_decode, atol=ATOL, rtol=0)
+        assert torch.equal(got["decode"].argmax(-1), ref_decode.argmax(-1))
+    assert ref_prefill.std() > 1e-2  # the comparison is not between two constant outputs
