@@ -121,10 +121,24 @@ class MLATokenToKVPool:
 class KDAStatePool:
     """Per KDA layer and request slot: the short-conv window and the fp32 recurrent state.
 
-    ``conv_state[l]``: ``[size + 1, 3 * conv_dim, kernel - 1]`` — the last ``kernel - 1`` inputs of
+    ``conv_state``: ``[L, size + 1, 3 * conv_dim, kernel - 1]`` — the last ``kernel - 1`` inputs of
     the q, k and v convolutions (channels q | k | v, ``conv_dim`` = local heads × head dim each).
-    ``ssm_state[l]``: ``[size + 1, heads, head_k_dim, head_v_dim]`` fp32 (rows = key channels).
+    ``ssm_state``: ``[L, size + 1, heads, head_k_dim, head_v_dim]`` fp32 (rows = key channels).
+    ``L`` runs over ``layer_ids``; :meth:`get_conv_state` / :meth:`get_ssm_state` give one layer.
     A slot is zeroed when a request is admitted, so every sequence starts from the zero state.
+
+    Speculative scratch (only when ``spec_num_draft_tokens = N > 0``), for stage-then-commit:
+    a TARGET_VERIFY forward over a chain of ``N`` tokens never writes the persistent state above;
+    it writes, for each chain position ``i``, the state *after* token ``i`` into
+
+    * ``intermediate_ssm``: ``[L, size + 1, N, heads, head_k_dim, head_v_dim]`` fp32 and
+    * ``intermediate_conv``: ``[L, size + 1, N, 3 * conv_dim, kernel - 1]`` (conv window after
+      token ``i``, in the conv-state dtype),
+
+    indexed by the request's slot. :meth:`commit_after_verify` then copies position
+    ``accept_len - 1`` of every request into the persistent state, for all layers in one gather /
+    scatter on the device. A verify over ``n <= N`` tokens writes rows ``0 .. n-1`` of its slots
+    before the commit reads one of them, so scratch needs no clearing on admission.
     """
 
     def __init__(
@@ -137,7 +151,10 @@ class KDAStatePool:
         conv_kernel: int,
         conv_dtype: torch.dtype,
         device: torch.device | str,
+        spec_num_draft_tokens: int = 0,
     ):
+        if spec_num_draft_tokens < 0:
+            raise ValueError(f"spec_num_draft_tokens must be >= 0, got {spec_num_draft_tokens}")
         self.size = size
         self.layer_ids = list(layer_ids)
         self.num_heads = num_heads
@@ -146,15 +163,22 @@ class KDAStatePool:
         self.conv_kernel = conv_kernel
         self.conv_dim = num_heads * head_k_dim
         self.device = torch.device(device)
+        self.spec_num_draft_tokens = spec_num_draft_tokens
         self._index = {lid: i for i, lid in enumerate(self.layer_ids)}
         n = len(self.layer_ids)
+        conv_shape = (3 * self.conv_dim, max(conv_kernel - 1, 0))
+        ssm_shape = (num_heads, head_k_dim, head_v_dim)
         # Stacked over layers so that slot-wise clears / copies are one op for all layers.
-        self.conv_state = torch.zeros(
-            n, size + 1, 3 * self.conv_dim, max(conv_kernel - 1, 0), dtype=conv_dtype, device=device
-        )
-        self.ssm_state = torch.zeros(
-            n, size + 1, num_heads, head_k_dim, head_v_dim, dtype=torch.float32, device=device
-        )
+        self.conv_state = torch.zeros(n, size + 1, *conv_shape, dtype=conv_dtype, device=device)
+        self.ssm_state = torch.zeros(n, size + 1, *ssm_shape, dtype=torch.float32, device=device)
+        self.intermediate_ssm: Optional[torch.Tensor] = None
+        self.intermediate_conv: Optional[torch.Tensor] = None
+        if spec_num_draft_tokens > 0:
+            # Zeroed once so that even a padded row's commit copies finite values into slot 0.
+            self.intermediate_ssm = torch.zeros(
+                n, size + 1, spec_num_draft_tokens, *ssm_shape, dtype=torch.float32, device=device)
+            self.intermediate_conv = torch.zeros(
+                n, size + 1, spec_num_draft_tokens, *conv_shape, dtype=conv_dtype, device=device)
 
     def layer_index(self, layer_id: int) -> int:
         return self._index[layer_id]
@@ -165,6 +189,50 @@ class KDAStatePool:
     def get_ssm_state(self, layer_id: int) -> torch.Tensor:
         return self.ssm_state[self._index[layer_id]]
 
+    @property
+    def has_spec_scratch(self) -> bool:
+        """Whether the pool was built with speculative scratch (``spec_num_draft_tokens > 0``)."""
+        return self.intermediate_ssm is not None
+
+    def _require_scratch(self, what: str) -> None:
+        if not self.has_spec_scratch:
+            raise ValueError(f"{what} needs the KDA speculative scratch; build KDAStatePool with "
+                             "spec_num_draft_tokens > 0 (the NEXTN worker's num_draft_tokens)")
+
+    def get_intermediate_ssm(self, layer_id: int) -> torch.Tensor:
+        """Staged post-states of one layer: ``[size + 1, N, heads, head_k_dim, head_v_dim]`` fp32."""
+        self._require_scratch("get_intermediate_ssm")
+        return self.intermediate_ssm[self._index[layer_id]]
+
+    def get_intermediate_conv(self, layer_id: int) -> torch.Tensor:
+        """Staged conv windows of one layer: ``[size + 1, N, 3 * conv_dim, kernel - 1]``."""
+        self._require_scratch("get_intermediate_conv")
+        return self.intermediate_conv[self._index[layer_id]]
+
+    def commit_after_verify(self, req_pool_indices: torch.Tensor,
+                            last_accepted_pos: torch.Tensor) -> None:
+        """Make the staged state of chain position ``last_accepted_pos[b]`` the persistent state
+        of slot ``req_pool_indices[b]``, for every KDA layer at once.
+
+        Both are ``[B]`` integer device tensors; ``last_accepted_pos`` is ``accept_len - 1`` and
+        must lie in ``[0, N)`` (values are not checked: that would need a host sync). Padded rows
+        may point at slot 0 (the padding slot), whose state nobody reads. Device gather + scatter
+        only, so it can sit inside a CUDA graph and never waits for the host.
+        """
+        self._require_scratch("commit_after_verify")
+        shapes = (tuple(req_pool_indices.shape), tuple(last_accepted_pos.shape))
+        if req_pool_indices.dim() != 1 or shapes[0] != shapes[1]:
+            raise ValueError("commit_after_verify: req_pool_indices and last_accepted_pos must both "
+                             f"be [B], got {shapes[0]} and {shapes[1]}")
+        if req_pool_indices.is_floating_point() or last_accepted_pos.is_floating_point():
+            raise ValueError("commit_after_verify: req_pool_indices and last_accepted_pos must be "
+                             "integer tensors")
+        slots = req_pool_indices.to(device=self.device, dtype=torch.int64)
+        pos = last_accepted_pos.to(device=self.device, dtype=torch.int64)
+        # [L, B, ...] gathers of (slot, position) pairs, then one scatter along the slot axis.
+        self.ssm_state.index_copy_(1, slots, self.intermediate_ssm[:, slots, pos])
+        self.conv_state.index_copy_(1, slots, self.intermediate_conv[:, slots, pos])
+
     def clear_slots(self, slots: Sequence[int] | torch.Tensor) -> None:
         """Zero the state of the given request slots (on admission)."""
         idx = torch.as_tensor(slots, dtype=torch.int64, device=self.device)
@@ -172,6 +240,14 @@ class KDAStatePool:
         self.ssm_state[:, idx] = 0
 
     def bytes_per_slot(self) -> int:
+        """Persistent state bytes of one request slot over all layers (scratch excluded)."""
         conv = self.conv_state[:, 0].numel() * self.conv_state.element_size()
         ssm = self.ssm_state[:, 0].numel() * 4
         return conv + ssm
+
+    def spec_bytes_per_slot(self) -> int:
+        """Speculative scratch bytes of one request slot over all layers (0 without scratch)."""
+        if not self.has_spec_scratch:
+            return 0
+        return (self.intermediate_ssm[:, 0].numel() * 4
+                + self.intermediate_conv[:, 0].numel() * self.intermediate_conv.element_size())

@@ -7,7 +7,9 @@
 
 Both run on CPU and on CUDA. Decode works from device tensors only; the MLA decode reads one host
 integer per forward (the longest sequence, to size the padded gather), which is acceptable for a
-reference backend that is never captured in a CUDA graph.
+reference backend that is never captured in a CUDA graph. KDA target verify (a fixed-width chain
+per request) is device-only too: it stages per-position states in the pool's speculative scratch
+and leaves the persistent state alone (stage, then commit).
 """
 from __future__ import annotations
 
@@ -208,7 +210,10 @@ class TorchNativeKDABackend(AttentionBackend):
     @staticmethod
     def _build(forward_batch: "ForwardBatch"):
         mode = forward_batch.forward_mode
-        if mode.is_idle() or mode.is_decode() or mode.is_target_verify():
+        # Verify works from shapes and device tensors alone. DRAFT_EXTEND belongs to the draft
+        # model (MLA only); a hybrid wrapper still initialises this backend for it, so no error
+        # here, only if a KDA layer is actually called (see forward_extend).
+        if mode.is_idle() or mode.is_decode() or mode.is_target_verify() or mode.is_draft_extend():
             return None
         return _extend_layout(forward_batch)
 
@@ -246,10 +251,14 @@ class TorchNativeKDABackend(AttentionBackend):
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, g=None, beta=None,
                        **kwargs):
-        """Run each request from its pooled state and write the new conv window and state back."""
-        if forward_batch.forward_mode.is_target_verify():
-            raise ValueError("KDA target-verify needs the speculative scratch of the NEXTN worker "
-                             "(stage-then-commit); the torch_native KDA backend does not stage state")
+        """Run each request from its pooled state and write the new conv window and state back
+        (EXTEND); TARGET_VERIFY stages instead (:meth:`_forward_target_verify`)."""
+        mode = forward_batch.forward_mode
+        if mode.is_target_verify():
+            return self._forward_target_verify(q, k, v, g, beta, layer, forward_batch)
+        if mode.is_draft_extend():
+            raise ValueError(f"KDA layer {layer.layer_id} called in DRAFT_EXTEND mode: the NEXTN "
+                             "draft (MTP layer) is MLA-only, KDA layers never run in a draft forward")
         mixed, conv_pool, ssm_pool = self._prepare(q, k, v, g, beta, layer, forward_batch)
         t = mixed.shape[0]
         out = q.new_empty(t, layer.num_heads, layer.head_dim)
@@ -288,6 +297,56 @@ class TorchNativeKDABackend(AttentionBackend):
             layer.scale, ssm_pool[slots], lens)
         out[rows] = o.to(out.dtype)
         ssm_pool.index_copy_(0, slots, final)
+
+    def _forward_target_verify(self, q, k, v, g, beta, layer, forward_batch):
+        """Score a chain of ``N`` tokens per request without advancing the persistent state.
+
+        Rows are request-major with the same ``N`` for every request (fixed shape: ``T = B * N``,
+        padded requests included). Starting from the slot's persistent conv window and state,
+        each chain position ``i`` runs the same batched conv update and delta-rule step as a decode
+        of that token, and the window and state *after* it are staged in the pool's
+        ``intermediate_conv`` / ``intermediate_ssm`` at ``[slot, i]``. ``commit_after_verify``
+        later makes the last accepted position persistent. Device ops only; ``N`` is a shape.
+        """
+        pool = forward_batch.kda_state_pool
+        if pool is not None and not pool.has_spec_scratch:
+            raise ValueError("KDA target-verify needs the speculative scratch of the KDA state pool "
+                             "(stage-then-commit): build KDAStatePool with spec_num_draft_tokens > 0")
+        mixed, conv_pool, ssm_pool = self._prepare(q, k, v, g, beta, layer, forward_batch)
+        t = mixed.shape[0]
+        slots = forward_batch.req_pool_indices
+        b = int(slots.shape[0])
+        if b == 0 and t == 0:
+            return q.new_empty(0, layer.num_heads, layer.head_dim)
+        if b == 0 or t % b != 0:
+            raise ValueError(f"KDA target-verify: {t} tokens for {b} requests; every request must "
+                             "carry the same number of chain tokens (T = B * N)")
+        n = t // b
+        if n > pool.spec_num_draft_tokens:
+            raise ValueError(f"KDA target-verify: chains of {n} tokens but the KDA state pool stages "
+                             f"at most spec_num_draft_tokens={pool.spec_num_draft_tokens}")
+        slots = slots.to(device=mixed.device, dtype=torch.int64)
+        x = mixed.view(b, n, -1)
+        gf = g.float().reshape(b, n, layer.num_heads, layer.head_dim)
+        bf = beta.float().reshape(b, n, layer.num_heads)
+        # Gathers are copies: the persistent pools are only read.
+        window = conv_pool[slots]
+        state = ssm_pool[slots]
+        out = q.new_empty(b, n, layer.num_heads, layer.head_dim)
+        windows, states = [], []
+        for i in range(n):  # N is tiny (the chain width); each step is a batched decode step
+            y, window = causal_conv1d_update(x[:, i], layer.conv_weight, window)
+            qn, kn, vn = self._split_heads(y, layer)
+            o, state = kda_step(qn, kn, vn, gf[:, i], bf[:, i], layer.scale, state)
+            out[:, i] = o.to(out.dtype)
+            windows.append(window)
+            states.append(state)
+        # One scatter per buffer into rows 0..n-1 of each request's slot (slot 0 for padding).
+        pool.get_intermediate_conv(layer.layer_id)[:, :n].index_copy_(
+            0, slots, torch.stack(windows, dim=1).to(conv_pool.dtype))
+        pool.get_intermediate_ssm(layer.layer_id)[:, :n].index_copy_(
+            0, slots, torch.stack(states, dim=1))
+        return out.view(t, layer.num_heads, layer.head_dim)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, g=None, beta=None,
                        **kwargs):
