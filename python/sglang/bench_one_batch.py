@@ -1,0 +1,218 @@
+"""Latency of one static batch without a server: prefill, then decode steps at that context.
+
+    python -m sglang.bench_one_batch --model-path PATH --batch-size 1 --input-len 8192 \\
+        --output-len 8 [server args] [--result-filename results.jsonl]
+
+Builds a :class:`ModelRunner` directly (one process per TP rank when ``--tp-size`` > 1), feeds
+random prompts, times the prefill and each greedy decode step (with a device synchronize around
+every timed region on CUDA), prints SGLang's summary lines and appends one JSON line per
+(batch size, input len, output len) to ``--result-filename``.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import multiprocessing as mp
+import statistics
+import time
+from typing import Any, Dict, List, Optional
+
+import torch
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, release_kv_cache
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.distributed.parallel_state import free_port
+from sglang.srt.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass
+class BenchArgs:
+    """Benchmark-only flags (SGLang's names)."""
+
+    run_name: str = "default"
+    batch_size: List[int] = dataclasses.field(default_factory=lambda: [1])
+    input_len: List[int] = dataclasses.field(default_factory=lambda: [1024])
+    output_len: List[int] = dataclasses.field(default_factory=lambda: [16])
+    result_filename: Optional[str] = None
+    skip_warmup: bool = False
+    seed: int = 0
+
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """Register the benchmark flags."""
+        d = BenchArgs()
+        parser.add_argument("--run-name", type=str, default=d.run_name)
+        parser.add_argument("--batch-size", type=int, nargs="+", default=d.batch_size)
+        parser.add_argument("--input-len", type=int, nargs="+", default=d.input_len)
+        parser.add_argument("--output-len", type=int, nargs="+", default=d.output_len)
+        parser.add_argument("--result-filename", type=str, default=None,
+                            help="Append one JSON line per configuration to this file.")
+        parser.add_argument("--skip-warmup", action="store_true")
+        parser.add_argument("--seed", type=int, default=d.seed, help="Seed of the random prompts.")
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> "BenchArgs":
+        """Build from a parsed namespace."""
+        return cls(**{f.name: getattr(args, f.name) for f in dataclasses.fields(cls)})
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def build_runner(server_args: ServerArgs, bench_args: BenchArgs, tp_rank: int,
+                 nccl_port: Optional[int]) -> ModelRunner:
+    """A ModelRunner with pools large enough for the largest configuration."""
+    need = max(bench_args.batch_size) * (max(bench_args.input_len) + max(bench_args.output_len))
+    model_config = ModelConfig.from_path(server_args.model_path,
+                                         server_args.json_model_override_args)
+    return ModelRunner(
+        model_config,
+        device=server_args.resolved_device(), dtype=server_args.resolved_dtype(),
+        tp_rank=tp_rank, tp_size=server_args.tp_size, nccl_port=nccl_port,
+        load_format=server_args.load_format, attention_backend=server_args.attention_backend,
+        kda_prefill_impl=server_args.kda_prefill_impl,
+        max_running_requests=max(bench_args.batch_size),
+        max_total_tokens=server_args.max_total_tokens or need,
+        mem_fraction_static=server_args.mem_fraction_static,
+        context_length=server_args.context_length, random_seed=server_args.random_seed,
+    )
+
+
+def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: int,
+             seed: int) -> Dict[str, Any]:
+    """Prefill ``batch_size`` random prompts of ``input_len`` tokens, then ``output_len - 1``
+    greedy decode steps; returns the timings (seconds)."""
+    if input_len + output_len > runner.context_len:
+        raise ValueError(f"input_len + output_len = {input_len + output_len} exceeds the context "
+                         f"length {runner.context_len}")
+    gen = torch.Generator().manual_seed(seed)
+    vocab = runner.model_config.vocab_size
+    reqs = []
+    for i in range(batch_size):
+        ids = torch.randint(0, vocab, (input_len,), generator=gen).tolist()
+        req = Req(f"bench-{i}", None, ids, SamplingParams(max_new_tokens=output_len))
+        req.req_pool_idx = runner.req_to_token_pool.alloc(1)[0]
+        req.extend_input_len = input_len
+        reqs.append(req)
+    if runner.kda_state_pool is not None and runner.kda_state_pool.layer_ids:
+        runner.kda_state_pool.clear_slots([r.req_pool_idx for r in reqs])
+    batch = ScheduleBatch.init_new(reqs, runner.req_to_token_pool,
+                                   runner.token_to_kv_pool_allocator, runner.device)
+    device = runner.device
+
+    def forward(fb) -> List[int]:
+        return runner.forward(fb).next_token_logits.argmax(dim=-1).tolist()
+
+    _sync(device)
+    tic = time.perf_counter()
+    next_ids = forward(batch.prepare_for_extend())
+    _sync(device)
+    prefill_latency = time.perf_counter() - tic
+    batch.commit_forward()
+    decode_latencies = []
+    for _ in range(output_len - 1):
+        for r, t in zip(reqs, next_ids):
+            r.output_ids.append(t)
+        _sync(device)
+        tic = time.perf_counter()
+        next_ids = forward(batch.prepare_for_decode())
+        _sync(device)
+        decode_latencies.append(time.perf_counter() - tic)
+        batch.commit_forward()
+    for r in reqs:
+        release_kv_cache(r, runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
+    return {"prefill_latency": prefill_latency, "decode_latencies": decode_latencies}
+
+
+def summarize(run_name: str, batch_size: int, input_len: int, output_len: int,
+              timing: Dict[str, Any]) -> Dict[str, Any]:
+    """SGLang's result fields for one configuration."""
+    prefill = timing["prefill_latency"]
+    decodes = timing["decode_latencies"]
+    median = statistics.median(decodes) if decodes else 0.0
+    total = prefill + sum(decodes)
+    return {
+        "run_name": run_name, "batch_size": batch_size, "input_len": input_len,
+        "output_len": output_len,
+        "prefill_latency": prefill, "prefill_throughput": batch_size * input_len / prefill,
+        "median_decode_latency": median,
+        "median_decode_throughput": batch_size / median if median > 0 else 0.0,
+        "total_latency": total,
+        "overall_throughput": batch_size * (input_len + output_len) / total,
+    }
+
+
+def _print(result: Dict[str, Any]) -> None:
+    print(f"Prefill. latency: {result['prefill_latency']:6.5f} s, "
+          f"throughput: {result['prefill_throughput']:9.2f} token/s")
+    print(f"Decode.  median latency: {result['median_decode_latency']:6.5f} s, "
+          f"median throughput: {result['median_decode_throughput']:9.2f} token/s")
+    print(f"Total. latency: {result['total_latency']:6.3f} s, "
+          f"throughput: {result['overall_throughput']:9.2f} token/s")
+
+
+def run_rank(server_args: ServerArgs, bench_args: BenchArgs, tp_rank: int,
+             nccl_port: Optional[int]) -> List[Dict[str, Any]]:
+    """Run every configuration on one TP rank; rank 0 prints and writes the results."""
+    runner = build_runner(server_args, bench_args, tp_rank, nccl_port)
+    results = []
+    if not bench_args.skip_warmup:
+        run_once(runner, bench_args.batch_size[0], min(bench_args.input_len[0], 32),
+                 min(bench_args.output_len[0], 2), bench_args.seed)
+    for bs in bench_args.batch_size:
+        for il in bench_args.input_len:
+            for ol in bench_args.output_len:
+                timing = run_once(runner, bs, il, ol, bench_args.seed)
+                result = summarize(bench_args.run_name, bs, il, ol, timing)
+                results.append(result)
+                if tp_rank != 0:
+                    continue
+                print(f"batch_size={bs} input_len={il} output_len={ol}")
+                _print(result)
+                if bench_args.result_filename:
+                    with open(bench_args.result_filename, "a") as f:
+                        f.write(json.dumps(result) + "\n")
+    return results
+
+
+def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    """CLI entry; returns rank 0's results."""
+    parser = argparse.ArgumentParser(prog="python -m sglang.bench_one_batch")
+    ServerArgs.add_cli_args(parser)
+    BenchArgs.add_cli_args(parser)
+    args = parser.parse_args(argv)
+    try:
+        server_args = ServerArgs.from_cli_args(args)
+        bench_args = BenchArgs.from_cli_args(args)
+        for name in ("batch_size", "input_len", "output_len"):
+            if any(v < 1 for v in getattr(bench_args, name)):
+                raise ValueError(f"--{name.replace('_', '-')} values must be >= 1")
+    except ValueError as e:
+        parser.error(str(e))
+    logging.basicConfig(level=getattr(logging, server_args.log_level.upper()),
+                        format="%(asctime)s %(message)s")
+    if server_args.tp_size == 1:
+        return run_rank(server_args, bench_args, 0, None)
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=run_rank, args=(server_args, bench_args, r, port))
+             for r in range(1, server_args.tp_size)]
+    for p in procs:
+        p.start()
+    try:
+        return run_rank(server_args, bench_args, 0, port)
+    finally:
+        for p in procs:
+            p.join()
+
+
+if __name__ == "__main__":
+    main()

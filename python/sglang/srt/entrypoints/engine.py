@@ -1,0 +1,259 @@
+"""The offline engine (``sglang.Engine``): the server's processes without HTTP.
+
+``_launch_subprocesses`` starts one scheduler process per TP rank and the detokenizer process
+(multiprocessing *spawn*: CUDA and fork do not mix), waits until every scheduler reports ready
+through its pipe (a startup failure is re-raised here with the child's traceback), then creates
+the :class:`TokenizerManager` in this process. The HTTP server reuses the same function.
+
+Example::
+
+    import sglang
+    with sglang.Engine(model_path="path/to/ckpt") as engine:
+        out = engine.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
+        print(out["text"], out["meta_info"]["finish_reason"])
+"""
+from __future__ import annotations
+
+import asyncio
+import atexit
+import dataclasses
+import logging
+import multiprocessing as mp
+import os
+import time
+from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Tuple, Union
+
+from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
+from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers.scheduler import run_scheduler_process
+from sglang.srt.managers.tokenizer_manager import TokenizerManager
+from sglang.srt.server_args import PortArgs, ServerArgs
+
+logger = logging.getLogger(__name__)
+
+ChildProcesses = List[Tuple[str, Any]]  # (name, multiprocessing.Process)
+
+
+def _launch_subprocesses(
+    server_args: ServerArgs,
+) -> Tuple[TokenizerManager, Dict[str, Any], ChildProcesses]:
+    """Start schedulers + detokenizer and build the TokenizerManager.
+
+    Returns ``(tokenizer_manager, scheduler_info, children)``; ``scheduler_info`` is what rank 0
+    reported when ready (pool sizes, context length). ``children`` go to
+    :func:`shutdown_subprocesses` when the caller is done. Raises ``RuntimeError`` naming the
+    failing process if any child fails to start (all children are stopped first).
+    """
+    port_args = PortArgs.init_new(server_args)
+    ctx = mp.get_context("spawn")
+    children: ChildProcesses = []
+    readers = []
+    try:
+        for rank in range(server_args.tp_size):
+            reader, writer = ctx.Pipe(duplex=False)
+            proc = ctx.Process(target=run_scheduler_process, name=f"sglang-scheduler-tp{rank}",
+                               args=(server_args, port_args, rank, writer), daemon=True)
+            proc.start()
+            writer.close()  # only the child writes; EOF then means the child is gone
+            children.append((f"scheduler TP{rank}", proc))
+            readers.append(reader)
+        detok = ctx.Process(target=run_detokenizer_process, name="sglang-detokenizer",
+                            args=(server_args, port_args), daemon=True)
+        detok.start()
+        children.append(("detokenizer", detok))
+        infos = [_wait_ready(name, proc, reader)
+                 for (name, proc), reader in zip(children, readers)]
+        tokenizer_manager = TokenizerManager(server_args, port_args)
+    except BaseException:
+        shutdown_subprocesses(children, port_args)
+        raise
+    tokenizer_manager.watch_processes(children)
+    scheduler_info = dict(infos[0])
+    scheduler_info.pop("status", None)
+    return tokenizer_manager, scheduler_info, children
+
+
+def _wait_ready(name: str, proc: Any, reader: Any) -> Dict[str, Any]:
+    """Block until a scheduler reports; raise with its error if it failed or died."""
+    while True:
+        if reader.poll(0.5):
+            try:
+                msg = reader.recv()
+            except EOFError:
+                proc.join(timeout=5)
+                raise RuntimeError(f"{name} exited during startup (exit code {proc.exitcode})")
+            if msg.get("status") == "ready":
+                return msg
+            raise RuntimeError(f"{name} failed to start: {msg.get('error')}\n"
+                               f"--- child traceback ---\n{msg.get('traceback', '')}")
+        if not proc.is_alive():
+            raise RuntimeError(f"{name} exited during startup (exit code {proc.exitcode})")
+
+
+def shutdown_subprocesses(children: ChildProcesses, port_args: Optional[PortArgs] = None) -> None:
+    """Terminate the children (SIGTERM, then SIGKILL after 5 s) and remove IPC files."""
+    for _, proc in children:
+        if proc.is_alive():
+            proc.terminate()
+    deadline = time.monotonic() + 5.0
+    for _, proc in children:
+        proc.join(timeout=max(0.0, deadline - time.monotonic()))
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5.0)
+    if port_args is not None:
+        for path in port_args.ipc_paths():
+            try:
+                os.unlink(path)
+            except OSError:
+                pass
+
+
+class Engine:
+    """Offline inference API: ``generate`` / ``async_generate`` without an HTTP server.
+
+    ``Engine(model_path=None, **kwargs)``: keyword arguments are :class:`ServerArgs` fields
+    (``tp_size``, ``chunked_prefill_size``, ``max_total_tokens``, ...); ``model_path=None`` is
+    the bundled model. Use as a context manager or call :meth:`shutdown`; child processes are
+    also stopped at interpreter exit.
+    """
+
+    def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
+        server_args = kwargs.pop("server_args", None)
+        if server_args is None:
+            server_args = ServerArgs(model_path=model_path, **kwargs)
+        elif kwargs or model_path is not None:
+            raise ValueError("pass either server_args or model_path/keyword arguments, not both")
+        self.server_args = server_args
+        self._children: ChildProcesses = []
+        self._shut = False
+        self.loop = asyncio.new_event_loop()
+        try:
+            self.tokenizer_manager, self.scheduler_info, self._children = \
+                _launch_subprocesses(server_args)
+        except BaseException:
+            self.loop.close()
+            raise
+        self._port_args = self.tokenizer_manager.port_args
+        atexit.register(self.shutdown)
+
+    # ------------------------------------------------------------------ generation
+    def _make_request(self, prompt, sampling_params, input_ids, return_logprob,
+                      logprob_start_len, top_logprobs_num, stream, rid,
+                      return_text_in_logprobs) -> GenerateReqInput:
+        return GenerateReqInput(
+            text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
+            return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+            top_logprobs_num=top_logprobs_num, stream=stream,
+            return_text_in_logprobs=return_text_in_logprobs,
+        )
+
+    def generate(
+        self,
+        prompt: Optional[Union[str, List[str]]] = None,
+        sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None,
+        input_ids: Optional[Union[List[int], List[List[int]]]] = None,
+        return_logprob: Union[bool, List[bool]] = False,
+        logprob_start_len: Optional[Union[int, List[int]]] = None,
+        top_logprobs_num: Optional[Union[int, List[int]]] = None,
+        stream: bool = False,
+        rid: Optional[Union[str, List[str]]] = None,
+        return_text_in_logprobs: bool = False,
+    ) -> Union[Dict[str, Any], List[Dict[str, Any]], Iterator[Dict[str, Any]]]:
+        """Generate for one prompt (a dict) or a batch (a list of dicts).
+
+        ``stream=True`` returns an iterator of dicts with cumulative ``text`` (batch: each dict
+        has an ``index``). Raises ``ValueError`` for invalid requests.
+        """
+        self._check_open()
+        obj = self._make_request(prompt, sampling_params, input_ids, return_logprob,
+                                 logprob_start_len, top_logprobs_num, stream, rid,
+                                 return_text_in_logprobs)
+        agen = self.tokenizer_manager.generate_request(obj)
+        if stream:
+            return self._iterate(agen)
+        try:
+            return self.loop.run_until_complete(agen.__anext__())
+        finally:
+            self.loop.run_until_complete(agen.aclose())
+
+    def _iterate(self, agen: AsyncIterator[Dict[str, Any]]) -> Iterator[Dict[str, Any]]:
+        try:
+            while True:
+                try:
+                    yield self.loop.run_until_complete(agen.__anext__())
+                except StopAsyncIteration:
+                    return
+        finally:
+            if not self.loop.is_closed():
+                self.loop.run_until_complete(agen.aclose())
+
+    async def async_generate(
+        self,
+        prompt: Optional[Union[str, List[str]]] = None,
+        sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None,
+        input_ids: Optional[Union[List[int], List[List[int]]]] = None,
+        return_logprob: Union[bool, List[bool]] = False,
+        logprob_start_len: Optional[Union[int, List[int]]] = None,
+        top_logprobs_num: Optional[Union[int, List[int]]] = None,
+        stream: bool = False,
+        rid: Optional[Union[str, List[str]]] = None,
+        return_text_in_logprobs: bool = False,
+    ) -> Union[Dict[str, Any], List[Dict[str, Any]], AsyncIterator[Dict[str, Any]]]:
+        """Async :meth:`generate` for the caller's event loop (stream: an async iterator)."""
+        self._check_open()
+        obj = self._make_request(prompt, sampling_params, input_ids, return_logprob,
+                                 logprob_start_len, top_logprobs_num, stream, rid,
+                                 return_text_in_logprobs)
+        agen = self.tokenizer_manager.generate_request(obj)
+        if stream:
+            return agen
+        try:
+            return await agen.__anext__()
+        finally:
+            await agen.aclose()
+
+    def abort_request(self, rid: str) -> None:
+        """Abort a running request; its generate call returns with finish_reason abort."""
+        self.tokenizer_manager.abort_request(rid)
+
+    # ------------------------------------------------------------------ control
+    def flush_cache(self) -> bool:
+        """Reset the KV pools (only when idle); returns whether it happened."""
+        self._check_open()
+        return self.loop.run_until_complete(self.tokenizer_manager.flush_cache())
+
+    def get_server_info(self) -> Dict[str, Any]:
+        """Server args, scheduler info and ``internal_states`` (one dict per DP rank)."""
+        self._check_open()
+        from sglang import __version__
+
+        states = self.loop.run_until_complete(self.tokenizer_manager.get_internal_state())
+        return {**dataclasses.asdict(self.server_args), **self.scheduler_info,
+                "internal_states": states, "version": __version__}
+
+    def is_healthy(self) -> bool:
+        """Open and every child process alive."""
+        return not self._shut and self.tokenizer_manager.is_healthy()
+
+    def _check_open(self) -> None:
+        if self._shut:
+            raise RuntimeError("the engine has been shut down")
+
+    # ------------------------------------------------------------------ lifetime
+    def shutdown(self) -> None:
+        """Stop the child processes and release sockets (idempotent)."""
+        if self._shut:
+            return
+        self._shut = True
+        atexit.unregister(self.shutdown)
+        self.tokenizer_manager.close()
+        shutdown_subprocesses(self._children, self._port_args)
+        if not self.loop.is_closed():
+            self.loop.close()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()

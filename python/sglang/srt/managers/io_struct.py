@@ -1,0 +1,277 @@
+"""Messages exchanged between the TokenizerManager, the Scheduler and the DetokenizerManager.
+
+They are plain dataclasses pickled over ZMQ (``send_pyobj``). Names follow SGLang's
+``managers/io_struct.py``. Direction of each message:
+
+* ``GenerateReqInput``: user / HTTP layer -> TokenizerManager (not sent over a socket).
+* ``TokenizedGenerateReqInput``, ``AbortReq``, ``FlushCacheReqInput``, ``GetInternalStateReq``:
+  TokenizerManager -> Scheduler (rank 0, then broadcast to the other TP ranks).
+* ``BatchTokenIDOutput``: Scheduler -> DetokenizerManager (one message per step with outputs).
+* ``BatchStrOutput``: DetokenizerManager -> TokenizerManager.
+* ``FlushCacheReqOutput``, ``GetInternalStateReqOutput``: Scheduler -> TokenizerManager.
+"""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Union
+
+
+def _new_rid() -> str:
+    return uuid.uuid4().hex
+
+
+@dataclass
+class GenerateReqInput:
+    """A generation request, single or batched (SGLang's ``/generate`` body).
+
+    Exactly one of ``text`` / ``input_ids`` must be given. In the batched form ``text`` is a list
+    of strings (or ``input_ids`` a list of lists) and per-request fields may be lists too.
+    """
+
+    text: Optional[Union[List[str], str]] = None
+    input_ids: Optional[Union[List[List[int]], List[int]]] = None
+    sampling_params: Optional[Union[List[Dict[str, Any]], Dict[str, Any]]] = None
+    rid: Optional[Union[List[str], str]] = None
+    return_logprob: Optional[Union[List[bool], bool]] = None
+    # -1: only output logprobs; k >= 0: also logprobs of prompt tokens k .. end.
+    logprob_start_len: Optional[Union[List[int], int]] = None
+    top_logprobs_num: Optional[Union[List[int], int]] = None
+    return_text_in_logprobs: bool = False
+    stream: bool = False
+    log_metrics: bool = True
+    # Tolerated for compatibility with SGLang clients (bench_serving sends some of them); a
+    # truthy value of a feature this engine does not implement is rejected in normalization.
+    lora_path: Optional[Any] = None
+    return_routed_experts: bool = False
+    return_hidden_states: bool = False
+    custom_logit_processor: Optional[Any] = None
+    token_ids_logprob: Optional[Any] = None
+    session_params: Optional[Any] = None
+    image_data: Optional[Any] = None
+    video_data: Optional[Any] = None
+    audio_data: Optional[Any] = None
+    input_embeds: Optional[Any] = None
+    modalities: Optional[Any] = None
+    routed_dp_rank: Optional[int] = None
+    data_parallel_rank: Optional[int] = None
+    routing_key: Optional[str] = None
+    bootstrap_host: Optional[Any] = None
+    bootstrap_port: Optional[Any] = None
+    bootstrap_room: Optional[Any] = None
+
+    # Filled by normalize_batch_and_arguments().
+    is_single: bool = field(default=True, init=False)
+    batch_size: int = field(default=1, init=False)
+
+    @classmethod
+    def from_dict(cls, body: Dict[str, Any]) -> "GenerateReqInput":
+        """Build from a JSON body; unknown keys are ignored (as SGLang's HTTP layer does)."""
+        if not isinstance(body, dict):
+            raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
+        names = {f.name for f in dataclasses.fields(cls) if f.init}
+        return cls(**{k: v for k, v in body.items() if k in names})
+
+    # ------------------------------------------------------------------ normalization
+    def normalize_batch_and_arguments(self) -> None:
+        """Decide single vs batch, validate the prompt fields and expand per-request fields.
+
+        Raises ``ValueError`` naming the problem (both/neither of text and input_ids, empty batch,
+        wrong types, per-request lists of the wrong length, unsupported features).
+        """
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("exactly one of 'text' and 'input_ids' must be given")
+        for name in ("input_embeds", "image_data", "video_data", "audio_data"):
+            if getattr(self, name) is not None:
+                raise ValueError(f"'{name}' is not supported by this engine (text-only model)")
+        if self.text is not None:
+            if isinstance(self.text, str):
+                self.is_single, self.batch_size = True, 1
+            elif isinstance(self.text, list) and all(isinstance(t, str) for t in self.text):
+                self.is_single, self.batch_size = False, len(self.text)
+            else:
+                raise ValueError("'text' must be a string or a list of strings")
+        else:
+            ids = self.input_ids
+            if not isinstance(ids, list):
+                raise ValueError("'input_ids' must be a list of ints or a list of lists of ints")
+            if ids and all(isinstance(x, list) for x in ids):
+                self.is_single, self.batch_size = False, len(ids)
+                bad = [x for row in ids for x in row if not _is_int(x)]
+            else:
+                self.is_single, self.batch_size = True, 1
+                bad = [x for x in ids if not _is_int(x)]
+            if bad:
+                raise ValueError(f"'input_ids' must contain only integers, got {bad[0]!r}")
+        if not self.is_single and self.batch_size == 0:
+            raise ValueError("the batch of prompts is empty")
+
+        n = self.batch_size
+        self.sampling_params = self._expand("sampling_params", self.sampling_params, {}, dict)
+        for sp in (self.sampling_params if not self.is_single else [self.sampling_params]):
+            if sp.get("n", 1) not in (None, 1):
+                raise ValueError("sampling_params.n > 1 (parallel sampling) is not supported")
+        self.return_logprob = self._expand("return_logprob", self.return_logprob, False, bool)
+        self.logprob_start_len = self._expand("logprob_start_len", self.logprob_start_len, -1, int)
+        self.top_logprobs_num = self._expand("top_logprobs_num", self.top_logprobs_num, 0, int)
+        if self.is_single:
+            self.rid = self.rid if self.rid is not None else _new_rid()
+            if not isinstance(self.rid, str):
+                raise ValueError("'rid' of a single request must be a string")
+        else:
+            if self.rid is None:
+                self.rid = [_new_rid() for _ in range(n)]
+            elif not (isinstance(self.rid, list) and len(self.rid) == n):
+                raise ValueError(f"'rid' of a batch must be a list of {n} strings")
+
+    def _expand(self, name: str, value: Any, default: Any, kind: type) -> Any:
+        """Single: the value (or default). Batch: a list of ``batch_size`` values."""
+        if value is None:
+            value = default
+        if self.is_single:
+            if isinstance(value, list):
+                raise ValueError(f"'{name}' must not be a list for a single request")
+            return _check_kind(name, value, kind)
+        if isinstance(value, list):
+            if len(value) != self.batch_size:
+                raise ValueError(
+                    f"'{name}' has {len(value)} entries but the batch has {self.batch_size} prompts"
+                )
+            return [_check_kind(name, v if v is not None else default, kind) for v in value]
+        value = _check_kind(name, value, kind)
+        return [copy.deepcopy(value) for _ in range(self.batch_size)]
+
+    def __getitem__(self, i: int) -> "GenerateReqInput":
+        """The ``i``-th request of a normalized batch as a normalized single request."""
+        assert not self.is_single, "indexing a single request"
+        item = dataclasses.replace(
+            self,
+            text=self.text[i] if self.text is not None else None,
+            input_ids=self.input_ids[i] if self.input_ids is not None else None,
+            sampling_params=self.sampling_params[i],
+            rid=self.rid[i],
+            return_logprob=self.return_logprob[i],
+            logprob_start_len=self.logprob_start_len[i],
+            top_logprobs_num=self.top_logprobs_num[i],
+        )
+        item.is_single, item.batch_size = True, 1
+        return item
+
+
+def _is_int(x: Any) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _check_kind(name: str, value: Any, kind: type) -> Any:
+    if kind is int and not _is_int(value):
+        raise ValueError(f"'{name}' must be an integer, got {value!r}")
+    if kind is bool and not isinstance(value, bool):
+        raise ValueError(f"'{name}' must be a boolean, got {value!r}")
+    if kind is dict and not isinstance(value, dict):
+        raise ValueError(f"'{name}' must be a JSON object, got {type(value).__name__}")
+    return value
+
+
+@dataclass
+class TokenizedGenerateReqInput:
+    """A validated, tokenized request as the scheduler receives it."""
+
+    rid: str
+    input_text: Optional[str]
+    input_ids: List[int]
+    sampling_params: Any  # sglang.srt.sampling.sampling_params.SamplingParams (normalized)
+    return_logprob: bool = False
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
+    stream: bool = False
+
+
+@dataclass
+class AbortReq:
+    """Abort one request by rid (or every request with ``abort_all``); frees its slots."""
+
+    rid: str = ""
+    abort_all: bool = False
+
+
+@dataclass
+class FlushCacheReqInput:
+    """Reset the pools; only acts when the scheduler is idle."""
+
+
+@dataclass
+class FlushCacheReqOutput:
+    """Whether the flush happened (refused while requests are in flight), and why not."""
+
+    success: bool
+    message: str = ""
+
+
+@dataclass
+class GetInternalStateReq:
+    """Ask the scheduler for its internal-state dict (``/server_info`` ``internal_states``)."""
+
+
+@dataclass
+class GetInternalStateReqOutput:
+    """The scheduler's counters (see ``Scheduler.get_internal_state``)."""
+
+    internal_state: Dict[str, Any]
+
+
+# Short name used in the brief and in older SGLang versions.
+FlushCacheReq = FlushCacheReqInput
+
+
+@dataclass
+class BatchTokenIDOutput:
+    """New output tokens of the requests that have something to report this step.
+
+    Lists are parallel (one entry per rid). ``decode_ids`` holds only the ids produced since the
+    previous message for that rid; logprob lists likewise hold only the new entries. Input
+    logprobs are sent once, in the first message of a request.
+    """
+
+    rids: List[str]
+    finished_reasons: List[Optional[Dict[str, Any]]]
+    decode_ids: List[List[int]]
+    prompt_tokens: List[int]
+    completion_tokens: List[int]
+    cached_tokens: List[int]
+    # Detokenization options of each request (the detokenizer keeps no request registry).
+    skip_special_tokens: List[bool]
+    spaces_between_special_tokens: List[bool]
+    no_stop_trim: List[bool]
+    stop_strs: List[List[str]]
+    # Logprobs: one entry per rid as well (an empty list when the request did not ask).
+    output_token_logprobs_val: List[List[float]] = field(default_factory=list)
+    output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
+    output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
+    output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    input_token_logprobs_val: List[List[Optional[float]]] = field(default_factory=list)
+    input_token_logprobs_idx: List[List[int]] = field(default_factory=list)
+    input_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
+    input_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+
+
+@dataclass
+class BatchStrOutput:
+    """Detokenized update per request: ``output_strs`` is the NEW text since the last update."""
+
+    rids: List[str]
+    finished_reasons: List[Optional[Dict[str, Any]]]
+    output_strs: List[str]
+    output_ids: List[List[int]]
+    prompt_tokens: List[int]
+    completion_tokens: List[int]
+    cached_tokens: List[int]
+    output_token_logprobs_val: List[List[float]] = field(default_factory=list)
+    output_token_logprobs_idx: List[List[int]] = field(default_factory=list)
+    output_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
+    output_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    input_token_logprobs_val: List[List[Optional[float]]] = field(default_factory=list)
+    input_token_logprobs_idx: List[List[int]] = field(default_factory=list)
+    input_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
+    input_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)

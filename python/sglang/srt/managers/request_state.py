@@ -1,0 +1,177 @@
+"""TokenizerManager helpers: request validation/tokenization and per-request output state."""
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from typing import Any, Dict, List, Optional
+
+from sglang.srt.managers.io_struct import BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+# Request fields accepted for compatibility but without effect in this engine.
+_IGNORED_FEATURES = ("lora_path", "return_routed_experts", "return_hidden_states",
+                     "custom_logit_processor", "token_ids_logprob", "session_params")
+_warned: set = set()
+
+
+def build_tokenized_request(obj: GenerateReqInput, tokenizer: Any, vocab_size: int,
+                            context_len: int) -> TokenizedGenerateReqInput:
+    """Validate and tokenize one normalized single request; ``ValueError`` names the problem."""
+    for name in _IGNORED_FEATURES:
+        if getattr(obj, name) and name not in _warned:
+            _warned.add(name)
+            logger.warning("request field %r is not supported by this engine and is ignored", name)
+    if obj.text is not None:
+        if tokenizer is None:
+            raise ValueError("this model has no tokenizer: send 'input_ids' instead of 'text'")
+        input_ids = list(tokenizer.encode(obj.text))
+    else:
+        input_ids = list(obj.input_ids)
+    if not input_ids:
+        raise ValueError("the prompt is empty (no input tokens)")
+    bad = [t for t in input_ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"input id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+
+    sp = SamplingParams.from_dict(obj.sampling_params)
+    sp.verify(vocab_size)
+    sp.normalize(tokenizer)
+    if sp.stop_strs and tokenizer is None:
+        raise ValueError("stop strings need a tokenizer, and this model has none; "
+                         "use stop_token_ids")
+    n = len(input_ids)
+    if n >= context_len:
+        raise ValueError(f"the input ({n} tokens) is longer than the model's context length "
+                         f"({context_len} tokens)")
+    if sp.max_new_tokens is not None and n + sp.max_new_tokens > context_len:
+        raise ValueError(
+            f"Requested token count exceeds the model's maximum context length of {context_len} "
+            f"tokens. You requested a total of {n + sp.max_new_tokens} tokens: {n} tokens from "
+            f"the input and {sp.max_new_tokens} tokens for the completion."
+        )
+    if not -1 <= obj.logprob_start_len <= n:
+        raise ValueError(f"logprob_start_len must be in [-1, {n}] for a prompt of {n} tokens, "
+                         f"got {obj.logprob_start_len}")
+    if not 0 <= obj.top_logprobs_num <= vocab_size:
+        raise ValueError(f"top_logprobs_num must be in [0, {vocab_size}], "
+                         f"got {obj.top_logprobs_num}")
+    return TokenizedGenerateReqInput(
+        rid=obj.rid, input_text=obj.text, input_ids=input_ids, sampling_params=sp,
+        return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len,
+        top_logprobs_num=obj.top_logprobs_num, stream=obj.stream,
+    )
+
+
+class ReqState:
+    """Cumulative output of one request, owned by the event loop that awaits it.
+
+    ``post``/``fail`` may be called from any thread; they forward to the owning loop.
+    """
+
+    def __init__(self, obj: GenerateReqInput, tokenized: TokenizedGenerateReqInput,
+                 loop: asyncio.AbstractEventLoop, tokenizer: Any):
+        self.obj = obj
+        self.rid = obj.rid
+        self.loop = loop
+        self.tokenizer = tokenizer
+        self.event = asyncio.Event()
+        self.created_time = time.perf_counter()
+        self.finished_time: Optional[float] = None
+        self.prompt_tokens = len(tokenized.input_ids)
+        self.text = ""
+        self.output_ids: List[int] = []
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self.finish_reason: Optional[Dict[str, Any]] = None
+        self.finished = False
+        self.error: Optional[str] = None
+        self.bad_request_message: Optional[str] = None
+        self.updates = 0
+        self.seen_updates = 0
+        self.out_lp: List[list] = []  # [logprob, id] pairs, text added on output
+        self.out_top: List[list] = []
+        self.in_lp: List[list] = []
+        self.in_top: List[Optional[list]] = []
+
+    # ---------------------------------------------------------------- producer side
+    def post(self, out: BatchStrOutput, i: int) -> None:
+        """Queue the ``i``-th entry of a detokenizer message for this request's loop."""
+        item = (
+            out.finished_reasons[i], out.output_strs[i], out.output_ids[i],
+            out.completion_tokens[i], out.cached_tokens[i],
+            list(zip(out.output_token_logprobs_val[i], out.output_token_logprobs_idx[i])),
+            list(zip(out.output_top_logprobs_val[i], out.output_top_logprobs_idx[i])),
+            list(zip(out.input_token_logprobs_val[i], out.input_token_logprobs_idx[i])),
+            list(zip(out.input_top_logprobs_val[i], out.input_top_logprobs_idx[i])),
+        )
+        self._call(self._apply, item)
+
+    def fail(self, reason: str) -> None:
+        """Fail the request (engine died or shut down)."""
+        self._call(self._apply_error, reason)
+
+    def _call(self, fn, *args) -> None:
+        try:
+            self.loop.call_soon_threadsafe(fn, *args)
+        except RuntimeError:  # the loop is closed: nobody awaits this request any more
+            pass
+
+    # ---------------------------------------------------------------- loop side
+    def _apply(self, item: tuple) -> None:
+        finish, text, ids, completion, cached, out_lp, out_top, in_lp, in_top = item
+        self.text += text
+        self.output_ids.extend(ids)
+        self.completion_tokens, self.cached_tokens = completion, cached
+        self.out_lp += [[v, t] for v, t in out_lp]
+        self.out_top += [[vals, idx] for vals, idx in out_top]
+        self.in_lp += [[v, t] for v, t in in_lp]
+        self.in_top += [[vals, idx] if vals else None for vals, idx in in_top]
+        if finish is not None:
+            self.finish_reason = finish
+            self.finished = True
+            self.finished_time = time.perf_counter()
+            if finish.get("type") == "abort" and finish.get("status_code") == 400:
+                self.bad_request_message = finish.get("message")
+        self.updates += 1
+        self.event.set()
+
+    def _apply_error(self, reason: str) -> None:
+        if not self.finished:
+            self.error = reason
+        self.event.set()
+
+    # ---------------------------------------------------------------- output
+    def _token_text(self, token_id: int) -> Optional[str]:
+        if not self.obj.return_text_in_logprobs or self.tokenizer is None:
+            return None
+        return self.tokenizer.decode([token_id])
+
+    def _entries(self, pairs: List[list]) -> List[list]:
+        return [[v, t, self._token_text(t)] for v, t in pairs]
+
+    def _top_entries(self, rows: List[Optional[list]]) -> List[Optional[list]]:
+        return [None if row is None else self._entries(list(zip(row[0], row[1]))) for row in rows]
+
+    def to_output(self) -> Dict[str, Any]:
+        """SGLang's output dict with cumulative text and ids."""
+        meta: Dict[str, Any] = {
+            "id": self.rid,
+            "finish_reason": self.finish_reason,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "cached_tokens": self.cached_tokens,
+            "weight_version": "default",
+            "num_retractions": 0,
+        }
+        if self.finished:
+            meta["e2e_latency"] = self.finished_time - self.created_time
+        if self.obj.return_logprob:
+            meta["input_token_logprobs"] = self._entries(self.in_lp)
+            meta["output_token_logprobs"] = self._entries(self.out_lp)
+            if self.obj.top_logprobs_num > 0:
+                meta["input_top_logprobs"] = self._top_entries(self.in_top)
+                meta["output_top_logprobs"] = self._top_entries(self.out_top)
+        return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}

@@ -1,0 +1,361 @@
+"""TokenizerManager: the main process's front door to the scheduler (asyncio).
+
+It validates and tokenizes requests (bad input raises ``ValueError`` here and never reaches the
+scheduler), sends them to scheduler rank 0, and turns the detokenizer's updates into SGLang's
+output dicts ``{"text", "output_ids", "meta_info"}`` for ``generate_request``.
+
+Threading: one background thread owns the receiving socket. It never touches request state
+directly: it hands each update to the event loop that created the request
+(``loop.call_soon_threadsafe``), so a request can be awaited from any loop (the Engine's private
+loop, uvicorn's, or a user's) and all state changes happen on that loop's thread. The same
+thread watches the child processes: if one dies, every pending request fails with an error and
+``is_healthy()`` turns False, so nothing waits forever.
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from typing import Any, AsyncIterator, Deque, Dict, List, Optional, Tuple
+
+import zmq
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.managers.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    GenerateReqInput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+)
+from sglang.srt.managers.request_state import ReqState, build_tokenized_request
+from sglang.srt.managers.utils import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+# How often a waiting request checks whether its HTTP client went away.
+DISCONNECT_CHECK_S = 2.0
+CONTROL_TIMEOUT_S = 60.0
+
+
+class TokenizerManager:
+    """Tokenizes requests, sends them to the scheduler and streams results back."""
+
+    def __init__(self, server_args: Any, port_args: Any):
+        self.server_args = server_args
+        self.port_args = port_args
+        self.model_config = ModelConfig.from_path(server_args.model_path,
+                                                  server_args.json_model_override_args)
+        self.tokenizer = load_tokenizer(server_args)
+        self.context_len = server_args.context_length or self.model_config.context_len
+        self.vocab_size = self.model_config.vocab_size
+
+        self.rid_to_state: Dict[str, ReqState] = {}
+        self._control_waiters: Dict[type, Deque[Tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {
+            FlushCacheReqOutput: deque(), GetInternalStateReqOutput: deque()}
+        self._lock = threading.Lock()  # guards the send socket, rid_to_state and the waiters
+        self._child_processes: List[Tuple[str, Any]] = []
+        self._dead_reason: Optional[str] = None
+        self._closed = False
+        # Wall-clock time of the last message from the backend (health checks under load).
+        self.last_receive_tstamp = 0.0
+
+        self._context = zmq.Context(2)
+        self._send_to_scheduler = self._context.socket(zmq.PUSH)
+        self._send_to_scheduler.connect(port_args.scheduler_input_ipc_name)
+        self._recv = self._context.socket(zmq.PULL)
+        self._recv.bind(port_args.tokenizer_ipc_name)
+        self._thread = threading.Thread(target=self._recv_loop, name="tokenizer-manager-recv",
+                                        daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ health
+    def watch_processes(self, processes: List[Tuple[str, Any]]) -> None:
+        """Register child processes ``(name, multiprocessing.Process)`` whose death is fatal."""
+        self._child_processes = list(processes)
+
+    def is_healthy(self) -> bool:
+        """False once a child process died or the manager was closed."""
+        return self._dead_reason is None and not self._closed
+
+    def is_ready(self) -> bool:
+        """Ready to serve (the launcher creates this object only after the children are up)."""
+        return self.is_healthy()
+
+    def _check_alive(self) -> None:
+        if self._dead_reason is not None:
+            raise RuntimeError(f"the engine is not healthy: {self._dead_reason}")
+        if self._closed:
+            raise RuntimeError("the engine has been shut down")
+
+    # ------------------------------------------------------------------ sending
+    def _send(self, obj: Any) -> None:
+        with self._lock:
+            if not self._closed:
+                self._send_to_scheduler.send_pyobj(obj)
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        """Ask the scheduler to abort a request (its waiter then gets finish_reason abort)."""
+        self._send(AbortReq(rid=rid, abort_all=abort_all))
+
+    # ------------------------------------------------------------------ generate
+    async def generate_request(self, obj: GenerateReqInput,
+                               request: Any = None) -> AsyncIterator[Any]:
+        """Yield SGLang output dicts (see the class docstring of ``ReqState.to_output``).
+
+        Single request: streaming yields one dict per update (cumulative text), non-streaming
+        yields one final dict. Batch: non-streaming yields one list of dicts; streaming yields
+        dicts carrying an ``index`` key. Raises ``ValueError`` for invalid input (nothing is sent
+        then) and ``RuntimeError`` if the engine dies. If ``request`` (a starlette Request) is
+        given, a client disconnect aborts the request.
+        """
+        self._check_alive()
+        obj.normalize_batch_and_arguments()
+        if obj.is_single:
+            tokenized = build_tokenized_request(obj, self.tokenizer, self.vocab_size,
+                                                self.context_len)
+            state = self._register(obj, tokenized)
+            async for out in self._wait_one_response(state, request):
+                yield out
+            return
+        items = [obj[i] for i in range(obj.batch_size)]
+        if len({it.rid for it in items}) != len(items):
+            raise ValueError("the rids of a batch must be distinct")
+        tokenized = [build_tokenized_request(it, self.tokenizer, self.vocab_size,
+                                             self.context_len) for it in items]
+        states = [self._register(it, tok) for it, tok in zip(items, tokenized)]
+        if not obj.stream:
+            try:
+                results = await asyncio.gather(*[self._collect(s, request) for s in states])
+            finally:
+                self._abort_unfinished(states)
+            yield list(results)
+            return
+        async for out in self._merge_streams(states, request):
+            yield out
+
+    def _register(self, obj: GenerateReqInput, tokenized: Any) -> ReqState:
+        state = ReqState(obj, tokenized, asyncio.get_running_loop(), self.tokenizer)
+        with self._lock:
+            if obj.rid in self.rid_to_state:
+                raise ValueError(f"duplicate request id {obj.rid!r}: a request with this rid is "
+                                 "still running")
+            self.rid_to_state[obj.rid] = state
+        if self._dead_reason is not None:  # died between the check and the registration
+            state.fail(self._dead_reason)
+        self._send(tokenized)
+        return state
+
+    async def _wait_one_response(self, state: ReqState, request: Any) -> AsyncIterator[dict]:
+        try:
+            while True:
+                if state.seen_updates == state.updates and not state.finished \
+                        and state.error is None:
+                    await self._wait_event(state, request)
+                state.event.clear()
+                if state.error is not None:
+                    raise RuntimeError(state.error)
+                if state.finished:
+                    if state.bad_request_message is not None:
+                        raise ValueError(state.bad_request_message)
+                    yield state.to_output()
+                    return
+                if state.updates > state.seen_updates:
+                    state.seen_updates = state.updates
+                    if state.obj.stream:
+                        yield state.to_output()  # cumulative: older unseen updates fold in
+        finally:
+            self._abort_unfinished([state])
+
+    async def _wait_event(self, state: ReqState, request: Any) -> None:
+        if request is None:
+            await state.event.wait()
+            return
+        while True:
+            try:
+                await asyncio.wait_for(state.event.wait(), timeout=DISCONNECT_CHECK_S)
+                return
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    # The finally of _wait_one_response sends the abort to the scheduler.
+                    raise ValueError(f"the client disconnected; request {state.rid} aborted")
+
+    async def _collect(self, state: ReqState, request: Any) -> dict:
+        last = None
+        async for out in self._wait_one_response(state, request):
+            last = out
+        return last
+
+    async def _merge_streams(self, states: List[ReqState], request: Any) -> AsyncIterator[dict]:
+        queue: asyncio.Queue = asyncio.Queue()
+
+        async def pump(i: int, state: ReqState) -> None:
+            try:
+                async for out in self._wait_one_response(state, request):
+                    await queue.put((i, out, None))
+            except BaseException as e:  # surfaced to the consumer below
+                await queue.put((i, None, e))
+            finally:
+                await queue.put((i, None, StopAsyncIteration()))
+
+        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(states)]
+        remaining = len(states)
+        try:
+            while remaining:
+                i, out, err = await queue.get()
+                if isinstance(err, StopAsyncIteration):
+                    remaining -= 1
+                elif err is not None:
+                    raise err
+                else:
+                    out["index"] = i
+                    yield out
+        finally:
+            for t in tasks:
+                t.cancel()
+            self._abort_unfinished(states)
+
+    def _abort_unfinished(self, states: List[ReqState]) -> None:
+        """Forget the states; a request still running in the scheduler is aborted there."""
+        for state in states:
+            with self._lock:
+                self.rid_to_state.pop(state.rid, None)
+            if not state.finished and state.error is None and self._dead_reason is None:
+                self.abort_request(state.rid)
+
+    # ------------------------------------------------------------------ control requests
+    async def _control(self, req: Any, reply_type: type, timeout: float) -> Any:
+        self._check_alive()
+        loop = asyncio.get_running_loop()
+        fut = loop.create_future()
+        with self._lock:
+            self._control_waiters[reply_type].append((loop, fut))
+        self._send(req)
+        return await asyncio.wait_for(fut, timeout)
+
+    async def flush_cache(self, timeout: float = CONTROL_TIMEOUT_S) -> bool:
+        """Reset the scheduler's pools; False (with a log line) if requests are in flight."""
+        out: FlushCacheReqOutput = await self._control(FlushCacheReqInput(),
+                                                       FlushCacheReqOutput, timeout)
+        if not out.success:
+            logger.warning("flush_cache refused: %s", out.message)
+        return out.success
+
+    async def get_internal_state(self, timeout: float = CONTROL_TIMEOUT_S) -> List[dict]:
+        """One internal-state dict per data-parallel rank (this engine has one)."""
+        out: GetInternalStateReqOutput = await self._control(GetInternalStateReq(),
+                                                             GetInternalStateReqOutput, timeout)
+        return [out.internal_state]
+
+    async def health_generate(self, timeout: float = 20.0) -> bool:
+        """A one-token greedy probe (``input_ids=[0]``); True as soon as any output arrives."""
+        if not self.is_healthy():
+            return False
+        obj = GenerateReqInput(input_ids=[0], sampling_params={"max_new_tokens": 1,
+                                                               "temperature": 0.0},
+                               log_metrics=False, stream=True)
+        gen = self.generate_request(obj)
+        try:
+            await asyncio.wait_for(gen.__anext__(), timeout)
+            return True
+        except (asyncio.TimeoutError, RuntimeError, StopAsyncIteration, ValueError):
+            return False
+        finally:
+            await gen.aclose()
+
+    # ------------------------------------------------------------------ receiving thread
+    def _recv_loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._recv, zmq.POLLIN)
+        next_check = 0.0
+        while not self._closed:
+            try:
+                ready = poller.poll(100)
+            except zmq.ZMQError:
+                break  # socket closed during shutdown
+            if ready:
+                while True:
+                    try:
+                        obj = self._recv.recv_pyobj(zmq.NOBLOCK)
+                    except (zmq.Again, zmq.ZMQError):
+                        break
+                    self.last_receive_tstamp = time.time()
+                    self._dispatch(obj)
+            now = time.monotonic()
+            if now >= next_check:
+                next_check = now + 0.5
+                self._check_children()
+
+    def _dispatch(self, obj: Any) -> None:
+        if isinstance(obj, BatchStrOutput):
+            with self._lock:
+                states = [self.rid_to_state.get(rid) for rid in obj.rids]
+            for i, state in enumerate(states):
+                if state is not None:
+                    state.post(obj, i)
+        elif type(obj) in self._control_waiters:
+            with self._lock:
+                waiters = self._control_waiters[type(obj)]
+                waiter = waiters.popleft() if waiters else None
+            if waiter is not None:
+                _resolve(waiter, result=obj)
+        else:
+            logger.error("tokenizer manager got an unknown message %s", type(obj).__name__)
+
+    def _check_children(self) -> None:
+        if self._dead_reason is not None:
+            return
+        for name, proc in self._child_processes:
+            if not proc.is_alive():
+                self._mark_dead(f"the {name} process (pid {proc.pid}) exited with code "
+                                f"{proc.exitcode}")
+                return
+
+    def _mark_dead(self, reason: str) -> None:
+        logger.error("%s; failing all pending requests", reason)
+        self._dead_reason = reason
+        with self._lock:
+            states = list(self.rid_to_state.values())
+            waiters = [w for q in self._control_waiters.values() for w in q]
+            for q in self._control_waiters.values():
+                q.clear()
+        for state in states:
+            state.fail(reason)
+        for waiter in waiters:
+            _resolve(waiter, error=RuntimeError(f"the engine is not healthy: {reason}"))
+
+    def close(self) -> None:
+        """Stop the receive thread and close the sockets (pending requests fail)."""
+        if self._closed:
+            return
+        self._closed = True
+        self._thread.join(timeout=2)
+        with self._lock:
+            states = list(self.rid_to_state.values())
+        for state in states:
+            state.fail("the engine has been shut down")
+        self._send_to_scheduler.close(linger=0)
+        self._recv.close(linger=0)
+        self._context.term()
+
+
+def _resolve(waiter: Tuple[asyncio.AbstractEventLoop, asyncio.Future], result: Any = None,
+             error: Optional[BaseException] = None) -> None:
+    """Complete a future that belongs to another thread's loop."""
+    loop, fut = waiter
+
+    def done() -> None:
+        if not fut.done():
+            if error is not None:
+                fut.set_exception(error)
+            else:
+                fut.set_result(result)
+
+    try:
+        loop.call_soon_threadsafe(done)
+    except RuntimeError:  # that loop is closed: nobody is waiting any more
+        pass

@@ -1,0 +1,56 @@
+"""Smoke test of ``python -m sglang.bench_one_batch`` on a tiny checkpoint (CPU)."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from engine_test_utils import write_checkpoint
+from sglang import bench_one_batch
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    return write_checkpoint(str(tmp_path_factory.mktemp("bench_ckpt")))
+
+
+def test_bench_one_batch_in_process(ckpt, tmp_path):
+    out = tmp_path / "res.jsonl"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = bench_one_batch.main([
+            "--model-path", ckpt, "--device", "cpu", "--batch-size", "1", "2",
+            "--input-len", "16", "--output-len", "4", "--result-filename", str(out),
+            "--skip-warmup",
+        ])
+    finally:
+        torch.set_num_threads(n)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["batch_size"] for r in rows] == [1, 2] == [r["batch_size"] for r in results]
+    for r in rows:
+        assert r["input_len"] == 16 and r["output_len"] == 4
+        assert r["prefill_latency"] > 0 and r["median_decode_latency"] > 0
+        assert r["overall_throughput"] > 0
+
+
+def test_bench_one_batch_cli(ckpt, tmp_path):
+    out = tmp_path / "cli.jsonl"
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sglang.bench_one_batch", "--model-path", ckpt, "--device", "cpu",
+         "--input-len", "8", "--output-len", "3", "--result-filename", str(out)],
+        capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert "Prefill. latency" in proc.stdout and "median latency" in proc.stdout
+    assert json.loads(out.read_text())["input_len"] == 8
+
+
+def test_bench_one_batch_rejects_too_long_input(ckpt):
+    with pytest.raises(ValueError, match="context length"):
+        bench_one_batch.main(["--model-path", ckpt, "--device", "cpu", "--input-len", "600",
+                              "--output-len", "4", "--skip-warmup", "--max-total-tokens", "1024"])
