@@ -159,10 +159,23 @@ def _print(result: Dict[str, Any]) -> None:
           f"throughput: {result['overall_throughput']:9.2f} token/s")
 
 
+def memory_report(runner: ModelRunner, load_seconds: float) -> Dict[str, float]:
+    """Weight bytes of this rank, load time and (CUDA) memory held after building the runner."""
+    weights = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    out = {"load_time_s": load_seconds, "weight_gb": weights / 2**30}
+    if runner.device.type == "cuda":
+        out["cuda_allocated_after_load_gb"] = torch.cuda.memory_allocated() / 2**30
+    return out
+
+
 def run_rank(server_args: ServerArgs, bench_args: BenchArgs, tp_rank: int,
              nccl_port: Optional[int]) -> List[Dict[str, Any]]:
     """Run every configuration on one TP rank; rank 0 prints and writes the results."""
+    tic = time.perf_counter()
     runner = build_runner(server_args, bench_args, tp_rank, nccl_port)
+    memory = memory_report(runner, time.perf_counter() - tic)
+    if tp_rank == 0:
+        print(", ".join(f"{k}: {v:.2f}" for k, v in memory.items()))
     results = []
     if not bench_args.skip_warmup:
         run_once(runner, bench_args.batch_size[0], min(bench_args.input_len[0], 32),
@@ -172,6 +185,9 @@ def run_rank(server_args: ServerArgs, bench_args: BenchArgs, tp_rank: int,
             for ol in bench_args.output_len:
                 timing = run_once(runner, bs, il, ol, bench_args.seed)
                 result = summarize(bench_args.run_name, bs, il, ol, timing)
+                result.update(memory)
+                if runner.device.type == "cuda":
+                    result["cuda_peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
                 results.append(result)
                 if tp_rank != 0:
                     continue
