@@ -1,0 +1,315 @@
+"""``python -m sglang.bench_serving``: SGLang's online serving benchmark (our implementation).
+
+Sends a synthetic dataset to a running server at a Poisson request rate (or all at once) under an
+optional concurrency cap, then prints SGLang's result table and appends one JSON line of results.
+Metric definitions live in :mod:`sglang.benchmark.metrics`.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import sys
+import time
+from datetime import datetime
+from typing import Any, AsyncIterator, Dict, List, Optional
+
+import aiohttp
+import numpy as np
+import requests
+from tqdm.asyncio import tqdm
+
+from sglang.benchmark.backends import (
+    AIOHTTP_TIMEOUT,
+    ASYNC_REQUEST_FUNCS,
+    READ_BUFSIZE,
+    RequestFuncInput,
+    RequestFuncOutput,
+)
+from sglang.benchmark.datasets import DATASET_NAMES, DatasetRow, get_dataset
+from sglang.benchmark.metrics import calculate_metrics, format_table
+
+
+# ----------------------------------------------------------------------------- helpers
+def get_tokenizer(path: str):
+    """Load a Hugging Face tokenizer from a local folder (never downloads)."""
+    from transformers import AutoTokenizer, PreTrainedTokenizerFast
+
+    try:
+        return AutoTokenizer.from_pretrained(path, local_files_only=True, trust_remote_code=False)
+    except Exception as first_error:
+        # A folder with only tokenizer.json (no tokenizer_config.json) is still usable.
+        tok_file = os.path.join(path, "tokenizer.json")
+        if os.path.isfile(tok_file):
+            return PreTrainedTokenizerFast(tokenizer_file=tok_file)
+        raise ValueError(f"cannot load a tokenizer from {path!r}: {first_error}") from first_error
+
+
+def wait_for_server(base_url: str, timeout_s: float) -> None:
+    """Poll ``GET /health`` until 200; raise with a clear message after ``timeout_s``."""
+    deadline = time.time() + timeout_s
+    last = "no answer"
+    while True:
+        try:
+            r = requests.get(f"{base_url}/health", timeout=5)
+            if r.status_code == 200:
+                return
+            last = f"HTTP {r.status_code}"
+        except requests.RequestException as e:
+            last = type(e).__name__
+        if time.time() > deadline:
+            raise RuntimeError(f"server at {base_url} not ready after {timeout_s:.0f}s ({last})")
+        time.sleep(1.0)
+
+
+def _get_json(url: str) -> Optional[Dict[str, Any]]:
+    try:
+        r = requests.get(url, timeout=30)
+        return r.json() if r.status_code == 200 else None
+    except (requests.RequestException, ValueError):
+        return None
+
+
+def resolve_model_and_tokenizer(args: argparse.Namespace, base_url: str):
+    """Model id for OpenAI payloads and the tokenizer path: CLI first, then the server's answers."""
+    model_id = args.model
+    if model_id is None:
+        models = _get_json(f"{base_url}/v1/models") or {}
+        data = models.get("data") or []
+        model_id = data[0]["id"] if data else "default"
+    tok_path = args.tokenizer
+    if tok_path is None and args.model and os.path.isdir(args.model):
+        tok_path = args.model
+    if tok_path is None:
+        info = _get_json(f"{base_url}/model_info") or {}
+        tok_path = info.get("tokenizer_path") or info.get("model_path")
+    if not tok_path:
+        raise ValueError("no tokenizer: pass --tokenizer (a local folder)")
+    return model_id, get_tokenizer(tok_path)
+
+
+async def get_request(rows: List[DatasetRow], request_rate: float) -> AsyncIterator[DatasetRow]:
+    """Yield rows with exponential gaps (Poisson arrivals); all at once for an infinite rate."""
+    for row in rows:
+        yield row
+        if request_rate == float("inf"):
+            continue
+        await asyncio.sleep(np.random.exponential(1.0 / request_rate))
+
+
+def _fetch_accept_length(base_url: str, backend: str) -> Optional[float]:
+    """``internal_states[0].avg_spec_accept_length`` from the server (``decode[0]`` in PD mode)."""
+    if "sglang" not in backend:
+        return None
+    info = _get_json(f"{base_url}/server_info")
+    if not info:
+        return None
+    if "decode" in info and info["decode"]:
+        info = info["decode"][0]
+    states = info.get("internal_states") or [{}]
+    return states[0].get("avg_spec_accept_length")
+
+
+# ----------------------------------------------------------------------------- the run
+async def benchmark(
+    args: argparse.Namespace,
+    base_url: str,
+    model_id: str,
+    tokenizer,
+    rows: List[DatasetRow],
+) -> Dict[str, Any]:
+    """Warm up, optionally flush, run all rows, and return the JSONL result dict."""
+    request_func, path = ASYNC_REQUEST_FUNCS[args.backend]
+    api_url = f"{base_url}{path}"
+    extra = json.loads(args.extra_request_body) if args.extra_request_body else {}
+    if not isinstance(extra, dict):
+        raise ValueError("--extra-request-body must be a JSON object")
+
+    def make_input(row: DatasetRow, output_len: Optional[int] = None) -> RequestFuncInput:
+        return RequestFuncInput(
+            prompt=row.prompt, api_url=api_url, prompt_len=row.prompt_len,
+            output_len=output_len or row.output_len, model=model_id,
+            temperature=args.temperature, top_p=args.top_p,
+            ignore_eos=not args.disable_ignore_eos, stream=not args.disable_stream,
+            return_logprob=args.return_logprob, extra_request_body=extra,
+        )
+
+    semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None
+    async with aiohttp.ClientSession(timeout=AIOHTTP_TIMEOUT, read_bufsize=READ_BUFSIZE) as session:
+        if args.warmup_requests > 0:
+            print(f"Starting warmup with {args.warmup_requests} sequences...")
+            warm_input = make_input(rows[0], min(rows[0].output_len, 32))
+            warm = await asyncio.gather(
+                *[request_func(session, warm_input) for _ in range(args.warmup_requests)]
+            )
+            if not any(o.success for o in warm):
+                raise RuntimeError(
+                    f"Warmup failed - check the benchmark arguments. Error: {warm[0].error}")
+            print(f"Warmup completed with {args.warmup_requests} sequences. "
+                  "Starting main benchmark run...")
+        if args.flush_cache:
+            requests.post(f"{base_url}/flush_cache", timeout=60)
+        await asyncio.sleep(1.0)
+
+        pbar = tqdm(total=len(rows), disable=args.disable_tqdm)
+
+        async def one(row: DatasetRow) -> RequestFuncOutput:
+            if semaphore is None:
+                out = await request_func(session, make_input(row))
+            else:
+                async with semaphore:
+                    out = await request_func(session, make_input(row))
+            pbar.update(1)
+            return out
+
+        start = time.perf_counter()
+        tasks = []
+        async for row in get_request(rows, args.request_rate):
+            tasks.append(asyncio.create_task(one(row)))
+        outputs: List[RequestFuncOutput] = await asyncio.gather(*tasks)
+        pbar.close()
+
+    server_info = _get_json(f"{base_url}/server_info") if "sglang" in args.backend else None
+    accept_length = _fetch_accept_length(base_url, args.backend)
+    duration = time.perf_counter() - start  # includes the /server_info round trip, as upstream
+
+    metrics = calculate_metrics(
+        [r.prompt_len for r in rows], outputs, duration,
+        retokenize=lambda text: len(tokenizer.encode(text, add_special_tokens=False)),
+        accept_length=accept_length,
+    )
+    print(format_table(metrics, args.backend, args.request_rate, args.max_concurrency, duration))
+    failed = [o for o in outputs if not o.success]
+    if failed:
+        print(f"{len(failed)} request(s) failed; first error: {failed[0].error.strip()[-2000:]}")
+
+    result: Dict[str, Any] = {
+        "backend": args.backend,
+        "dataset_name": args.dataset_name,
+        "request_rate": args.request_rate,
+        "max_concurrency": args.max_concurrency,
+        "random_input_len": args.random_input_len,
+        "random_output_len": args.random_output_len,
+        "random_range_ratio": args.random_range_ratio,
+        "server_info": server_info,
+        "duration": duration,
+        "completed": metrics.completed,
+        "total_input_tokens": metrics.total_input,
+        "total_input_text_tokens": metrics.total_input_text,
+        "total_output_tokens": metrics.total_output,
+        "total_output_tokens_retokenized": metrics.total_output_retokenized,
+        "request_throughput": metrics.request_throughput,
+        "input_throughput": metrics.input_throughput,
+        "output_throughput": metrics.output_throughput,
+        "total_throughput": metrics.total_throughput,
+        "concurrency": metrics.concurrency,
+        "accept_length": metrics.accept_length,
+        "max_output_tokens_per_s": metrics.max_output_tokens_per_s,
+        "max_concurrent_requests": metrics.max_concurrent_requests,
+    }
+    for name in ("e2e_latency", "ttft", "tpot", "itl"):
+        for stat in ("mean", "median", "std", "p90", "p95", "p99"):
+            key = f"{stat}_{name}_ms"
+            result[key] = getattr(metrics, key)
+    result["max_itl_ms"] = metrics.max_itl_ms
+    if args.output_details:
+        result.update(
+            input_lens=[r.prompt_len for r in rows],
+            output_lens=[o.output_len for o in outputs],
+            ttfts=[o.ttft for o in outputs],
+            itls=[o.itl for o in outputs],
+            generated_texts=[o.generated_text for o in outputs],
+            errors=[o.error for o in outputs],
+        )
+    return result
+
+
+def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
+    """Run a benchmark from parsed CLI args; print the table, append the JSONL line, return it."""
+    if args.backend not in ASYNC_REQUEST_FUNCS:
+        raise ValueError(
+            f"unknown backend {args.backend!r}; choose from {sorted(ASYNC_REQUEST_FUNCS)}")
+    if args.num_prompts < 1:
+        raise ValueError("--num-prompts must be >= 1")
+    if args.request_rate <= 0:
+        raise ValueError("--request-rate must be positive (inf sends everything at once)")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        raise ValueError("--max-concurrency must be >= 1")
+    random.seed(args.seed)
+    np.random.seed(args.seed)
+    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    wait_for_server(base_url, args.ready_check_timeout_sec)
+    model_id, tokenizer = resolve_model_and_tokenizer(args, base_url)
+
+    rows = get_dataset(
+        args.dataset_name, tokenizer, args.num_prompts,
+        args.random_input_len, args.random_output_len, args.random_range_ratio,
+    )
+    if args.backend == "sglang-oai-chat":
+        # Chat messages carry text: decode id prompts.
+        rows = [DatasetRow(tokenizer.decode(r.prompt), r.prompt_len, r.output_len)
+                if isinstance(r.prompt, list) else r for r in rows]
+    print(f"#Input tokens: {sum(r.prompt_len for r in rows)}")
+    print(f"#Output tokens: {sum(r.output_len for r in rows)}")
+
+    result = asyncio.run(benchmark(args, base_url, model_id, tokenizer, rows))
+    output_file = args.output_file or (
+        f"{args.backend}_{datetime.now().strftime('%m%d')}_{args.num_prompts}_"
+        f"{args.random_input_len}_{args.random_output_len}.jsonl"
+    )
+    with open(output_file, "a") as f:
+        f.write(json.dumps(result) + "\n")
+    return result
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """SGLang's bench_serving flags (the subset that needs no download)."""
+    p = argparse.ArgumentParser(description="Benchmark the online serving throughput and latency.")
+    p.add_argument("--backend", default="sglang", choices=sorted(ASYNC_REQUEST_FUNCS))
+    p.add_argument("--base-url", default=None, help="server URL; overrides --host/--port")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=30000)
+    p.add_argument("--dataset-name", default="random", choices=DATASET_NAMES)
+    p.add_argument("--model", default=None,
+                   help="model id for OpenAI payloads (default: the server's /v1/models)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the server's)")
+    p.add_argument("--num-prompts", type=int, default=1000)
+    p.add_argument("--random-input-len", type=int, default=1024)
+    p.add_argument("--random-output-len", type=int, default=1024)
+    p.add_argument("--random-range-ratio", type=float, default=0.0)
+    p.add_argument("--request-rate", type=float, default=float("inf"),
+                   help="requests per second (Poisson); inf sends all at once")
+    p.add_argument("--max-concurrency", type=int, default=None)
+    p.add_argument("--output-file", default=None, help="JSONL file the result line is appended to")
+    p.add_argument("--output-details", action="store_true",
+                   help="add per-request lists to the JSONL")
+    p.add_argument("--seed", type=int, default=42)
+    p.add_argument("--disable-ignore-eos", action="store_true")
+    p.add_argument("--disable-stream", action="store_true")
+    p.add_argument("--disable-tqdm", action="store_true")
+    p.add_argument("--return-logprob", action="store_true")
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--extra-request-body", default=None,
+                   help="JSON object merged into each payload")
+    p.add_argument("--warmup-requests", type=int, default=1)
+    p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache before the run")
+    p.add_argument("--ready-check-timeout-sec", type=float, default=60)
+    return p
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    """CLI entry; returns a process exit code (2 for a bad argument or unreachable server)."""
+    args = build_parser().parse_args(argv)
+    try:
+        run_benchmark(args)
+    except (ValueError, RuntimeError) as e:
+        print(f"bench_serving: error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,463 @@
+"""The HTTP server: SGLang's native API and the OpenAI-compatible API on FastAPI + uvicorn.
+
+``launch_server`` starts the scheduler and detokenizer processes (through the engine), keeps the
+``TokenizerManager`` in this process, serves ``app`` with uvicorn, warms the model up with one
+request, and on exit (SIGINT/SIGTERM, or a failed warmup) takes every child process down.
+
+Bad input never reaches the scheduler: malformed JSON and wrong types are answered here, and the
+TokenizerManager's validation (``ValueError``) is turned into a 400 before any byte of a stream is
+sent (the first chunk is awaited before the response starts).
+"""
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import logging
+import os
+import signal
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, Dict, Optional
+
+import requests
+import uvicorn
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+
+import sglang
+from sglang.srt.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    ModelCard,
+    ModelList,
+)
+from sglang.srt.entrypoints.openai.serving_base import (
+    SSE_DONE,
+    abort_rids,
+    create_error_response,
+    json_response,
+    sse_event,
+)
+from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
+from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from sglang.srt.environ import envs
+from sglang.srt.managers.io_struct import GenerateReqInput
+
+logger = logging.getLogger(__name__)
+
+# Top-level /generate fields that select the response shape: checked here, before use.
+_BOOL_FIELDS = ("stream", "return_text_in_logprobs", "log_metrics")
+WARMUP_MAX_NEW_TOKENS = 8  # as upstream's warmup for generation models
+
+
+@dataclass
+class _GlobalState:
+    """What the endpoints need; set once by :func:`set_global_state` before serving."""
+
+    tokenizer_manager: Any
+    server_args: Any
+    serving_completion: OpenAIServingCompletion
+    serving_chat: OpenAIServingChat
+    scheduler_info: Dict[str, Any]
+    startup_time: float
+    shutting_down: bool = False
+    failure: Optional[str] = None  # why the server stopped itself (warmup failed, ...)
+
+
+_state: Optional[_GlobalState] = None
+
+
+def set_global_state(tokenizer_manager: Any, server_args: Any,
+                     scheduler_info: Optional[Dict[str, Any]] = None) -> None:
+    """Bind the app to a TokenizerManager (``scheduler_info``: what rank 0 reported at start)."""
+    global _state
+    _state = _GlobalState(
+        tokenizer_manager=tokenizer_manager,
+        server_args=server_args,
+        serving_completion=OpenAIServingCompletion(tokenizer_manager),
+        serving_chat=OpenAIServingChat(tokenizer_manager),
+        scheduler_info=dict(scheduler_info or {}),
+        startup_time=time.time(),
+    )
+
+
+def _st() -> _GlobalState:
+    if _state is None:
+        raise RuntimeError("the HTTP app has no TokenizerManager: call set_global_state first")
+    return _state
+
+
+def _flag(obj: Any, name: str) -> bool:
+    """Read a readiness flag that may be an attribute or a method."""
+    value = getattr(obj, name, True)
+    return bool(value() if callable(value) else value)
+
+
+app = FastAPI(title="sglang", version=sglang.__version__)
+
+
+@app.exception_handler(RequestValidationError)
+async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+    """Pydantic/JSON errors of the OpenAI endpoints -> 400 naming the fields."""
+    parts = []
+    for err in exc.errors():
+        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
+        parts.append(f"{loc or 'body'}: {err.get('msg')}")
+    return create_error_response("invalid request: " + "; ".join(parts))
+
+
+class _ApiKeyMiddleware:
+    """With ``--api-key``, every endpoint except the health checks needs the bearer token.
+
+    A plain ASGI middleware on purpose: starlette's ``BaseHTTPMiddleware`` wraps ``receive`` so
+    that ``Request.is_disconnected()`` never fires, which would stop client disconnects from
+    aborting their requests.
+    """
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Dict[str, Any], receive: Any, send: Any) -> None:
+        key = getattr(_state.server_args, "api_key", None) if _state else None
+        if key and scope["type"] == "http" and not scope["path"].startswith("/health"):
+            headers = dict(scope.get("headers") or [])
+            if headers.get(b"authorization", b"").decode("latin-1") != f"Bearer {key}":
+                resp = create_error_response("missing or wrong API key", "AuthenticationError", 401)
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+app.add_middleware(_ApiKeyMiddleware)
+
+
+# ----------------------------------------------------------------------------- health
+async def _generation_alive(tm: Any, timeout_s: float) -> bool:
+    """Submit a 1-token greedy request; True as soon as the backend answers anything.
+
+    A busy server answers other requests meanwhile, which also proves the backend is alive, so
+    the check costs nothing under load (the TokenizerManager's last-receive time moves).
+    """
+    rid = f"HEALTH_CHECK_{uuid.uuid4().hex}"
+    obj = GenerateReqInput(
+        input_ids=[0], sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+        rid=rid, log_metrics=False,
+    )
+    tic = time.time()
+
+    async def run() -> None:
+        async for _ in tm.generate_request(obj, None):
+            pass
+
+    task = asyncio.create_task(run())
+    try:
+        while time.time() - tic < timeout_s:
+            if task.done():
+                return task.exception() is None
+            if getattr(tm, "last_receive_tstamp", 0.0) > tic:
+                return True
+            await asyncio.sleep(0.05)
+        return False
+    finally:
+        if not task.done():
+            tm.abort_request(rid)
+            task.cancel()
+
+
+@app.get("/health")
+@app.get("/health_generate")
+async def health(request: Request) -> Response:
+    """503 while starting, shutting down or after a child died; otherwise a generation probe."""
+    st = _state
+    if st is None or st.shutting_down:
+        return Response(status_code=503)
+    tm = st.tokenizer_manager
+    if not _flag(tm, "is_ready") or not _flag(tm, "is_healthy"):
+        return Response(status_code=503)
+    probe = (request.url.path == "/health_generate"
+             or envs.SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION.get())
+    if probe and not await _generation_alive(tm, envs.SGLANG_HEALTH_CHECK_TIMEOUT.get()):
+        return Response(status_code=503)
+    return Response(status_code=200)
+
+
+@app.get("/ready")
+async def ready() -> Response:
+    """200 once the TokenizerManager reports ready."""
+    st = _state
+    ok = st is not None and not st.shutting_down and _flag(st.tokenizer_manager, "is_ready")
+    return Response(status_code=200 if ok else 503)
+
+
+# ----------------------------------------------------------------------------- info
+def _context_len(tm: Any) -> Optional[int]:
+    sa = tm.server_args
+    if getattr(sa, "context_length", None):
+        return int(sa.context_length)
+    cfg = getattr(tm, "model_config", None)
+    return int(cfg.context_len) if cfg is not None else None
+
+
+@app.get("/model_info")
+@app.get("/get_model_info")
+async def model_info() -> Dict[str, Any]:
+    """What is served (SGLang's ``/model_info`` keys)."""
+    tm = _st().tokenizer_manager
+    sa = tm.server_args
+    hf = tm.model_config.hf_config
+    return {
+        "model_path": tm.model_config.model_path,
+        "served_model_name": sa.served_model_name,
+        "tokenizer_path": sa.tokenizer_path or tm.model_config.model_path,
+        "is_generation": True,
+        "preferred_sampling_params": None,
+        "weight_version": "default",
+        "load_format": sa.load_format,
+        "reasoning_parser": None,
+        "tool_call_parser": None,
+        "disaggregation_mode": "null",
+        "has_image_understanding": False,
+        "has_audio_understanding": False,
+        "model_type": hf.model_type,
+        "architectures": list(hf.architectures),
+        "context_length": _context_len(tm),
+    }
+
+
+@app.get("/server_info")
+@app.get("/get_server_info")
+async def server_info() -> Dict[str, Any]:
+    """Resolved server args (flattened) plus one internal-state dict per scheduler group."""
+    st = _st()
+    internal_states = await st.tokenizer_manager.get_internal_state()
+    args = dataclasses.asdict(st.server_args)
+    if args.get("api_key"):
+        args["api_key"] = "***"  # never echo the secret
+    return {
+        **args,
+        **st.scheduler_info,
+        "internal_states": internal_states,
+        "startup_time": st.startup_time,
+        "version": sglang.__version__,
+    }
+
+
+@app.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(timeout: float = 0.0) -> PlainTextResponse:
+    """Reset the caches when idle; ``timeout`` seconds to wait for running requests to end."""
+    tm = _st().tokenizer_manager
+    deadline = time.time() + max(0.0, float(timeout))
+    while True:
+        if await tm.flush_cache():
+            return PlainTextResponse("Cache flushed.\n", status_code=200)
+        if time.time() >= deadline:
+            return PlainTextResponse(
+                "Cache not flushed: the scheduler has running or waiting requests.\n",
+                status_code=400,
+            )
+        await asyncio.sleep(0.1)
+
+
+@app.post("/abort_request")
+async def abort_request(request: Request) -> Response:
+    """Abort one request by ``rid`` (or all of them with ``abort_all``)."""
+    body = await _read_json(request)
+    if isinstance(body, JSONResponse):
+        return body
+    if not isinstance(body, dict):
+        return create_error_response("body must be a JSON object with 'rid'")
+    rid, abort_all = body.get("rid", ""), body.get("abort_all", False)
+    if not isinstance(rid, str) or not isinstance(abort_all, bool) or not (rid or abort_all):
+        return create_error_response("'rid' must be a non-empty string (or set 'abort_all': true)")
+    tm = _st().tokenizer_manager
+    if abort_all:
+        tm.abort_request("", abort_all=True)
+    else:
+        tm.abort_request(rid)
+    return Response(status_code=200)
+
+
+# ----------------------------------------------------------------------------- /generate
+async def _read_json(request: Request) -> Any:
+    """The parsed body, or a 400 response naming the JSON error."""
+    raw = await request.body()
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        return create_error_response(f"malformed JSON body: {e}")
+
+
+def _parse_generate_body(body: Any) -> GenerateReqInput:
+    """``GenerateReqInput`` from a JSON body; unknown keys are ignored, wrong types rejected."""
+    if not isinstance(body, dict):
+        raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
+    for name in _BOOL_FIELDS:
+        if name in body and not isinstance(body[name], bool):
+            raise ValueError(f"'{name}' must be a boolean, got {body[name]!r}")
+    obj = GenerateReqInput.from_dict(body)
+    if obj.rid is None:
+        # Known before submission, so a disconnect can abort it whatever the manager does.
+        size = _batch_size(obj)
+        obj.rid = uuid.uuid4().hex if size is None else [uuid.uuid4().hex for _ in range(size)]
+    return obj
+
+
+def _batch_size(obj: GenerateReqInput) -> Optional[int]:
+    """None for a single request, else the number of prompts (types are checked later)."""
+    prompts = obj.text if obj.text is not None else obj.input_ids
+    if isinstance(prompts, list) and (obj.text is not None or
+                                      (prompts and all(isinstance(x, list) for x in prompts))):
+        return len(prompts)
+    return None
+
+
+async def _stream_generate(
+    obj: GenerateReqInput, first: Dict[str, Any], generator: AsyncIterator[Dict[str, Any]]
+) -> AsyncIterator[bytes]:
+    """SSE: one ``data:`` record per chunk (cumulative text), then ``[DONE]``."""
+    completed = False
+    try:
+        yield sse_event(first)
+        async for chunk in generator:
+            yield sse_event(chunk)
+        completed = True
+    except ValueError as e:
+        completed = True
+        yield sse_event({"error": {"message": str(e), "type": "BadRequestError", "code": 400}})
+    except RuntimeError as e:  # the engine died or shut down mid-stream
+        completed = True
+        yield sse_event({"error": {"message": str(e), "type": "InternalServerError", "code": 500}})
+    finally:
+        if not completed:
+            # Client gone (cancelled): abort synchronously, awaits would be cancelled again.
+            abort_rids(_st().tokenizer_manager, obj.rid)
+    yield SSE_DONE
+
+
+@app.api_route("/generate", methods=["POST", "PUT"])
+async def generate_request(request: Request) -> Response:
+    """SGLang's native generation endpoint (single or batch, JSON or SSE)."""
+    body = await _read_json(request)
+    if isinstance(body, JSONResponse):
+        return body
+    tm = _st().tokenizer_manager
+    try:
+        obj = _parse_generate_body(body)
+        generator = tm.generate_request(obj, request)
+        if obj.stream:
+            first = await generator.__anext__()
+            return StreamingResponse(_stream_generate(obj, first, generator),
+                                     media_type="text/event-stream")
+        result = None
+        async for result in generator:
+            pass
+    except ValueError as e:
+        return create_error_response(str(e))
+    except RuntimeError as e:  # the engine is unhealthy or shutting down
+        return create_error_response(str(e), "InternalServerError", 500)
+    except StopAsyncIteration:
+        return create_error_response("the request produced no output", "InternalServerError", 500)
+    return json_response(result)
+
+
+# ----------------------------------------------------------------------------- OpenAI
+@app.get("/v1/models")
+async def available_models() -> Dict[str, Any]:
+    """The one served model."""
+    tm = _st().tokenizer_manager
+    name = str(tm.server_args.served_model_name)
+    card = ModelCard(id=name, root=name, max_model_len=_context_len(tm))
+    return ModelList(data=[card]).model_dump()
+
+
+@app.post("/v1/completions")
+async def openai_v1_completions(request: CompletionRequest, raw_request: Request) -> Response:
+    """OpenAI text completions."""
+    return await _st().serving_completion.handle_request(request, raw_request)
+
+
+@app.post("/v1/chat/completions")
+async def openai_v1_chat_completions(request: ChatCompletionRequest,
+                                     raw_request: Request) -> Response:
+    """OpenAI chat completions (the tokenizer's chat template)."""
+    return await _st().serving_chat.handle_request(request, raw_request)
+
+
+# ----------------------------------------------------------------------------- launch
+def _warmup_payload(tm: Any) -> Dict[str, Any]:
+    sampling = {"temperature": 0.0, "max_new_tokens": WARMUP_MAX_NEW_TOKENS}
+    if getattr(tm, "tokenizer", None) is None:
+        vocab = tm.model_config.vocab_size
+        return {"input_ids": [t % vocab for t in (1, 2, 3, 4)], "sampling_params": sampling}
+    return {"text": "The capital city of France is", "sampling_params": sampling}
+
+
+def _fail(reason: str) -> None:
+    """Stop serving because the server is unusable; ``launch_server`` then raises ``reason``."""
+    logger.error("%s; shutting down", reason)
+    _st().failure = reason
+    os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown path
+
+
+def _wait_and_warmup(server_args: Any, tm: Any, on_ready: Optional[Any] = None) -> None:
+    """Wait for the HTTP port, send the warmup request, log the URL; SIGTERM self on failure."""
+    url = server_args.url()
+    headers = {"Authorization": f"Bearer {server_args.api_key}"} if server_args.api_key else {}
+    deadline = time.time() + 600
+    while True:
+        try:
+            if requests.get(f"{url}/model_info", headers=headers, timeout=5).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        if _st().shutting_down:
+            return
+        if time.time() > deadline:
+            _fail(f"the HTTP server did not come up at {url}")
+            return
+        time.sleep(0.2)
+    if not server_args.skip_server_warmup:
+        try:
+            r = requests.post(f"{url}/generate", json=_warmup_payload(tm), headers=headers,
+                              timeout=600)
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
+        except Exception as e:  # noqa: BLE001 - any failure means the server is unusable
+            _fail(f"the warmup request failed: {e}")
+            return
+    logger.info("The server is fired up and ready to roll! Serving at %s", url)
+    if on_ready is not None:
+        on_ready()
+
+
+def launch_server(server_args: Any, on_ready: Optional[Any] = None) -> None:
+    """Start the engine's children, serve HTTP until SIGINT/SIGTERM, then stop the children.
+
+    ``on_ready`` (optional) is called from the warmup thread once the server answers requests.
+    Raises ``RuntimeError`` if the server had to stop itself (e.g. the warmup request failed).
+    """
+    from sglang.srt.entrypoints.engine import _launch_subprocesses, shutdown_subprocesses
+
+    tm, scheduler_info, children = _launch_subprocesses(server_args)
+    set_global_state(tm, server_args, scheduler_info)
+    threading.Thread(target=_wait_and_warmup, args=(server_args, tm, on_ready),
+                     name="warmup", daemon=True).start()
+    try:
+        uvicorn.run(
+            app,
+            host=server_args.host,
+            port=server_args.port,
+            log_level=server_args.log_level,
+            timeout_keep_alive=5,
+            access_log=server_args.log_level == "debug",
+        )
+    finally:
+        _st().shutting_down = True
+        tm.close()
+        shutdown_subprocesses(children, tm.port_args)
+        if _st().failure is not None:
+            raise RuntimeError(_st().failure)  # replaces the SystemExit of our own SIGTERM

@@ -1,0 +1,211 @@
+"""bench_serving: the metric math on synthetic timings, and a real run against a live server."""
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+
+from sglang.benchmark.datasets import compute_random_lens, sample_random_ids_requests
+from sglang.benchmark.metrics import (
+    RequestFuncOutput,
+    StreamTimer,
+    calculate_metrics,
+    format_table,
+    peak_buckets,
+)
+
+
+def _replay(start: float, chunks) -> RequestFuncOutput:
+    """Feed (arrival time, cumulative tokens) chunks through the client's timer."""
+    out = RequestFuncOutput(success=True, start_time=start)
+    timer = StreamTimer(out)
+    for t, tokens in chunks:
+        timer.on_chunk(t, tokens)
+        out.output_len = tokens
+    out.latency = chunks[-1][0] - start
+    return out
+
+
+def test_itl_split_evenly_inside_multi_token_chunks():
+    # First token at +0.5; then a 3-token chunk 0.3 s later, a 1-token chunk 0.1 s later.
+    out = _replay(10.0, [(10.5, 1), (10.8, 4), (10.9, 5)])
+    assert out.ttft == pytest.approx(0.5)
+    assert out.itl == pytest.approx([0.1, 0.1, 0.1, 0.1])
+    # A chunk without new tokens is not a token event and does not move the clock.
+    out2 = _replay(0.0, [(1.0, 1), (1.5, 1), (2.0, 3)])
+    assert out2.itl == pytest.approx([0.5, 0.5])
+
+
+def test_tpot_excludes_first_token_and_e2e_ttft():
+    a = _replay(0.0, [(1.0, 1), (1.5, 3), (2.0, 5)])  # e2e 2.0, ttft 1.0, 5 tokens
+    b = _replay(0.5, [(1.0, 1)])  # a single token: no TPOT sample
+    failed = RequestFuncOutput(success=False, start_time=0.0, error="boom")
+    m = calculate_metrics([7, 3, 100], [a, b, failed], dur_s=4.0)
+    assert m.completed == 2
+    assert m.total_input == 10 and m.total_output == 6
+    assert m.mean_tpot_ms == pytest.approx((2.0 - 1.0) / 4 * 1000)
+    assert m.mean_ttft_ms == pytest.approx((1.0 + 0.5) / 2 * 1000)
+    assert m.median_e2e_latency_ms == pytest.approx((2.0 + 0.5) / 2 * 1000)
+    assert m.output_throughput == pytest.approx(6 / 4.0)
+    assert m.request_throughput == pytest.approx(2 / 4.0)
+    assert m.total_throughput == pytest.approx(16 / 4.0)
+    assert m.concurrency == pytest.approx((2.0 + 0.5) / 4.0)
+    assert m.max_itl_ms == pytest.approx(250.0)
+    assert m.p99_itl_ms == pytest.approx(250.0)
+
+
+def test_peak_buckets_count_tokens_and_requests_per_second():
+    # Request A: tokens at 0.2, 0.4, 0.6, 1.2; request B starts at 1.1: tokens at 1.3, 1.4, 2.5.
+    a = _replay(0.0, [(0.2, 1), (0.4, 2), (0.6, 3), (1.2, 4)])
+    b = _replay(1.1, [(1.3, 1), (1.4, 2), (2.5, 3)])
+    tokens, requests = peak_buckets([a, b])
+    assert tokens == 3.0  # bucket [0,1): 3 tokens; [1,2): 3 tokens; [2,3): 1
+    assert requests == 2  # both in flight during second 1
+    # 3 tokens of c (one chunk of 1, one of 2) join A's 3 in bucket 0
+    c = _replay(0.0, [(0.1, 1), (0.2, 3)])
+    assert peak_buckets([a, c])[0] == 6.0
+    assert peak_buckets([RequestFuncOutput(success=False)]) == (0.0, 0)
+
+
+def test_empty_and_bad_inputs():
+    m = calculate_metrics([5], [RequestFuncOutput(success=False)], dur_s=1.0)
+    assert m.completed == 0 and m.mean_ttft_ms == 0.0 and m.max_output_tokens_per_s == 0.0
+    with pytest.raises(ValueError, match="duration"):
+        calculate_metrics([1], [RequestFuncOutput()], dur_s=0.0)
+    with pytest.raises(ValueError, match="prompt lengths"):
+        calculate_metrics([1, 2], [RequestFuncOutput()], dur_s=1.0)
+
+
+def test_table_labels_in_order_and_accept_length_only_when_truthy():
+    out = _replay(0.0, [(0.1, 1), (0.2, 2)])
+    m = calculate_metrics([4], [out], dur_s=1.0, accept_length=None)
+    table = format_table(m, "sglang", float("inf"), None, 1.0)
+    labels = [
+        "Backend:", "Traffic request rate:", "Max request concurrency:", "Successful requests:",
+        "Benchmark duration (s):", "Total input tokens:", "Total input text tokens:",
+        "Total generated tokens:", "Total generated tokens (retokenized):",
+        "Request throughput (req/s):", "Input token throughput (tok/s):",
+        "Output token throughput (tok/s):", "Peak output token throughput (tok/s):",
+        "Peak concurrent requests:", "Total token throughput (tok/s):", "Concurrency:",
+        "End-to-End Latency", "Mean E2E Latency (ms):", "P99 E2E Latency (ms):",
+        "Time to First Token", "Mean TTFT (ms):", "Time per Output Token (excl. 1st token)",
+        "Mean TPOT (ms):", "Inter-Token Latency", "Mean ITL (ms):", "Max ITL (ms):",
+    ]
+    pos = [table.index(label) for label in labels]
+    assert pos == sorted(pos)
+    assert "{:=^50}".format(" Serving Benchmark Result ") in table
+    assert "not set" in table and "Accept length:" not in table
+    m2 = calculate_metrics([4], [out], dur_s=1.0, accept_length=2.5)
+    table2 = format_table(m2, "sglang", 1.0, 4, 1.0)
+    assert "Accept length:                           2.50" in table2
+
+
+def test_random_lengths_and_ids():
+    np.random.seed(0)
+    lens = compute_random_lens(100, 0.5, 1000)
+    assert lens.min() >= 50 and lens.max() <= 100
+    assert (compute_random_lens(8, 1.0, 5) == 8).all()
+    with pytest.raises(ValueError, match="range-ratio"):
+        compute_random_lens(8, 1.5, 5)
+
+    class Tok:
+        vocab_size = 50
+
+    rows = sample_random_ids_requests(Tok(), 3, 10, 4, 1.0)
+    for i, row in enumerate(rows):
+        assert len(row.prompt) == 10 and row.prompt_len == 10 and row.output_len == 4
+        assert all(0 <= t < 50 for t in row.prompt)
+        # (offset + i + j) mod vocab: consecutive ids wrap around the vocabulary
+        assert all((b - a) % 50 == 1 for a, b in zip(row.prompt, row.prompt[1:]))
+
+
+# ----------------------------------------------------------------------------- against a server
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    from sglang.test.test_utils import launch_tiny_server
+
+    srv = launch_tiny_server(str(tmp_path_factory.mktemp("bench")), ["--max-running-requests", "4"])
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
+TABLE_LABELS = [
+    "Backend:", "Traffic request rate:", "Max request concurrency:", "Successful requests:",
+    "Benchmark duration (s):", "Total input tokens:", "Total generated tokens:",
+    "Output token throughput (tok/s):", "Peak output token throughput (tok/s):",
+    "Peak concurrent requests:", "Concurrency:", "Mean E2E Latency (ms):", "Mean TTFT (ms):",
+    "Mean TPOT (ms):", "Mean ITL (ms):", "Max ITL (ms):",
+]
+JSONL_KEYS = [
+    "backend", "dataset_name", "request_rate", "max_concurrency", "random_input_len",
+    "random_output_len", "random_range_ratio", "server_info", "duration", "completed",
+    "total_input_tokens", "total_output_tokens", "request_throughput", "input_throughput",
+    "output_throughput", "total_throughput", "concurrency", "accept_length",
+    "max_output_tokens_per_s", "max_concurrent_requests",
+] + [f"{s}_{n}_ms" for n in ("e2e_latency", "ttft", "tpot", "itl")
+     for s in ("mean", "median", "std", "p90", "p95", "p99")]
+
+
+def test_cli_prints_table_and_appends_jsonl(server, tmp_path):
+    import subprocess
+    import sys
+
+    out_file = tmp_path / "result.jsonl"
+    cmd = [sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang",
+           "--base-url", server.base_url, "--dataset-name", "random", "--num-prompts", "6",
+           "--random-input-len", "16", "--random-output-len", "8", "--random-range-ratio", "1.0",
+           "--max-concurrency", "2", "--output-file", str(out_file), "--seed", "1"]
+    for _ in range(2):  # the second run appends a second line
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout
+    pos = [table.index(label) for label in TABLE_LABELS]
+    assert pos == sorted(pos), table
+    assert "Successful requests:                     6" in table
+    assert "Total generated tokens:                  48" in table
+    assert "Accept length:" not in table  # no speculation
+    lines = out_file.read_text().splitlines()
+    assert len(lines) == 2
+    result = json.loads(lines[-1])
+    assert all(k in result for k in JSONL_KEYS), [k for k in JSONL_KEYS if k not in result]
+    assert result["completed"] == 6 and result["total_output_tokens"] == 48
+    assert result["max_concurrency"] == 2 and result["server_info"]["internal_states"]
+    assert result["mean_tpot_ms"] > 0 and result["mean_itl_ms"] > 0 and result["duration"] > 0
+    assert result["max_concurrent_requests"] >= 1 and result["max_output_tokens_per_s"] >= 1
+    assert math.isinf(result["request_rate"])
+
+
+@pytest.mark.parametrize("backend,dataset,extra", [
+    ("sglang-oai", "random-ids", ["--request-rate", "20", "--flush-cache"]),
+    ("sglang-oai-chat", "random", ["--disable-stream"]),
+    ("sglang", "random-ids", ["--disable-stream", "--warmup-requests", "0"]),
+])
+def test_backends_count_tokens_exactly(server, tmp_path, backend, dataset, extra):
+    from sglang.benchmark.serving import build_parser, run_benchmark
+
+    args = build_parser().parse_args([
+        "--backend", backend, "--base-url", server.base_url, "--dataset-name", dataset,
+        "--num-prompts", "3", "--random-input-len", "12", "--random-output-len", "5",
+        "--random-range-ratio", "1.0", "--output-file", str(tmp_path / "r.jsonl"),
+        "--disable-tqdm", *extra,
+    ])
+    result = run_benchmark(args)
+    assert result["completed"] == 3 and result["total_output_tokens"] == 15
+    if "--disable-stream" in extra:
+        assert result["mean_itl_ms"] == 0.0  # one chunk per request: TTFT == E2E
+    else:
+        assert result["mean_itl_ms"] > 0.0
+
+
+def test_unreachable_server_is_a_clear_error(capsys):
+    from sglang.benchmark.serving import main
+    from sglang.test.test_utils import find_available_port
+
+    port = find_available_port(29500)
+    code = main(["--host", "127.0.0.1", "--port", str(port), "--ready-check-timeout-sec", "1",
+                 "--num-prompts", "1"])
+    assert code == 2 and "not ready" in capsys.readouterr().err
