@@ -209,3 +209,31 @@ def test_unreachable_server_is_a_clear_error(capsys):
     code = main(["--host", "127.0.0.1", "--port", str(port), "--ready-check-timeout-sec", "1",
                  "--num-prompts", "1"])
     assert code == 2 and "not ready" in capsys.readouterr().err
+
+
+def test_random_ids_against_a_model_without_tokenizer(tmp_path):
+    """A dummy-weight preset has no tokenizer: random-ids still runs and counts tokens by ids."""
+    from sglang.benchmark.serving import build_parser, run_benchmark
+    from sglang.test.test_utils import find_available_port, kill_process_tree, popen_launch_server
+
+    shrink = {"num_hidden_layers": 2, "hidden_size": 64, "num_experts": 16, "n_group": 4,
+              "topk_group": 2, "num_experts_per_tok": 4, "moe_intermediate_size": 32,
+              "intermediate_size": 128, "num_attention_heads": 2, "head_dim": 32,
+              "kv_lora_rank": 32, "qk_nope_head_dim": 16, "qk_rope_head_dim": 8,
+              "v_head_dim": 16, "vocab_size": 1024}
+    port = find_available_port(31900)
+    proc = popen_launch_server(
+        "ling-3.0-flash", f"http://127.0.0.1:{port}", timeout=120,
+        other_args=["--load-format", "dummy", "--json-model-override-args", json.dumps(shrink),
+                    "--device", "cpu", "--max-total-tokens", "2048", "--skip-server-warmup"])
+    try:
+        args = build_parser().parse_args([
+            "--backend", "sglang", "--port", str(port), "--dataset-name", "random-ids",
+            "--random-input-len", "16", "--random-output-len", "6", "--random-range-ratio", "1",
+            "--num-prompts", "2", "--max-concurrency", "1", "--warmup-requests", "0",
+            "--output-file", str(tmp_path / "out.jsonl")])
+        result = run_benchmark(args)
+    finally:
+        kill_process_tree(proc.pid)
+    assert result["completed"] == 2 and result["total_output_tokens"] == 12
+    assert result["mean_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0

@@ -37,6 +37,9 @@ class RequestFuncInput:
     stream: bool = True
     return_logprob: bool = False
     extra_request_body: Dict[str, Any] = field(default_factory=dict)
+    # The served model has no tokenizer (e.g. a dummy-weight preset): its chunks carry token ids
+    # but empty text, so progress is counted by completion_tokens instead of by text.
+    ids_only: bool = False
 
 
 def _sse_payload(line: bytes) -> Optional[str]:
@@ -108,10 +111,13 @@ async def async_request_sglang_generate(
     payload.update(inp.extra_request_body)
 
     def on_data(data, now, timer, out):
-        if not data.get("text"):
-            return
         meta = data.get("meta_info", {})
-        out.generated_text = data["text"]
+        if inp.ids_only:
+            if int(meta.get("completion_tokens", 0)) <= out.output_len:
+                return
+        elif not data.get("text"):
+            return
+        out.generated_text = data.get("text", "")
         out.output_len = int(meta.get("completion_tokens", out.output_len + 1))
         if meta.get("spec_accept_length") is not None:
             out.spec_accept_length = meta["spec_accept_length"]

@@ -87,7 +87,34 @@ def resolve_model_and_tokenizer(args: argparse.Namespace, base_url: str):
         tok_path = info.get("tokenizer_path") or info.get("model_path")
     if not tok_path:
         raise ValueError("no tokenizer: pass --tokenizer (a local folder)")
-    return model_id, get_tokenizer(tok_path)
+    try:
+        return model_id, get_tokenizer(tok_path)
+    except ValueError:
+        info = _get_json(f"{base_url}/model_info") or {}
+        if args.dataset_name != "random-ids" or args.backend != "sglang" or not info.get("vocab_size"):
+            raise
+    # A model served without a tokenizer (a dummy-weight preset): token ids only.
+    print(f"no tokenizer at {tok_path!r}: sending token ids and counting tokens by completion_tokens")
+    return model_id, IdsOnlyTokenizer(int(info["vocab_size"]))
+
+
+class IdsOnlyTokenizer:
+    """Stands in for a tokenizer when the served model has none: it knows the vocabulary size
+    (for ``random-ids`` prompts) and retokenizes nothing (the server returns no text)."""
+
+    all_special_ids: List[int] = []
+
+    def __init__(self, vocab_size: int):
+        self.vocab_size = vocab_size
+
+    def __len__(self) -> int:
+        return self.vocab_size
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> List[int]:
+        return []
+
+    def decode(self, ids: List[int]) -> str:
+        raise ValueError("the served model has no tokenizer; use --backend sglang with random-ids")
 
 
 async def get_request(rows: List[DatasetRow], request_rate: float) -> AsyncIterator[DatasetRow]:
@@ -134,6 +161,7 @@ async def benchmark(
             temperature=args.temperature, top_p=args.top_p,
             ignore_eos=not args.disable_ignore_eos, stream=not args.disable_stream,
             return_logprob=args.return_logprob, extra_request_body=extra,
+            ids_only=isinstance(tokenizer, IdsOnlyTokenizer),
         )
 
     semaphore = asyncio.Semaphore(args.max_concurrency) if args.max_concurrency else None

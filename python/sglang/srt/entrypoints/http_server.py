@@ -225,6 +225,7 @@ async def model_info() -> Dict[str, Any]:
         "model_type": hf.model_type,
         "architectures": list(hf.architectures),
         "context_length": _context_len(tm),
+        "vocab_size": tm.model_config.vocab_size,
     }
 
 
