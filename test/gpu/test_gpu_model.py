@@ -66,7 +66,7 @@ def test_fla_prefill_matches_torch_native(checkpoint):
     if not fla_kda.is_available():
         pytest.skip("fla-core not installed")
     torch.manual_seed(1)
-    ids = torch.randint(0, GPU_OVERRIDES["vocab_size"], (700,))
+    ids = torch.randint(0, GPU_OVERRIDES["vocab_size"], (480,))  # < 512 positions of the tiny config
     a = _prefill_logits(checkpoint, ids, "torch_native", "torch")
     b = _prefill_logits(checkpoint, ids, "triton", "fla")
     assert _rel(b, a) <= 2e-2

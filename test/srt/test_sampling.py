@@ -306,14 +306,22 @@ def test_top_k_sampling_renormalizes_over_kept_tokens():
 
 
 # ---------------------------------------------------------------- logprobs
-def test_output_logprobs_are_raw_log_softmax():
+def test_output_logprobs_of_the_sampling_distribution():
+    """As upstream by default: log_softmax(penalised logits / temperature), greedy rows at T=1."""
     torch.manual_seed(4)
     logits = torch.randn(3, V)
     params = [SamplingParams(temperature=0.5, repetition_penalty=1.5), SamplingParams(temperature=0),
               SamplingParams(top_k=4, logit_bias={"0": 5.0})]
     info = make_info(params, outputs=[[1], [], []], prompts=[[2], [], []])
     out = Sampler()(logits, info, return_logprob=True, top_logprobs_nums=[2, 0, 5])
-    raw = torch.log_softmax(logits, dim=-1)
+    expected = logits.clone()
+    # row 0: repetition penalty 1.5 on tokens {1, 2} (HF style), then temperature 0.5
+    for t in (1, 2):
+        v = expected[0, t]
+        expected[0, t] = v / 1.5 if v > 0 else v * 1.5
+    expected[0] /= 0.5
+    expected[2, 0] += 5.0  # row 2: logit bias; top-k does not change the log-probabilities
+    raw = torch.log_softmax(expected, dim=-1)
     assert torch.allclose(out.next_token_logprobs, raw.gather(1, out.next_token_ids[:, None])[:, 0])
     ref_val, ref_idx = raw.topk(5, dim=-1)
     assert torch.equal(out.top_logprobs_idx, ref_idx) and torch.allclose(out.top_logprobs_val, ref_val)
@@ -323,6 +331,16 @@ def test_output_logprobs_are_raw_log_softmax():
     picked = get_token_ids_logprobs(out.logprobs, [[3, 4], None, [0]])
     assert picked[1] is None and abs(picked[0][1] - float(raw[0, 4])) < 1e-6
     assert Sampler()(logits, info).next_token_logprobs is None
+
+
+def test_original_logprob_env_returns_raw_log_softmax(monkeypatch):
+    monkeypatch.setenv("SGLANG_RETURN_ORIGINAL_LOGPROB", "1")
+    torch.manual_seed(5)
+    logits = torch.randn(2, V)
+    info = make_info([SamplingParams(temperature=0.3), SamplingParams(temperature=0)])
+    out = Sampler()(logits, info, return_logprob=True)
+    raw = torch.log_softmax(logits, dim=-1)
+    assert torch.allclose(out.next_token_logprobs, raw.gather(1, out.next_token_ids[:, None])[:, 0])
 
 
 def test_input_token_logprobs():

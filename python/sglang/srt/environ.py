@@ -135,6 +135,13 @@ class Envs:
         20.0,
         "Seconds /health waits for its generation before reporting the server unhealthy.",
     )
+    SGLANG_RETURN_ORIGINAL_LOGPROB = EnvField(
+        "SGLANG_RETURN_ORIGINAL_LOGPROB",
+        bool,
+        False,
+        "Return log-probabilities of the raw logits; default (as upstream): of the distribution "
+        "the token was sampled from (after penalties, logit bias and temperature).",
+    )
     SGLANG_IS_IN_CI = EnvField(
         "SGLANG_IS_IN_CI",
         bool,

@@ -2,14 +2,15 @@
 
 Pipeline for logits ``[B, V]`` (fp32):
 
-1. log-probabilities for the response: ``log_softmax`` of the logits as given (before penalties
-   and temperature), which is what SGLang returns by default;
-2. penalties: repetition (HF style over prompt + output: positive logits divided, negative
+1. penalties: repetition (HF style over prompt + output: positive logits divided, negative
    multiplied), then frequency/presence (over the output so far), then ``logit_bias``, then EOS /
    stop tokens masked while fewer than ``min_new_tokens`` are generated;
-3. greedy rows: ``argmax`` (deterministic);
-4. sampled rows: logits / temperature, top-k / top-p / min-p filtering, then the Gumbel-max trick:
-   ``argmax(logits + g)`` with ``g = -log(-log(u))`` draws exactly from ``softmax(logits)``.
+2. greedy rows: ``argmax`` (deterministic);
+3. sampled rows: logits / temperature, top-k / top-p / min-p filtering, then the Gumbel-max trick:
+   ``argmax(logits + g)`` with ``g = -log(-log(u))`` draws exactly from ``softmax(logits)``;
+4. log-probabilities for the response, as SGLang returns them by default: ``log_softmax`` of the
+   penalised logits divided by the temperature (1 for greedy rows), before top-k/top-p/min-p;
+   with ``SGLANG_RETURN_ORIGINAL_LOGPROB=1`` of the raw logits instead.
 
 Reproducibility: for a request with ``sampling_seed``, ``u`` is a counter-based hash of
 (seed, step, token id), where step = tokens generated so far. So its draw depends on nothing
@@ -25,6 +26,7 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from sglang.srt.environ import envs
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 _MASK32 = 0xFFFFFFFF
@@ -165,14 +167,16 @@ class Sampler(nn.Module):
         if logits.shape[1] < info.vocab_size:
             raise ValueError(f"logits have {logits.shape[1]} columns < vocab_size {info.vocab_size}")
         logits = logits[:, : info.vocab_size].float()
-        logprobs = torch.log_softmax(logits, dim=-1) if return_logprob else None
-
         processed = apply_penalties(logits.clone(), info)
         greedy_ids = torch.argmax(processed, dim=-1)
+        scaled = processed / info.temperatures.unsqueeze(1)  # greedy rows carry temperature 1
+        logprobs = None
+        if return_logprob:
+            source = logits if envs.SGLANG_RETURN_ORIGINAL_LOGPROB.get() else scaled
+            logprobs = torch.log_softmax(source, dim=-1)
         if info.is_all_greedy:
             next_ids = greedy_ids
         else:
-            scaled = processed / info.temperatures.unsqueeze(1)
             removed = sampling_filter_mask(
                 scaled, info.top_ks, info.top_ps, info.min_ps,
                 info.need_top_k, info.need_top_p, info.need_min_p,

@@ -38,13 +38,16 @@ def mla_absorbed_attention(
     if tq == 0:
         return out
     kv = kv.to(q.dtype)
+    # Scores in fp32 even for bf16 inputs: rounding the logits to bf16 before the softmax costs
+    # ~1% relative error on peaked attention (values stay in the input dtype).
+    kv_f = kv.float()
     s_total = q_start + tq
     block = max(1, SCORE_BLOCK_BYTES // (4 * h * s_total))
     for b0 in range(0, tq, block):
         b1 = min(b0 + block, tq)
         s = q_start + b1  # keys visible to the last query of this block
         keys = kv[:s]
-        scores = (q[b0:b1].reshape(-1, dk) @ keys.t()).float().view(b1 - b0, h, s) * scale
+        scores = (q[b0:b1].reshape(-1, dk).float() @ kv_f[:s].t()).view(b1 - b0, h, s) * scale
         # Query at absolute position p sees keys 0..p.
         qpos = torch.arange(q_start + b0, q_start + b1, device=q.device).view(-1, 1, 1)
         kpos = torch.arange(s, device=q.device).view(1, 1, -1)
@@ -75,7 +78,8 @@ def mla_decode_attention(
     block = max(1, SCORE_BLOCK_BYTES // (4 * h * max(s, 1)))
     for b0 in range(0, b, block):
         b1 = min(b0 + block, b)
-        scores = torch.bmm(q[b0:b1], kv[b0:b1].transpose(1, 2)).float() * scale  # [b, H, S]
+        # fp32 scores (see mla_absorbed_attention); values stay in the input dtype.
+        scores = torch.bmm(q[b0:b1].float(), kv[b0:b1].float().transpose(1, 2)) * scale  # [b, H, S]
         invalid = kpos >= seq_lens[b0:b1].view(-1, 1, 1)
         scores.masked_fill_(invalid, float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
