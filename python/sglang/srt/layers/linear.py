@@ -52,16 +52,20 @@ def copy_checked(param: torch.Tensor, dst: torch.Tensor, src: torch.Tensor, name
         dst.copy_(src)
 
 
+_DUMMY_CHUNK = 1 << 26
+
+
 def normal_dummy_init(fan_in: int):
     """A ``dummy_init`` hook drawing N(0, 1/fan_in), for weights whose last dim is not the fan-in
     (row-parallel shards, transposed or stacked layouts)."""
 
     def init(tensor: torch.Tensor, generator: torch.Generator) -> None:
-        """Fill ``tensor`` in place."""
-        values = torch.randn(tensor.shape, generator=generator, dtype=torch.float32,
-                             device=generator.device)
+        """Fill ``tensor`` (contiguous) in place, in chunks so that a real-size expert tensor
+        needs no full-size temporary."""
+        flat = tensor.view(-1)
         with torch.no_grad():
-            tensor.copy_(values * fan_in ** -0.5)
+            for start in range(0, flat.numel(), _DUMMY_CHUNK):
+                flat[start:start + _DUMMY_CHUNK].normal_(0.0, fan_in ** -0.5, generator=generator)
 
     return init
 
