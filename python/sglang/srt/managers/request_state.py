@@ -8,6 +8,7 @@ from typing import Any, Dict, List, Optional
 
 from sglang.srt.managers.io_struct import BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
 from sglang.srt.sampling.sampling_params import SamplingParams
+from sglang.srt.speculative.spec_info import SpecMetricsOutput
 
 logger = logging.getLogger(__name__)
 
@@ -95,6 +96,7 @@ class ReqState:
         self.out_top: List[list] = []
         self.in_lp: List[list] = []
         self.in_top: List[Optional[list]] = []
+        self.spec: Optional[Dict[str, int]] = None  # speculative counters (finishing chunk)
 
     # ---------------------------------------------------------------- producer side
     def post(self, out: BatchStrOutput, i: int) -> None:
@@ -108,6 +110,17 @@ class ReqState:
             list(zip(out.input_top_logprobs_val[i], out.input_top_logprobs_idx[i])),
         )
         self._call(self._apply, item)
+
+    def post_spec_metrics(self, out: SpecMetricsOutput, i: int) -> None:
+        """Queue the speculative counters of the ``i``-th entry (before the finishing update,
+        in the order the messages arrived)."""
+        spec = {"spec_verify_ct": out.spec_verify_ct[i],
+                "spec_num_correct_drafts": out.spec_num_correct_drafts[i],
+                "spec_num_proposed_drafts": out.spec_num_proposed_drafts[i]}
+        self._call(self._apply_spec, spec)
+
+    def _apply_spec(self, spec: Dict[str, int]) -> None:
+        self.spec = spec
 
     def fail(self, reason: str) -> None:
         """Fail the request (engine died or shut down)."""
@@ -155,6 +168,19 @@ class ReqState:
     def _top_entries(self, rows: List[Optional[list]]) -> List[Optional[list]]:
         return [None if row is None else self._entries(list(zip(row[0], row[1]))) for row in rows]
 
+    def _spec_meta(self) -> Dict[str, Any]:
+        """Upstream's speculative meta_info fields; the accept length counts the prefill's
+        first token in the numerator although it was not verified (as upstream)."""
+        ct, correct = self.spec["spec_verify_ct"], self.spec["spec_num_correct_drafts"]
+        proposed = self.spec["spec_num_proposed_drafts"]
+        return {
+            "spec_verify_ct": ct,
+            "spec_accept_length": self.completion_tokens / ct,
+            "spec_num_correct_drafts": correct,
+            "spec_num_proposed_drafts": proposed,
+            "spec_accept_rate": correct / proposed if proposed else 0.0,
+        }
+
     def to_output(self) -> Dict[str, Any]:
         """SGLang's output dict with cumulative text and ids."""
         meta: Dict[str, Any] = {
@@ -168,6 +194,8 @@ class ReqState:
         }
         if self.finished:
             meta["e2e_latency"] = self.finished_time - self.created_time
+            if self.spec is not None and self.spec["spec_verify_ct"] > 0:
+                meta.update(self._spec_meta())
         if self.obj.return_logprob:
             meta["input_token_logprobs"] = self._entries(self.in_lp)
             meta["output_token_logprobs"] = self._entries(self.out_lp)

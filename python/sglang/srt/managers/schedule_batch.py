@@ -7,7 +7,8 @@ forward plus pool handles) -> ``ForwardBatch`` (device tensors for the model run
 KV bookkeeping of a request: ``req_pool_idx`` is its row in the req->token map (and its KDA
 state slot); ``kv_len`` tokens of ``fill_ids`` (prompt + output) have their KV written, at the
 slots ``req_to_token[req_pool_idx, :kv_len]``. Between steps the newest output token has no KV
-yet: it is the input of the next decode.
+yet: it is the input of the next decode. With speculative decoding the host also mirrors those
+slots (``Req.kv_committed_slots``), because the device map runs one round ahead of the host.
 """
 from __future__ import annotations
 
@@ -116,6 +117,11 @@ class Req:
         self.cached_tokens = 0  # prefix-cache hits (no radix cache yet: always 0)
         # KV slots promised to this request at admission (prompt + max_new_tokens).
         self.reserved_tokens = 0
+        # Speculative decoding: CPU tensors of the committed KV slots (None: read the device
+        # map on release), and the request's verify rounds / accepted draft tokens.
+        self.kv_committed_slots: Optional[List[torch.Tensor]] = None
+        self.spec_verify_ct = 0
+        self.spec_num_correct_drafts = 0
 
         # Logprobs. Input logprobs cover prompt tokens logprob_start_len .. end (-1: none).
         self.return_logprob = return_logprob
@@ -203,7 +209,13 @@ def release_kv_cache(req: Req, req_to_token_pool: ReqToTokenPool,
     """Return a request's KV slots and its req->token row (its KDA state slot) to the pools."""
     if req.req_pool_idx is None:
         return
-    if req.kv_len > 0:
+    if req.kv_committed_slots is not None:
+        # Host mirror (speculative decoding): no device read, and rows past kv_len that an
+        # in-flight round writes are not this request's committed slots.
+        if req.kv_committed_slots:
+            allocator.free(torch.cat(req.kv_committed_slots))
+        req.kv_committed_slots = []
+    elif req.kv_len > 0:
         slots = req_to_token_pool.req_to_token[req.req_pool_idx, : req.kv_len]
         allocator.free(slots.to(torch.int64))
     req_to_token_pool.free(req.req_pool_idx)
@@ -228,6 +240,8 @@ class ScheduleBatch:
     # in an extend batch only the requests whose prompt completes (``sample_rows``).
     sampling_info: Optional[SamplingBatchInfo] = None
     sample_rows: Optional[List[int]] = None
+    # KV slots of the last extend (device), for the host mirror of speculative requests.
+    out_cache_loc: Optional[torch.Tensor] = None
 
     @classmethod
     def init_new(cls, reqs: List[Req], req_to_token_pool: ReqToTokenPool,
@@ -274,6 +288,7 @@ class ScheduleBatch:
         for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
             ids.extend(r.fill_ids[p : p + n])
         out_cache_loc = self._alloc(len(ids))
+        self.out_cache_loc = out_cache_loc
         start = 0
         for r, p, n in zip(self.reqs, self.prefix_lens, self.extend_lens):
             self.req_to_token_pool.write(r.req_pool_idx, p, out_cache_loc[start : start + n])
@@ -307,9 +322,31 @@ class ScheduleBatch:
         if self.forward_mode == ForwardMode.DECODE:
             for r in self.reqs:
                 r.kv_len += 1
-        else:
-            for r, n in zip(self.reqs, self.extend_lens):
-                r.kv_len += n
+            return
+        mirrored = any(r.kv_committed_slots is not None for r in self.reqs)
+        # One copy when results are processed (the caller reads the sampled tokens anyway).
+        loc = self.out_cache_loc.cpu() if mirrored else None
+        start = 0
+        for r, n in zip(self.reqs, self.extend_lens):
+            r.kv_len += n
+            if r.kv_committed_slots is not None:
+                r.kv_committed_slots.append(loc[start:start + n])
+            start += n
+
+    def prepare_for_spec_round(self, num_draft_tokens: int):
+        """A speculative round: ``(req_pool_indices [B], chain_cache_loc [B, N])`` on the device.
+
+        ``N`` KV slots per request are allocated ahead (an upper bound on what the round keeps);
+        where they land in the request->token map depends on the device-side sequence lengths,
+        so the worker records them there. Host values here are only slot indices.
+        """
+        self.forward_mode = ForwardMode.TARGET_VERIFY
+        b = len(self.reqs)
+        loc = self._alloc(b * num_draft_tokens).view(b, num_draft_tokens)
+        slots = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
+        if self.device.type == "cuda":
+            slots = slots.pin_memory().to(self.device, non_blocking=True)
+        return slots.to(self.device), loc
 
     def filter_batch(self, keep_indices: Optional[List[int]] = None) -> None:
         """Keep the given requests (default: the unfinished ones)."""

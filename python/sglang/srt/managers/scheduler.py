@@ -37,6 +37,7 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch, release_kv_cache
 from sglang.srt.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
+from sglang.srt.managers.scheduler_spec import SchedulerSpecMixin
 from sglang.srt.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from sglang.srt.managers.utils import (
     configure_child_logging,
@@ -54,7 +55,7 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 200
 
 
-class Scheduler(SchedulerOutputProcessorMixin):
+class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin):
     """Request queues, batching, and the event loop of one TP rank."""
 
     def __init__(self, server_args: Any, port_args: Any = None, tp_rank: int = 0):
@@ -64,7 +65,9 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.model_config = ModelConfig.from_path(server_args.model_path,
                                                   server_args.json_model_override_args)
         nccl_port = port_args.nccl_port if port_args is not None else None
+        self.init_speculative_config()  # validates the draft before the target loads
         self.tp_worker = TpModelWorker(server_args, tp_rank, nccl_port, self.model_config)
+        self.init_speculative_worker()
         runner = self.tp_worker.model_runner
         self.device = runner.device
         self.req_to_token_pool = runner.req_to_token_pool
@@ -72,7 +75,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.kda_state_pool = runner.kda_state_pool
         self.max_total_num_tokens = runner.max_total_num_tokens
         self.max_running_requests = self.req_to_token_pool.size
-        self.max_req_len = self.req_to_token_pool.max_context_len
+        # Not the map's width: with NEXTN the map has headroom past the context length.
+        self.max_req_len = runner.context_len
         self.vocab_size = self.model_config.vocab_size
 
         self.tokenizer = load_tokenizer(server_args)
@@ -142,8 +146,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.inbox.append(obj)
 
     def has_work(self) -> bool:
-        """Any request waiting, being prefilled or decoding."""
-        return bool(self.waiting_queue or self.chunked_req or
+        """Any request waiting, being prefilled or decoding, or a launched round unconsumed."""
+        return bool(self.waiting_queue or self.chunked_req or self.pending_spec_round or
                     (self.running_batch is not None and not self.running_batch.is_empty()))
 
     def recv_requests(self) -> List[Any]:
@@ -207,15 +211,18 @@ class Scheduler(SchedulerOutputProcessorMixin):
             return (f"the prompt ({n} tokens) plus max_new_tokens ({sp.max_new_tokens}) exceeds "
                     f"the context length ({self.max_req_len} tokens)")
         if self._tokens_needed(req) > self.max_total_num_tokens:
+            spec = (f" + {self.spec_token_headroom} speculative headroom"
+                    if self.spec_token_headroom else "")
             return (f"the request needs {self._tokens_needed(req)} KV cache slots (prompt {n} + "
-                    f"max_new_tokens {sp.max_new_tokens}) but the pool holds only "
+                    f"max_new_tokens {sp.max_new_tokens}{spec}) but the pool holds only "
                     f"{self.max_total_num_tokens}; lower max_new_tokens or raise --max-total-tokens")
         return None
 
-    @staticmethod
-    def _tokens_needed(req: Req) -> int:
-        # The last sampled token is never fed back, so it never gets a KV slot.
-        return len(req.origin_input_ids) + max(req.sampling_params.max_new_tokens - 1, 0)
+    def _tokens_needed(self, req: Req) -> int:
+        # The last sampled token is never fed back, so it never gets a KV slot. Speculative
+        # rounds allocate ahead and run past the finish point: see nextn_token_headroom.
+        return (len(req.origin_input_ids) + max(req.sampling_params.max_new_tokens - 1, 0)
+                + self.spec_token_headroom)
 
     def abort_request(self, recv: AbortReq) -> None:
         """Abort by rid (or all): free its slots and report FINISH_ABORT to the client."""
@@ -272,6 +279,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
                 break
             self.waiting_queue.pop(0)
             r.req_pool_idx, r.reserved_tokens, r.kv_len = row[0], need, 0
+            if self.spec_enabled:
+                r.kv_committed_slots = []  # host mirror: releasing never reads the device map
             if self.kda_state_pool is not None and self.kda_state_pool.layer_ids:
                 self.kda_state_pool.clear_slots(row)  # every sequence starts from zero state
             r.extend_input_len = int(min(len(r.origin_input_ids), budget))
@@ -318,13 +327,18 @@ class Scheduler(SchedulerOutputProcessorMixin):
             if rows is not None and len(rows) == len(batch.reqs):
                 rows = None  # every request gets a token: no row selection needed
         sampled = batch.reqs if rows is None else [batch.reqs[i] for i in rows]
-        return self.tp_worker.forward_batch_generation(
-            forward_batch,
-            batch.sampling_info,
-            sample_rows=rows,
-            return_logprob=any(r.return_logprob for r in sampled),
-            top_logprobs_nums=[r.top_logprobs_num for r in sampled],
-        )
+        kwargs = dict(sample_rows=rows, return_logprob=any(r.return_logprob for r in sampled),
+                      top_logprobs_nums=[r.top_logprobs_num for r in sampled])
+        if self.spec_enabled:
+            # The draft extend pairs each token's hidden state with the token after it: for a
+            # chunk that ends inside the prompt that is the next prompt token.
+            kwargs["draft_next_tokens"] = [
+                r.origin_input_ids[p + n] if p + n < len(r.origin_input_ids) else -1
+                for r, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)]
+            return self.draft_worker.forward_batch_generation(
+                forward_batch, batch.sampling_info, **kwargs)
+        return self.tp_worker.forward_batch_generation(forward_batch, batch.sampling_info,
+                                                       **kwargs)
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         """Apply a forward's result (decode or extend)."""
@@ -337,6 +351,8 @@ class Scheduler(SchedulerOutputProcessorMixin):
     def step(self) -> bool:
         """One scheduling iteration without I/O waits; False when there was nothing to run."""
         batch = self.get_next_batch_to_run()
+        if self.spec_enabled:
+            return self.spec_step(batch)  # launch, then consume the previous round
         if batch is None:
             return False
         self.process_batch_result(batch, self.run_batch(batch))
@@ -370,15 +386,19 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.check_memory()
 
     def check_memory(self) -> None:
-        """When idle, every KV slot and request row must be free (leak detector)."""
+        """When idle, every KV slot and request row must be free (leak detector). With
+        speculative decoding "idle" includes the last launched round having been consumed, so
+        chain slots allocated ahead (kept, surplus, or of requests that finished or were aborted
+        while the round was in flight) are all accounted for."""
         if self.has_work():
             return
         kv_free = self.token_to_kv_pool_allocator.available_size()
         req_free = self.req_to_token_pool.available_size()
         if kv_free != self.max_total_num_tokens or req_free != self.max_running_requests:
+            spec = " (speculative chain slots included)" if self.spec_enabled else ""
             raise RuntimeError(
                 f"memory leak: idle scheduler has {kv_free}/{self.max_total_num_tokens} KV slots "
-                f"and {req_free}/{self.max_running_requests} request slots free")
+                f"and {req_free}/{self.max_running_requests} request slots free{spec}")
 
     def _update_throughput(self) -> None:
         now = time.perf_counter()
@@ -395,10 +415,15 @@ class Scheduler(SchedulerOutputProcessorMixin):
         if self.tp_rank == 0:
             used = self.max_total_num_tokens - self.token_to_kv_pool_allocator.available_size()
             running = 0 if self.running_batch is None else self.running_batch.batch_size()
+            spec = ""
+            if self.spec_enabled:
+                drafts = self.spec_num_verify_reqs * (self.spec_num_draft_tokens - 1)
+                spec = (f"accept len: {self.avg_spec_accept_length():.2f}, accept rate: "
+                        f"{self.spec_num_correct_drafts / max(drafts, 1):.2f}, ")
             logger.info(
-                "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, "
+                "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %s"
                 "gen throughput (token/s): %.2f, #queue-req: %d", running, used,
-                used / self.max_total_num_tokens, self.last_gen_throughput,
+                used / self.max_total_num_tokens, spec, self.last_gen_throughput,
                 len(self.waiting_queue))
 
     # ------------------------------------------------------------------ control
@@ -412,6 +437,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
         self.req_to_token_pool.clear()
         self.token_to_kv_pool_allocator.clear()
         self.forward_ct = 0
+        self.reset_spec_metrics()
         return FlushCacheReqOutput(True, "Cache flushed.")
 
     def get_internal_state(self) -> Dict[str, Any]:
@@ -430,6 +456,7 @@ class Scheduler(SchedulerOutputProcessorMixin):
             "available_req_slots": self.req_to_token_pool.available_size(),
             "memory_usage": {"kv_tokens_used": self.max_total_num_tokens - kv_free,
                              "token_usage": 1.0 - kv_free / self.max_total_num_tokens},
+            **self.spec_internal_state(),
         }
 
 

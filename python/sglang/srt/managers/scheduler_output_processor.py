@@ -38,7 +38,8 @@ class SchedulerOutputProcessorMixin:
         rows = batch.sample_rows or []
         if rows:
             self._append_tokens([batch.reqs[i] for i in rows], result)
-            batch.sampling_info.append_tokens(result.next_token_ids)
+            if not self.spec_enabled:  # the speculative worker advanced it on the device
+                batch.sampling_info.append_tokens(result.next_token_ids)
         for r in batch.reqs:
             if r.prefill_done and r.sampling_params.max_new_tokens == 0:
                 r.finished_reason = FINISH_LENGTH(length=0)  # prefill-only (e.g. input logprobs)
@@ -128,6 +129,9 @@ class SchedulerOutputProcessorMixin:
         due = [r for r in reqs if self._output_due(r)]
         if not due:
             return
+        spec = self.spec_metrics_message(due)
+        if spec is not None:  # same ordered path, so it arrives before the finishing tokens
+            self.send_to_detokenizer(spec)
         out = BatchTokenIDOutput(
             rids=[], finished_reasons=[], decode_ids=[], prompt_tokens=[], completion_tokens=[],
             cached_tokens=[], skip_special_tokens=[], spaces_between_special_tokens=[],

@@ -34,6 +34,7 @@ from sglang.srt.managers.io_struct import (
 )
 from sglang.srt.managers.request_state import ReqState, build_tokenized_request
 from sglang.srt.managers.utils import load_tokenizer
+from sglang.srt.speculative.spec_info import SpecMetricsOutput
 
 logger = logging.getLogger(__name__)
 
@@ -297,6 +298,13 @@ class TokenizerManager:
             for i, state in enumerate(states):
                 if state is not None:
                     state.post(obj, i)
+        elif isinstance(obj, SpecMetricsOutput):
+            # Sent just before the token message that finishes these requests.
+            with self._lock:
+                states = [self.rid_to_state.get(rid) for rid in obj.rids]
+            for i, state in enumerate(states):
+                if state is not None:
+                    state.post_spec_metrics(obj, i)
         elif type(obj) in self._control_waiters:
             with self._lock:
                 waiters = self._control_waiters[type(obj)]

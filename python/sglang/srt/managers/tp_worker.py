@@ -61,6 +61,11 @@ class TpModelWorker:
         )
         if server_args.max_running_requests is not None:
             kwargs["max_running_requests"] = server_args.max_running_requests
+        if getattr(server_args, "speculative_algorithm", None) == "NEXTN":
+            # The NEXTN draft shares this runner's pools: reserve the MTP layer's latent cache
+            # and the KDA stage-then-commit scratch for one chain.
+            kwargs["draft_extra_mla_layers"] = True
+            kwargs["spec_num_draft_tokens"] = int(server_args.speculative_num_draft_tokens)
         self.model_runner = ModelRunner(self.model_config, **kwargs)
         self.device = self.model_runner.device
         self.vocab_size = self.model_config.vocab_size

@@ -31,6 +31,7 @@ import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import parallel_state as ps
 from sglang.srt.layers.attention.attention_registry import create_attn_backend
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.mem_cache.memory_pool import (
     KDAStatePool,
     MLATokenToKVPool,
@@ -39,6 +40,7 @@ from sglang.srt.mem_cache.memory_pool import (
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.loader import get_model
+from sglang.srt.speculative.spec_info import nextn_token_headroom
 
 if TYPE_CHECKING:
     from sglang.srt.configs.bailing_moe_v3 import BailingMoeV3Config
@@ -73,15 +75,15 @@ def mla_pool_layer_ids(config: "BailingMoeV3Config", is_draft: bool,
     """Layer ids that get an MLA latent cache.
 
     A NEXTN draft has one layer, the MTP layer (id ``num_hidden_layers``). A target that will
-    share its pools with such a draft (``draft_extra_mla_layers``) also reserves that layer.
+    share its pools with such a draft (``draft_extra_mla_layers``) also reserves that layer id,
+    even when its own config has no MTP layer (the draft may come from another checkpoint).
     """
-    has_mtp = config.num_nextn_predict_layers > 0
     if is_draft:
-        if not has_mtp:
+        if config.num_nextn_predict_layers < 1:
             raise ValueError("a draft runner needs a config with num_nextn_predict_layers = 1")
         return [config.mtp_layer_id]
     ids = list(config.full_attention_layer_ids)
-    if draft_extra_mla_layers and has_mtp:
+    if draft_extra_mla_layers:
         ids.append(config.mtp_layer_id)
     return ids
 
@@ -146,6 +148,12 @@ class ModelRunner:
     A draft runner (``is_draft``) may reuse the target's pools by passing them in; the target
     must then have been built with ``draft_extra_mla_layers=True`` so its MLA pool covers the
     MTP layer.
+
+    NEXTN target (``spec_num_draft_tokens = N > 0``): the KDA pool gets the stage-then-commit
+    scratch for ``N`` chain positions (counted in the CUDA memory plan), and the request->token
+    map and the RoPE tables get :func:`nextn_token_headroom` positions beyond the context
+    length, because the device may run one round past a request's finish before the host
+    notices (the scheduler's admission still limits requests to the context length).
     """
 
     def __init__(
@@ -171,6 +179,7 @@ class ModelRunner:
         token_to_kv_pool_allocator: Optional[TokenToKVPoolAllocator] = None,
         token_to_kv_pool: Optional[MLATokenToKVPool] = None,
         kda_state_pool: Optional[KDAStatePool] = None,
+        spec_num_draft_tokens: int = 0,
     ):
         if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= tp_rank < tp_size):
             raise ValueError(
@@ -181,6 +190,11 @@ class ModelRunner:
             raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
         if mem_fraction_static is not None and not 0.0 < mem_fraction_static < 1.0:
             raise ValueError(f"mem_fraction_static must be in (0, 1), got {mem_fraction_static}")
+        if not isinstance(spec_num_draft_tokens, int) or spec_num_draft_tokens < 0:
+            raise ValueError(f"spec_num_draft_tokens must be an int >= 0, got {spec_num_draft_tokens!r}")
+        if spec_num_draft_tokens and is_draft:
+            raise ValueError("spec_num_draft_tokens belongs to the target runner, not the draft")
+        self.spec_num_draft_tokens = spec_num_draft_tokens
         self.model_config = model_config
         self.hf_config = model_config.hf_config
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -199,6 +213,7 @@ class ModelRunner:
                          kda_state_pool)
         self.attn_backend = create_attn_backend(attention_backend,
                                                 kda_prefill_impl=kda_prefill_impl)
+        self._grow_rope_tables()
 
     # ------------------------------------------------------------------ init steps
     def _init_device(self, device: torch.device) -> torch.device:
@@ -253,7 +268,8 @@ class ModelRunner:
 
         self.max_total_num_tokens = self._plan_kv_tokens(
             mla_ids, kda_ids, local_heads, max_total_tokens, mem_fraction_static)
-        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests, self.context_len,
+        self.req_to_token_pool = ReqToTokenPool(self.max_running_requests,
+                                                self.context_len + self.position_headroom,
                                                 self.device)
         self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(self.max_total_num_tokens,
                                                                  self.device)
@@ -262,7 +278,8 @@ class ModelRunner:
             self.dtype, self.device)
         self.kda_state_pool = KDAStatePool(
             self.max_running_requests, kda_ids, local_heads, cfg.head_dim, cfg.head_dim,
-            cfg.short_conv_kernel_size, self.dtype, self.device)
+            cfg.short_conv_kernel_size, self.dtype, self.device,
+            spec_num_draft_tokens=self.spec_num_draft_tokens if kda_ids else 0)
         logger.info("pools: %d KV slots over MLA layers %s, %d request slots over %d KDA layers",
                     self.max_total_num_tokens, mla_ids, self.max_running_requests, len(kda_ids))
 
@@ -279,7 +296,7 @@ class ModelRunner:
                 "draft_extra_mla_layers=True")
         self.kda_state_pool = kda_state_pool
         self.max_total_num_tokens = self.token_to_kv_pool.size
-        self.context_len = self.req_to_token_pool.max_context_len
+        self.context_len = min(self.context_len, self.req_to_token_pool.max_context_len)
         self.max_running_requests = self.req_to_token_pool.size
 
     def _plan_kv_tokens(self, mla_ids, kda_ids, local_heads, max_total_tokens,
@@ -296,15 +313,30 @@ class ModelRunner:
         tokens = kv_slots_from_memory(
             total_bytes=total, fraction=fraction,
             used_bytes=torch.cuda.memory_allocated(self.device),  # weights (+ any earlier runner)
-            req_map_bytes=(self.max_running_requests + 1) * self.context_len * 4,
-            state_bytes=(self.max_running_requests + 1) * kda_bytes_per_slot(
-                cfg, len(kda_ids), local_heads, self.dtype),
+            req_map_bytes=(self.max_running_requests + 1)
+            * (self.context_len + self.position_headroom) * 4,
+            # The spec scratch holds one more copy of the slot's state per chain position.
+            state_bytes=(self.max_running_requests + 1) * (1 + self.spec_num_draft_tokens)
+            * kda_bytes_per_slot(cfg, len(kda_ids), local_heads, self.dtype),
             bytes_per_token=kv_bytes_per_token(cfg, len(mla_ids), self.dtype),
             free_bytes=free, max_total_tokens=max_total_tokens)
         if tokens < self.context_len:
             logger.warning("only %d KV slots fit; fewer than context_len %d", tokens,
                            self.context_len)
         return tokens
+
+    @property
+    def position_headroom(self) -> int:
+        """Positions beyond ``context_len`` a NEXTN round may touch (0 without speculation)."""
+        return nextn_token_headroom(self.spec_num_draft_tokens) if self.spec_num_draft_tokens else 0
+
+    def _grow_rope_tables(self) -> None:
+        """RoPE tables cover ``max_position_embeddings``; on CUDA positions are not checked per
+        step, so tables that must reach into the NEXTN headroom are grown once here."""
+        need = self.req_to_token_pool.max_context_len  # the largest position any forward sees + 1
+        for module in self.model.modules():
+            if isinstance(module, RotaryEmbedding) and need > module.max_position_embeddings:
+                module.cos_sin_cache(self.device, need)
 
     # ------------------------------------------------------------------ running
     def forward(self, forward_batch: ForwardBatch, **model_kwargs: Any) -> "LogitsProcessorOutput":

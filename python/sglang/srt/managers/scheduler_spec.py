@@ -1,0 +1,204 @@
+"""Scheduler half for speculative decoding: launching NEXTN rounds and consuming them one late.
+
+The loop (:meth:`SchedulerSpecMixin.spec_step`) launches round ``k + 1`` of the running batch
+before it consumes round ``k``: the host never waits for the device to finish a round before
+enqueueing the next one, and learns accept counts only through the round's copy-done event.
+Consequences the bookkeeping handles:
+
+* A request that finishes in round ``k`` (EOS, stop string, ``max_new_tokens``, detected while
+  appending its tokens one by one exactly as plain decoding would) has already been given round
+  ``k + 1``; that round's tokens are discarded and all of its ``N`` KV slots freed when it is
+  consumed. Tokens of round ``k`` past the finish point are dropped the same way.
+* KV slots: each round allocates ``N`` per request ahead (an upper bound); the ``N - accept_len``
+  surplus ones are freed when the round is consumed. Admission reserves
+  ``prompt + max_new_tokens + nextn_token_headroom(N)`` so this never runs dry.
+* The host mirrors each request's committed KV slots (``Req.kv_committed_slots``, CPU tensors)
+  so that releasing a request never reads the device's request->token map.
+* A prefill (or chunk) is launched like a round but consumed right away (its first token is
+  needed to admit the request into the running batch).
+
+Metrics (as upstream): per request ``spec_verify_ct`` and accepted drafts, sent with the finishing
+output; server-wide ``avg_spec_accept_length`` = committed tokens / (requests x rounds), reset by
+``flush_cache``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import torch
+
+from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+from sglang.srt.speculative.spec_info import (
+    SpeculativeAlgorithm,
+    SpecMetricsOutput,
+    nextn_token_headroom,
+)
+
+if TYPE_CHECKING:
+    from sglang.srt.speculative.nextn_worker import NEXTNWorker, SpecRoundResult
+
+
+@dataclass
+class PendingSpecRound:
+    """A launched round and the requests it ran for (the running batch may change after)."""
+
+    reqs: List[Req]
+    result: "SpecRoundResult"
+
+
+class SchedulerSpecMixin:
+    """Speculative-decoding parts of :class:`~sglang.srt.managers.scheduler.Scheduler`."""
+
+    # ------------------------------------------------------------------ setup
+    def init_speculative_config(self) -> None:
+        """Before the target is built: parse the algorithm and validate the draft checkpoint
+        (a target without an MTP layer fails here, before any weights are loaded)."""
+        args = self.server_args
+        self.spec_algorithm = SpeculativeAlgorithm.from_string(args.speculative_algorithm)
+        self.draft_worker: Optional["NEXTNWorker"] = None
+        self.pending_spec_round: Optional[PendingSpecRound] = None
+        self.spec_num_draft_tokens = 0
+        self.spec_token_headroom = 0
+        self._spec_draft_config = None
+        self.reset_spec_metrics()
+        if self.spec_algorithm.is_none():
+            return
+        if self.spec_algorithm.is_dspark():
+            raise ValueError("--speculative-algorithm DSPARK: this engine does not have the DSpark "
+                             "worker yet; use --speculative-algorithm NEXTN")
+        from sglang.srt.speculative.nextn_worker import nextn_draft_model_config
+
+        self._spec_draft_config = nextn_draft_model_config(args, self.model_config)
+        self.spec_num_draft_tokens = int(args.speculative_num_draft_tokens)
+        self.spec_token_headroom = nextn_token_headroom(self.spec_num_draft_tokens)
+
+    def init_speculative_worker(self) -> None:
+        """After the target worker exists: build the draft runner over its pools."""
+        if self.spec_algorithm.is_none():
+            return
+        from sglang.srt.speculative.nextn_worker import NEXTNWorker
+
+        self.draft_worker = NEXTNWorker(self.server_args, self.tp_worker,
+                                        self._spec_draft_config)
+
+    @property
+    def spec_enabled(self) -> bool:
+        """A speculative worker runs the decode steps."""
+        return self.draft_worker is not None
+
+    def reset_spec_metrics(self) -> None:
+        """Zero the server-wide acceptance counters (``flush_cache``)."""
+        self.spec_num_accept_tokens = 0  # committed tokens over all (request, round) pairs
+        self.spec_num_verify_reqs = 0  # (request, round) pairs
+        self.spec_num_correct_drafts = 0
+
+    def avg_spec_accept_length(self) -> float:
+        """Committed tokens per request per round since the last flush (0 before any round)."""
+        if self.spec_num_verify_reqs == 0:
+            return 0.0
+        return self.spec_num_accept_tokens / self.spec_num_verify_reqs
+
+    # ------------------------------------------------------------------ loop
+    def spec_step(self, batch: Optional[ScheduleBatch]) -> bool:
+        """One iteration: launch ``batch`` (a round of the running batch, or a prefill), then
+        consume the previously launched round; a prefill is consumed at once."""
+        if batch is None:
+            if self.pending_spec_round is None:
+                return False
+            self._consume_pending_round()
+            return True
+        if batch is self.running_batch:
+            launched = self.launch_spec_round(batch)
+            self._consume_pending_round()
+            self.pending_spec_round = launched
+            return True
+        result = self.run_batch(batch)
+        self._consume_pending_round()
+        self.process_batch_result(batch, result)
+        return True
+
+    def launch_spec_round(self, batch: ScheduleBatch) -> PendingSpecRound:
+        """Allocate the chain slots and enqueue one draft/verify/extend round."""
+        self.forward_ct += 1
+        slots, chain_cache_loc = batch.prepare_for_spec_round(self.spec_num_draft_tokens)
+        want_lp = [r for r in batch.reqs if r.return_logprob]
+        result = self.draft_worker.forward_spec_round(
+            slots, chain_cache_loc, batch.sampling_info, return_logprob=bool(want_lp),
+            top_logprobs_num=max([r.top_logprobs_num for r in want_lp], default=0))
+        return PendingSpecRound(list(batch.reqs), result)
+
+    def _consume_pending_round(self) -> None:
+        if self.pending_spec_round is not None:
+            pending, self.pending_spec_round = self.pending_spec_round, None
+            self.process_spec_round(pending)
+
+    # ------------------------------------------------------------------ results
+    def process_spec_round(self, pending: PendingSpecRound) -> None:
+        """Apply a round's outcome (waits for its copy-done event): commit slots, append tokens
+        one at a time with the finish checks, free surplus slots, stream, drop finished."""
+        out = pending.result.wait()
+        to_free: List[torch.Tensor] = []
+        active: List[Req] = []
+        for b, r in enumerate(pending.reqs):
+            loc = out.chain_cache_loc[b]
+            if r.finished() or r.req_pool_idx is None:
+                to_free.append(loc)  # finished (or aborted) before this round: all surplus
+                continue
+            a = out.accept_lens[b]
+            r.kv_committed_slots.append(loc[:a])
+            to_free.append(loc[a:])
+            r.kv_len += a
+            r.spec_verify_ct += 1
+            r.spec_num_correct_drafts += a - 1
+            self.spec_num_accept_tokens += a
+            self.spec_num_verify_reqs += 1
+            self.spec_num_correct_drafts += a - 1
+            self._append_round_tokens(r, out, b)
+            active.append(r)
+        self.token_to_kv_pool_allocator.free(torch.cat(to_free))
+        self._finish_and_stream(active)
+        if self.running_batch is not None:
+            self.running_batch.filter_batch()
+            if self.running_batch.is_empty():
+                self.running_batch = None
+        self._log_decode_stats()
+
+    def _append_round_tokens(self, r: Req, out: Any, b: int) -> None:
+        """Append request ``b``'s committed tokens until it finishes (the rest is discarded)."""
+        for i, token in enumerate(out.tokens[b]):
+            r.output_ids.append(token)
+            self.num_generated_tokens += 1
+            if r.return_logprob and out.token_logprobs is not None:
+                r.output_token_logprobs_val.append(out.token_logprobs[b][i])
+                r.output_token_logprobs_idx.append(token)
+                if r.top_logprobs_num > 0 and out.top_logprobs_val is not None:
+                    r.output_top_logprobs_val.append(out.top_logprobs_val[b][i][: r.top_logprobs_num])
+                    r.output_top_logprobs_idx.append(out.top_logprobs_idx[b][i][: r.top_logprobs_num])
+            r.check_finished(self.tokenizer)
+            if r.finished():
+                return
+
+    def spec_metrics_message(self, reqs: List[Req]) -> Optional[SpecMetricsOutput]:
+        """Counters of the finished requests among ``reqs`` (None if there are none)."""
+        done = [r for r in reqs if r.finished() and r.spec_verify_ct > 0]
+        if not self.spec_enabled or not done:
+            return None
+        per_round = self.spec_num_draft_tokens - 1
+        return SpecMetricsOutput(
+            rids=[r.rid for r in done],
+            spec_verify_ct=[r.spec_verify_ct for r in done],
+            spec_num_correct_drafts=[r.spec_num_correct_drafts for r in done],
+            spec_num_proposed_drafts=[r.spec_verify_ct * per_round for r in done])
+
+    def spec_internal_state(self) -> Dict[str, Any]:
+        """Speculative entries of ``get_internal_state`` (empty without speculation)."""
+        if not self.spec_enabled:
+            return {}
+        return {
+            "avg_spec_accept_length": self.avg_spec_accept_length(),
+            "spec_num_verify_reqs": self.spec_num_verify_reqs,
+            "spec_num_accept_tokens": self.spec_num_accept_tokens,
+            "speculative_num_steps": self.server_args.speculative_num_steps,
+            "speculative_num_draft_tokens": self.spec_num_draft_tokens,
+        }

@@ -1,0 +1,360 @@
+"""NEXTN (MTP) speculative decoding: the draft -> verify -> draft-extend relay of one round.
+
+Chain layout and acceptance are in :mod:`sglang.srt.speculative.spec_utils`. With
+``N = --speculative-num-draft-tokens`` (``= num_steps + 1``) and ``P`` committed tokens, a round
+over a batch of requests:
+
+1. **Draft.** Chain position 0 is the seed (the last committed token; its KV is written by this
+   round), position 1 the draft the previous round's extend already picked. The MTP layer then
+   runs autoregressively on its own hidden states: forward ``j = 1 .. N-2`` feeds ``(g, d_j)`` at
+   position ``P + j - 1`` (standing in for the target's unknown hidden state there) and picks
+   ``d_{j+1}``. So ``N - 1`` draft tokens cost ``N - 2`` one-token forwards; their MTP cache
+   entries are provisional and rewritten in step 3.
+2. **Verify.** One ``TARGET_VERIFY`` target forward over the ``N`` chain positions (KDA states are
+   staged, not committed) with every hidden state captured; acceptance on the device (greedy:
+   target argmax; sampled: exact rejection sampling against the distribution each draft was drawn
+   from, both under the request's sampling transform at that position). Then the KDA commit of
+   position ``accept_len - 1``, the new lengths and seeds into the relay, and the accepted tokens
+   into the sampling history.
+3. **Draft extend.** The MTP layer over the same fixed ``N`` rows per request with the target's
+   real hidden states and the committed tokens (``DRAFT_EXTEND``): it overwrites the MTP cache of
+   the accepted positions, and its row ``accept_len - 1`` gives the next round's first draft and
+   draft hidden state.
+
+Every accept-dependent value (lengths, seeds, the KDA commit index, positions, req->token writes)
+stays a device tensor, read through the per-slot :class:`~sglang.srt.speculative.spec_info.NextNRelay`.
+The host gets the accept lengths, committed tokens and the round's KV slots through an
+:class:`~sglang.srt.speculative.host_copy.AsyncHostCopy` that it waits on one round later.
+
+After a prefill (or any prefill chunk) the MTP layer runs over the chunk with the pairs
+``(h_t, x_{t+1})``; the last pair of a completed prompt uses the sampled first token, and its
+output is the first draft.
+"""
+from __future__ import annotations
+
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Any, List, Optional, Sequence, Tuple
+
+import torch
+
+from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.environ import envs
+from sglang.srt.layers.logits_processor import last_token_indices
+from sglang.srt.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+)
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.speculative.host_copy import AsyncHostCopy
+from sglang.srt.speculative.spec_info import NextNRelay
+from sglang.srt.speculative.spec_sampling import (
+    chain_uniforms,
+    draft_lane,
+    expand_for_chain,
+    processed_logits,
+    transformed_probs,
+    verify_lanes,
+)
+from sglang.srt.speculative.spec_utils import (
+    ChainVerifyResult,
+    assign_chain_req_to_token,
+    build_verify_forward_batch,
+    chain_commit_layout,
+    greedy_verify_chain,
+    rejection_sample_chain,
+    sample_from_probs,
+)
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["NEXTNWorker", "SpecRoundResult", "SpecRoundOutput", "nextn_draft_model_config"]
+
+
+def nextn_draft_model_config(server_args: Any, target_config: ModelConfig) -> ModelConfig:
+    """The draft's config: ``--speculative-draft-model-path``, else the target checkpoint (whose
+    MTP layer is the draft, with the same ``--json-model-override-args``). Raises ``ValueError``
+    when it has no MTP layer or does not fit the target."""
+    path = server_args.speculative_draft_model_path
+    if path:
+        cfg = ModelConfig.from_path(path)
+        where = f"--speculative-draft-model-path {path!r}"
+    else:
+        cfg = ModelConfig.from_path(server_args.model_path, server_args.json_model_override_args)
+        where = f"the target checkpoint {cfg.model_path!r}"
+    if cfg.hf_config.num_nextn_predict_layers < 1:
+        raise ValueError(
+            f"--speculative-algorithm NEXTN: {where} has no MTP layer (num_nextn_predict_layers "
+            "= 0), so there is no NEXTN draft; use a checkpoint with an MTP layer or pass "
+            "--speculative-draft-model-path")
+    t, d = target_config.hf_config, cfg.hf_config
+    for name in ("hidden_size", "vocab_size", "num_hidden_layers"):
+        if getattr(t, name) != getattr(d, name):
+            raise ValueError(f"--speculative-draft-model-path: the draft's {name} "
+                             f"{getattr(d, name)} differs from the target's {getattr(t, name)}")
+    return cfg
+
+
+@dataclass
+class SpecRoundOutput:
+    """A round's outcome on the host (one entry per request of the round)."""
+
+    accept_lens: List[int]  # committed tokens per request (accepted drafts + 1)
+    tokens: List[List[int]]  # the accept_lens[b] committed tokens
+    chain_cache_loc: torch.Tensor  # [B, N] int64 CPU: the round's KV slots
+    token_logprobs: Optional[List[List[float]]] = None  # per committed token
+    top_logprobs_val: Optional[List[List[List[float]]]] = None
+    top_logprobs_idx: Optional[List[List[List[int]]]] = None
+
+
+class SpecRoundResult:
+    """A launched round; :meth:`wait` (normally one round later) gives its :class:`SpecRoundOutput`."""
+
+    def __init__(self, host_copy: AsyncHostCopy, verdict: ChainVerifyResult):
+        self.host_copy = host_copy
+        self.verdict = verdict  # device tensors (tests and debugging)
+
+    def wait(self) -> SpecRoundOutput:
+        """Block on the round's copy-done event and convert to host lists."""
+        host = self.host_copy.wait()
+        lens = host["accept_len"].tolist()
+        rows = host["tokens"].tolist()
+        out = SpecRoundOutput(lens, [row[:a] for row, a in zip(rows, lens)], host["loc"])
+        if "logprobs" in host:
+            lp = host["logprobs"].tolist()
+            out.token_logprobs = [row[:a] for row, a in zip(lp, lens)]
+        if "top_val" in host:
+            vals, idx = host["top_val"].tolist(), host["top_idx"].tolist()
+            out.top_logprobs_val = [row[:a] for row, a in zip(vals, lens)]
+            out.top_logprobs_idx = [row[:a] for row, a in zip(idx, lens)]
+        return out
+
+
+class NEXTNWorker:
+    """Owns the draft runner (the MTP layer over the target's pools) and runs NEXTN rounds."""
+
+    def __init__(self, server_args: Any, target_worker: TpModelWorker,
+                 draft_model_config: Optional[ModelConfig] = None):
+        n = server_args.speculative_num_draft_tokens
+        if server_args.speculative_eagle_topk != 1 or n != server_args.speculative_num_steps + 1:
+            raise ValueError("NEXTNWorker drafts a chain: needs --speculative-eagle-topk 1 and "
+                             "--speculative-num-draft-tokens = --speculative-num-steps + 1")
+        self.target_worker = target_worker
+        self.target_runner: ModelRunner = target_worker.model_runner
+        if self.target_runner.spec_num_draft_tokens != n:
+            raise ValueError(f"the target runner was built for {self.target_runner.spec_num_draft_tokens}"
+                             f" draft tokens, the worker needs {n}")
+        self.num_steps = server_args.speculative_num_steps
+        self.num_draft_tokens = n
+        self.device = self.target_runner.device
+        self.vocab_size = self.target_runner.model_config.vocab_size
+        cfg = draft_model_config or nextn_draft_model_config(server_args, target_worker.model_config)
+        t = self.target_runner
+        self.draft_runner = ModelRunner(
+            cfg, device=t.device, dtype=t.dtype, tp_rank=t.tp_rank, tp_size=t.tp_size,
+            load_format=server_args.load_format, attention_backend=server_args.attention_backend,
+            kda_prefill_impl=server_args.kda_prefill_impl, random_seed=server_args.random_seed,
+            is_draft=True, req_to_token_pool=t.req_to_token_pool,
+            token_to_kv_pool_allocator=t.token_to_kv_pool_allocator,
+            token_to_kv_pool=t.token_to_kv_pool)
+        self.draft_runner.model.set_embed_and_head(*t.model.get_embed_and_head())
+        max_bs = t.req_to_token_pool.size
+        self.relay = NextNRelay(max_bs, cfg.hf_config.hidden_size, self.vocab_size, t.dtype,
+                                self.device)
+        # Persistent chain buffer (fixed width N; a round of B requests uses rows 0..B-1).
+        self._chain_tokens = torch.zeros(max_bs, n, dtype=torch.int64, device=self.device)
+        logger.info("NEXTN: draft = MTP layer %d of %s, %d steps, %d draft tokens",
+                    cfg.hf_config.mtp_layer_id, cfg.model_path, self.num_steps, n)
+
+    # ------------------------------------------------------------------ prefill
+    def forward_batch_generation(
+        self,
+        forward_batch: ForwardBatch,
+        sampling_info: Optional[SamplingBatchInfo],
+        sample_rows: Optional[Sequence[int]] = None,
+        return_logprob: bool = False,
+        top_logprobs_nums: Optional[Sequence[int]] = None,
+        draft_next_tokens: Optional[Sequence[int]] = None,
+    ) -> GenerationBatchResult:
+        """Target prefill (or chunk) + sampling, then the draft extend over the same tokens.
+
+        ``draft_next_tokens[b]``: the prompt token after request ``b``'s chunk, or ``-1`` when
+        the chunk completes the prompt (then the sampled first token follows). Sampled rows get
+        their first draft in the relay. The sampling history of the sampled rows is advanced on
+        the device here (in speculative mode the worker owns it).
+        """
+        if forward_batch.forward_mode != ForwardMode.EXTEND:
+            raise ValueError(f"NEXTNWorker.forward_batch_generation runs prefills; got "
+                             f"{forward_batch.forward_mode.name}")
+        b = forward_batch.batch_size
+        if draft_next_tokens is None or len(draft_next_tokens) != b:
+            raise ValueError(f"draft_next_tokens needs one entry per request ({b})")
+        forward_batch.capture_hidden_mode = CaptureHiddenMode.FULL
+        result = self.target_worker.forward_batch_generation(
+            forward_batch, sampling_info, sample_rows, return_logprob, top_logprobs_nums)
+        rows = list(range(b)) if sample_rows is None else list(sample_rows)
+        next_ids = result.next_token_ids
+        if sampling_info is not None and next_ids is not None:
+            sampling_info.append_tokens(next_ids)
+
+        # MTP over the chunk: row t pairs the target's h_t with token t + 1.
+        ids = forward_batch.input_ids
+        shifted = torch.empty_like(ids)
+        shifted[:-1] = ids[1:]
+        tail = torch.tensor([max(int(t), 0) for t in draft_next_tokens], dtype=ids.dtype)
+        tail = tail.to(self.device)
+        sel = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        if next_ids is not None and rows:
+            tail[sel] = next_ids.to(tail.dtype)
+        shifted[last_token_indices(forward_batch)] = tail
+        draft_batch = dataclasses.replace(
+            forward_batch, forward_mode=ForwardMode.DRAFT_EXTEND, input_ids=shifted,
+            return_full_logits=False, capture_hidden_mode=CaptureHiddenMode.LAST,
+            spec_info=None, attn_metadata=None)
+        out = self.draft_runner.forward(draft_batch,
+                                        hidden_states=result.logits_output.hidden_states)
+        if next_ids is None or not rows:
+            return result
+        draft, probs = self._pick_draft(out.next_token_logits[sel], sampling_info, None, 0)
+        slots = forward_batch.req_pool_indices[sel]
+        self.relay.scatter(slots, seq_lens=forward_batch.seq_lens[sel], seed=next_ids,
+                           draft_token=draft, hidden=out.hidden_states[sel], draft_probs=probs)
+        return result
+
+    # ------------------------------------------------------------------ decode round
+    def forward_spec_round(self, req_pool_indices: torch.Tensor, chain_cache_loc: torch.Tensor,
+                           sampling_info: SamplingBatchInfo, return_logprob: bool = False,
+                           top_logprobs_num: int = 0) -> SpecRoundResult:
+        """Draft, verify and draft-extend one round for the requests in ``req_pool_indices [B]``
+        (device), writing the chain's KV into ``chain_cache_loc [B, N]`` (allocated by the
+        caller; surplus slots are the caller's to free once it has the accept lengths)."""
+        n = self.num_draft_tokens
+        b = int(req_pool_indices.shape[0])
+        if b < 1 or tuple(chain_cache_loc.shape) != (b, n):
+            raise ValueError(f"forward_spec_round: chain_cache_loc must be [B={b}, N={n}] with "
+                             f"B >= 1, got {tuple(chain_cache_loc.shape)}")
+        if sampling_info.batch_size != b:
+            raise ValueError(f"forward_spec_round: sampling_info has {sampling_info.batch_size} "
+                             f"rows for {b} requests")
+        sampled = not sampling_info.is_all_greedy
+        slots = req_pool_indices.to(device=self.device, dtype=torch.int64)
+        loc = chain_cache_loc.to(device=self.device, dtype=torch.int64)
+        inp = self.relay.gather(slots, with_probs=sampled)
+        prefix = inp.seq_lens
+        assign_chain_req_to_token(self.target_runner.req_to_token_pool.req_to_token, slots,
+                                  prefix, loc)
+
+        tokens, draft_probs = self._draft(slots, loc, inp, sampling_info)
+        verify_batch = build_verify_forward_batch(tokens, slots, prefix, loc)
+        target_out = self.target_runner.forward(verify_batch)
+        verdict, processed, rows_info = self._verify(target_out.next_token_logits, tokens,
+                                                     sampling_info, draft_probs)
+
+        layout = chain_commit_layout(prefix, verdict.accept_len, loc)
+        kda_pool = self.target_runner.kda_state_pool
+        if kda_pool is not None and kda_pool.layer_ids:
+            kda_pool.commit_after_verify(slots, layout.last_accepted_index)
+        self.relay.scatter(slots, seq_lens=layout.new_seq_lens, seed=verdict.next_seed)
+        committed = verdict.accepted_tokens.clamp(min=0)  # pad (-1) -> a valid id
+        sampling_info.append_tokens(committed, valid=layout.keep_mask)
+
+        self._draft_extend(verify_batch, committed, target_out.hidden_states,
+                           layout.last_accepted_row, slots, sampling_info)
+
+        copies = {"accept_len": verdict.accept_len, "tokens": verdict.accepted_tokens,
+                  "loc": loc}
+        if return_logprob:
+            # As the sampler: the penalised logits over the temperature at each position (raw
+            # logits with SGLANG_RETURN_ORIGINAL_LOGPROB).
+            vocab = self.vocab_size
+            if envs.SGLANG_RETURN_ORIGINAL_LOGPROB.get():
+                source = target_out.next_token_logits[:, :vocab].float()
+            else:
+                source = processed / rows_info.temperatures.unsqueeze(1)
+            lp = torch.log_softmax(source, dim=-1).view(b, n, vocab)
+            copies["logprobs"] = lp.gather(2, committed.unsqueeze(-1)).squeeze(-1)
+            if top_logprobs_num > 0:
+                copies["top_val"], copies["top_idx"] = lp.topk(min(top_logprobs_num, vocab), -1)
+        return SpecRoundResult(AsyncHostCopy(copies), verdict)
+
+    def _draft(self, slots: torch.Tensor, loc: torch.Tensor, inp, info: SamplingBatchInfo
+               ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+        """The chain ``[B, N]`` and the distributions drafts 1..N-1 were drawn from (sampled
+        batches only)."""
+        n, b = self.num_draft_tokens, int(slots.shape[0])
+        tokens = self._chain_tokens[:b]
+        tokens[:, 0] = inp.seed
+        tokens[:, 1] = inp.draft_token
+        draft_probs = [inp.draft_probs] if inp.draft_probs is not None else []
+        hidden = inp.hidden
+        for pos in range(1, n - 1):
+            # MTP at sequence position P + pos - 1 (chain slot pos - 1) reads d_pos.
+            fb = ForwardBatch.for_decode(tokens[:, pos].contiguous(), slots,
+                                         inp.seq_lens + pos, loc[:, pos - 1],
+                                         capture_hidden_mode=CaptureHiddenMode.LAST)
+            out = self.draft_runner.forward(fb, hidden_states=hidden)
+            hidden = out.hidden_states
+            token, probs = self._pick_draft(out.next_token_logits, info, tokens[:, 1:], pos)
+            tokens[:, pos + 1] = token
+            if probs is not None:
+                draft_probs.append(probs)
+        return tokens, draft_probs
+
+    def _draft_extend(self, verify_batch: ForwardBatch, committed: torch.Tensor,
+                      target_hidden: torch.Tensor, last_row: torch.Tensor, slots: torch.Tensor,
+                      info: SamplingBatchInfo) -> None:
+        """MTP over the chain with the target's hidden states (fixed N rows per request); the
+        row of the last accepted position seeds the next round."""
+        extend_batch = dataclasses.replace(
+            verify_batch, forward_mode=ForwardMode.DRAFT_EXTEND, input_ids=committed.reshape(-1),
+            attn_metadata=None)
+        out = self.draft_runner.forward(extend_batch, hidden_states=target_hidden)
+        # info already holds the committed tokens, so this is chain position 0 of next round.
+        draft, probs = self._pick_draft(out.next_token_logits[last_row], info, None, 0)
+        self.relay.scatter(slots, draft_token=draft, hidden=out.hidden_states[last_row],
+                           draft_probs=probs)
+
+    # ------------------------------------------------------------------ token choices
+    def _pick_draft(self, logits: torch.Tensor, info: SamplingBatchInfo,
+                    history: Optional[torch.Tensor], pos: int
+                    ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The draft for chain position ``pos + 1`` from draft logits ``[B, V]`` that follow
+        chain position ``pos`` (``history [B, >= pos]`` = drafts 1..pos). Greedy rows take the
+        argmax of the transformed logits; sampled rows draw from the transformed distribution,
+        which is returned for the rejection test (``None`` for all-greedy batches)."""
+        rows_info = expand_for_chain(info, history, 1, start=pos)
+        processed = processed_logits(logits, rows_info)
+        greedy = processed.argmax(dim=-1)
+        if info.is_all_greedy:
+            return greedy, None
+        probs = transformed_probs(processed, rows_info)
+        u = chain_uniforms(info, draft_lane(self.num_draft_tokens, pos + 1))[:, 0]
+        return torch.where(info.greedy_mask, greedy, sample_from_probs(probs, u)), probs
+
+    def _verify(self, logits: torch.Tensor, tokens: torch.Tensor, info: SamplingBatchInfo,
+                draft_probs: List[torch.Tensor]
+                ) -> Tuple[ChainVerifyResult, torch.Tensor, SamplingBatchInfo]:
+        """Acceptance per row: greedy rows against the target argmax, sampled rows by exact
+        rejection sampling; both under the per-position sampling transform. Also returns the
+        penalised logits ``[B * N, V]`` and the per-position sampling rows."""
+        b, n = tokens.shape
+        rows_info = expand_for_chain(info, tokens[:, 1:], n)
+        processed = processed_logits(logits, rows_info)
+        greedy = greedy_verify_chain(tokens, processed.argmax(dim=-1).view(b, n))
+        if info.is_all_greedy:
+            return greedy, processed, rows_info
+        p = transformed_probs(processed, rows_info).view(b, n, -1)
+        q = torch.stack(draft_probs, dim=1)
+        u = chain_uniforms(info, verify_lanes(n))
+        sampled = rejection_sample_chain(tokens, q, p, uniforms=u)
+        g = info.greedy_mask
+        verdict = ChainVerifyResult(
+            accept_len=torch.where(g, greedy.accept_len, sampled.accept_len),
+            accepted_tokens=torch.where(g.unsqueeze(1), greedy.accepted_tokens,
+                                        sampled.accepted_tokens),
+            next_seed=torch.where(g, greedy.next_seed, sampled.next_seed))
+        return verdict, processed, rows_info
