@@ -51,7 +51,13 @@ class ReqToTokenPool:
 
 
 class TokenToKVPoolAllocator:
-    """Hands out KV slot indices ``1..size`` (page size 1); slot 0 is the padding slot."""
+    """Hands out KV slot indices ``1..size`` (page size 1); slot 0 is the padding slot.
+
+    The free slots live in a device-resident ring buffer: allocation takes from its head and
+    freeing appends at its tail, both as device slice copies. The host only tracks counts, so
+    neither ``alloc`` nor ``free`` ever waits for the GPU (a blocking host<->device copy here
+    would pin the scheduler to GPU progress every step and defeat run-ahead).
+    """
 
     def __init__(self, size: int, device: torch.device | str):
         self.size = size
@@ -59,28 +65,40 @@ class TokenToKVPoolAllocator:
         self.clear()
 
     def clear(self) -> None:
-        # Kept on the host: allocation is host bookkeeping; slots go to the device as tensors.
-        self._free = torch.arange(1, self.size + 1, dtype=torch.int64)
+        self._ring = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
+        self._head = 0  # ring index of the first free slot
         self._n_free = self.size
 
     def available_size(self) -> int:
         return self._n_free
 
     def alloc(self, n: int) -> Optional[torch.Tensor]:
-        """``n`` free slots as an int64 device tensor, or ``None`` if fewer are free."""
+        """``n`` free slots as a new int64 device tensor, or ``None`` if fewer are free."""
         if n > self._n_free:
             return None
-        out = self._free[:n]
-        self._free = self._free[n:]
+        end = self._head + n
+        if end <= self.size:
+            out = self._ring[self._head:end].clone()
+        else:  # wraps around the end of the ring
+            out = torch.cat([self._ring[self._head:], self._ring[:end - self.size]])
+        self._head = end % self.size
         self._n_free -= n
-        return out.to(self.device)
+        return out
 
     def free(self, slots: torch.Tensor) -> None:
-        if slots.numel() == 0:
+        """Return slots (any shape; device tensors avoid a host round trip)."""
+        k = slots.numel()
+        if k == 0:
             return
-        slots = slots.detach().to("cpu", torch.int64).flatten()
-        self._free = torch.cat([self._free, slots])
-        self._n_free += int(slots.numel())
+        if k > self.size - self._n_free:
+            raise ValueError(f"freeing {k} slots but only {self.size - self._n_free} are in use")
+        slots = slots.detach().reshape(-1).to(device=self.device, dtype=torch.int64)
+        tail = (self._head + self._n_free) % self.size
+        first = min(k, self.size - tail)
+        self._ring[tail:tail + first] = slots[:first]
+        if first < k:
+            self._ring[:k - first] = slots[first:]
+        self._n_free += k
 
 
 class MLATokenToKVPool:
