@@ -26,7 +26,7 @@ for i in $(seq 1 240); do curl -sf localhost:30000/health > /dev/null && break; 
 python3 -m sglang.bench_serving --backend sglang --port 30000 --dataset-name random-ids \
   --random-input-len 1024 --random-output-len 256 --random-range-ratio 1.0 --num-prompts 5 \
   --max-concurrency 1 --disable-tqdm --output-file "$OUT/serving.jsonl" 2>&1 | tee "$OUT/serving.log" | tail -40
-kill -INT $SERVER; wait $SERVER; echo "server exit $?"
+kill -TERM $SERVER; wait $SERVER; echo "server exit $?"
 
 echo "== gpu-marked tests"
 python3 -m pytest -q -m gpu test -p no:cacheprovider -x 2>&1 | tee "$OUT/gpu_tests.log" | tail -15

@@ -29,6 +29,6 @@ except (OSError, IndexError):
 row.pop("server_info", None)
 print(json.dumps({"tag": tag, **row}))
 PY
-  kill -INT "$pid"; wait "$pid"
+  kill -TERM "$pid"; wait "$pid"
   port=$((port + 1))
 done
