@@ -17,6 +17,7 @@ timeout 150 python3 -m pytest -q -m "gpu and not slow" test -p no:cacheprovider 
 
 echo "== NEXTN ladder, bundled model"
 timeout 130 bash benchmark/batch1/spec_ab.sh bundled "" 3 1024 256
+pkill -f sglang.launch_server; sleep 2  # nothing may outlive a timed-out ladder
 echo "== NEXTN ladder, dummy 12-layer Ling-3.0-flash"
-timeout 210 bash benchmark/batch1/spec_ab.sh flash12 "$FLASH12" 3 1024 256
+PORT_BASE=30200 timeout 210 bash benchmark/batch1/spec_ab.sh flash12 "$FLASH12" 3 1024 256
 python3 benchmark/batch1/summarize.py "$OUT/spec_ab.jsonl"

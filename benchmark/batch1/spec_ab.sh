@@ -6,7 +6,7 @@
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 name=$1; server_args=$2; prompts=${3:-5}; in_len=${4:-1024}; out_len=${5:-256}
-port=30100
+port=${PORT_BASE:-30100}
 for steps in 0 3 4 5; do
   tag="$name-$([ "$steps" = 0 ] && echo nospec || echo nextn$steps)"
   spec=()
