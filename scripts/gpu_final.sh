@@ -10,7 +10,7 @@ FLASH12="--model-path ling-3.0-flash --load-format dummy --json-model-override-a
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u
 
 echo "== bench_one_batch (eager, batch 1, 8192-token prefill, decode at 8k)"
-eval "timeout 90 python3 -m sglang.bench_one_batch $FLASH12 --batch-size 1 --input-len 8192 --output-len 32 --result-filename $OUT/one_batch.jsonl" 2>&1 | grep -v Warn | tail -5
+eval "timeout 200 python3 -m sglang.bench_one_batch $FLASH12 --batch-size 1 --input-len 8192 --output-len 32 --result-filename $OUT/one_batch.jsonl" 2>&1 | grep -v Warn | tail -5
 
 echo "== gpu-marked tests (not slow)"
 timeout 150 python3 -m pytest -q -m "gpu and not slow" test -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -6

@@ -22,7 +22,7 @@ python3 -m sglang.bench_one_batch "${FLASH12[@]}" --batch-size 1 --input-len 819
 echo "== server + bench_serving (eager, random-ids 1024/256, concurrency 1)"
 python3 -m sglang.launch_server "${FLASH12[@]}" --port 30000 > "$OUT/server.log" 2>&1 &
 SERVER=$!
-for i in $(seq 1 240); do curl -sf localhost:30000/health > /dev/null && break; sleep 1; done
+for i in $(seq 1 240); do curl -sf localhost:30000/health > /dev/null && break; kill -0 $SERVER 2> /dev/null || break; sleep 1; done
 python3 -m sglang.bench_serving --backend sglang --port 30000 --dataset-name random-ids \
   --random-input-len 1024 --random-output-len 256 --random-range-ratio 1.0 --num-prompts 5 \
   --max-concurrency 1 --disable-tqdm --output-file "$OUT/serving.jsonl" 2>&1 | tee "$OUT/serving.log" | tail -40

@@ -12,9 +12,10 @@ for steps in 0 3 4 5; do
   spec=()
   [ "$steps" != 0 ] && spec=(--speculative-algorithm NEXTN --speculative-num-steps "$steps"
                              --speculative-eagle-topk 1 --speculative-num-draft-tokens $((steps + 1)))
-  eval "python3 -m sglang.launch_server $server_args ${spec[*]} --port $port" > "$OUT/server-$tag.log" 2>&1 &
+  # exec: the background job IS the server, so the SIGTERM below reaches it (not a subshell).
+  eval "exec python3 -m sglang.launch_server $server_args ${spec[*]} --port $port" > "$OUT/server-$tag.log" 2>&1 &
   pid=$!
-  for i in $(seq 1 300); do curl -sf "localhost:$port/health" > /dev/null && break; sleep 1; done
+  for i in $(seq 1 300); do curl -sf "localhost:$port/health" > /dev/null && break; kill -0 "$pid" 2> /dev/null || break; sleep 1; done
   python3 -m sglang.bench_serving --backend sglang --port "$port" --dataset-name random-ids \
     --random-input-len "$in_len" --random-output-len "$out_len" --random-range-ratio 1.0 \
     --num-prompts "$prompts" --max-concurrency 1 --disable-tqdm \

@@ -428,3 +428,21 @@ def test_real_width_12_layer_preset_dummy_on_cuda():
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss < 16 * 1024 * 1024
     logits = prefill_logits(runner, list(range(1000, 1016)))
     assert torch.isfinite(logits).all() and 0.1 < logits.float().std().item() < 30
+
+
+def test_cuda_kv_plan_is_capped_by_request_slots(monkeypatch, tmp_path):
+    """On a big GPU a tiny model gets at most max_running_requests * context_len KV slots."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    cfg = ModelConfig.from_path(write_random_checkpoint(str(tmp_path / "c"), tiny_config())).hf_config
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (140 << 30, 140 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 20)
+    fake = SimpleNamespace(hf_config=cfg, device=torch.device("cuda"), context_len=512,
+                           max_running_requests=4, position_headroom=8, spec_num_draft_tokens=0,
+                           dtype=torch.bfloat16)
+    plan = ModelRunner._plan_kv_tokens
+    mla, kda = cfg.full_attention_layer_ids, cfg.kda_layer_ids
+    assert plan(fake, mla, kda, cfg.num_attention_heads, None, 0.85) == 4 * (512 + 8)
+    assert plan(fake, mla, kda, cfg.num_attention_heads, 1000, 0.85) == 1000

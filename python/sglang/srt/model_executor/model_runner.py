@@ -141,7 +141,8 @@ class ModelRunner:
     Pool sizing: on CUDA, ``mem_fraction_static`` (default 0.88) of the device's total memory is
     the budget for everything allocated statically (weights, request map, KDA state slots, MLA
     KV slots); what the weights leave is split into ``max_running_requests`` state slots and as
-    many KV slots as fit (capped by ``max_total_tokens`` if given). On CPU, or on CUDA with only
+    many KV slots as fit, capped by ``max_total_tokens`` if given and always by
+    ``max_running_requests * context_len`` (more can never be used). On CPU, or on CUDA with only
     ``max_total_tokens`` given, that many KV slots are allocated (CPU default:
     ``min(context_len * max_running_requests, 16384)``).
 
@@ -309,6 +310,11 @@ class ModelRunner:
             return min(self.context_len * self.max_running_requests, CPU_DEFAULT_MAX_TOTAL_TOKENS)
 
         fraction = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+        # More slots than every request slot filled to the context length can never be used;
+        # without this cap a tiny model would take nearly the whole GPU for its KV cache.
+        cap = self.max_running_requests * (self.context_len + self.position_headroom)
+        if max_total_tokens is not None:
+            cap = min(cap, int(max_total_tokens))
         free, total = torch.cuda.mem_get_info(self.device)
         tokens = kv_slots_from_memory(
             total_bytes=total, fraction=fraction,
@@ -319,7 +325,7 @@ class ModelRunner:
             state_bytes=(self.max_running_requests + 1) * (1 + self.spec_num_draft_tokens)
             * kda_bytes_per_slot(cfg, len(kda_ids), local_heads, self.dtype),
             bytes_per_token=kv_bytes_per_token(cfg, len(mla_ids), self.dtype),
-            free_bytes=free, max_total_tokens=max_total_tokens)
+            free_bytes=free, max_total_tokens=cap)
         if tokens < self.context_len:
             logger.warning("only %d KV slots fit; fewer than context_len %d", tokens,
                            self.context_len)
