@@ -178,6 +178,20 @@ def test_abort_flush_and_server_info(engine):
     json.dumps(info)  # /server_info must be serializable
 
 
+def test_batch_with_a_running_rid_registers_nothing(engine):
+    stream = engine.generate(input_ids=[3, 4, 5], stream=True, rid="busy",
+                             sampling_params=_greedy(400, ignore_eos=True))
+    next(stream)
+    with pytest.raises(ValueError, match="duplicate request id 'busy'"):
+        engine.generate(input_ids=[[6, 7], [8, 9]], rid=["fresh", "busy"],
+                        sampling_params=_greedy(2))
+    engine.abort_request("busy")
+    list(stream)
+    # "fresh" must not have been left registered by the failed batch.
+    out = engine.generate(input_ids=[6, 7], rid="fresh", sampling_params=_greedy(2))
+    assert len(out["output_ids"]) == 2
+
+
 def test_async_generate_in_another_loop(engine):
     async def main():
         one = await engine.async_generate(input_ids=[9, 8, 7], sampling_params=_greedy(4))

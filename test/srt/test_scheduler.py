@@ -189,6 +189,10 @@ def test_finish_on_eos_and_stop_token_ids(sched):
         sched.eos_token_ids = saved
     assert eos.ids["e"] == free[: j + 1] and eos.finish["e"]["matched"] == free[j]
     assert ign.ids["i"] == free
+    # As upstream, ignore_eos also disables stop_token_ids.
+    both = run_requests(sched, [request("b", prompt, temperature=0, max_new_tokens=10,
+                                        stop_token_ids=[free[j]], ignore_eos=True)])
+    assert both.ids["b"] == free and both.finish["b"]["type"] == "length"
 
 
 def test_request_that_cannot_fit_is_aborted_not_crashing(ckpt):

@@ -173,13 +173,14 @@ class Req:
         if len(self.output_ids) >= sp.max_new_tokens:
             self.finished_reason = FINISH_LENGTH(length=sp.max_new_tokens)
             return
-        if len(self.output_ids) < (getattr(sp, "min_new_tokens", 0) or 0):
-            return
+        # As upstream: ignore_eos disables every token-based stop (EOS and stop_token_ids), and
+        # min_new_tokens holds back only token-based stops (the sampler also masks those tokens).
         last = self.output_ids[-1]
-        stop_ids = set(getattr(sp, "stop_token_ids", None) or ())
-        if last in stop_ids or (not sp.ignore_eos and last in self.eos_token_ids):
-            self.finished_reason = FINISH_MATCHED_TOKEN(matched=last)
-            return
+        if not sp.ignore_eos and len(self.output_ids) >= (getattr(sp, "min_new_tokens", 0) or 0):
+            stop_ids = getattr(sp, "stop_token_ids", None) or ()
+            if last in stop_ids or last in self.eos_token_ids:
+                self.finished_reason = FINISH_MATCHED_TOKEN(matched=last)
+                return
         stop_strs = getattr(sp, "stop_strs", None) or []
         if stop_strs and tokenizer is not None:
             matched = self._match_stop_str(tokenizer, stop_strs)

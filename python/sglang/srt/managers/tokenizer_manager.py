@@ -128,7 +128,18 @@ class TokenizerManager:
             raise ValueError("the rids of a batch must be distinct")
         tokenized = [build_tokenized_request(it, self.tokenizer, self.vocab_size,
                                              self.context_len) for it in items]
-        states = [self._register(it, tok) for it, tok in zip(items, tokenized)]
+        with self._lock:  # all-or-nothing: a clash must not leave earlier items registered
+            clash = [it.rid for it in items if it.rid in self.rid_to_state]
+        if clash:
+            raise ValueError(f"duplicate request id {clash[0]!r}: a request with this rid is "
+                             "still running")
+        states: List[ReqState] = []
+        try:
+            for it, tok in zip(items, tokenized):
+                states.append(self._register(it, tok))
+        except ValueError:  # a rid registered meanwhile: withdraw the items already sent
+            self._abort_unfinished(states)
+            raise
         if not obj.stream:
             try:
                 results = await asyncio.gather(*[self._collect(s, request) for s in states])
