@@ -86,13 +86,20 @@ class TokenToKVPoolAllocator:
         return out
 
     def free(self, slots: torch.Tensor) -> None:
-        """Return slots (any shape; device tensors avoid a host round trip)."""
+        """Return slots (any shape, host or device tensor; neither waits for the GPU)."""
         k = slots.numel()
         if k == 0:
             return
         if k > self.size - self._n_free:
             raise ValueError(f"freeing {k} slots but only {self.size - self._n_free} are in use")
-        slots = slots.detach().reshape(-1).to(device=self.device, dtype=torch.int64)
+        slots = slots.detach().reshape(-1).to(torch.int64)
+        if slots.device != self.device:
+            if self.device.type == "cuda":
+                # A pageable host->device copy would wait for the stream; pinned + non_blocking
+                # does not (the caching host allocator keeps the buffer alive until it is done).
+                slots = slots.pin_memory().to(self.device, non_blocking=True)
+            else:
+                slots = slots.to(self.device)
         tail = (self._head + self._n_free) % self.size
         first = min(k, self.size - tail)
         self._ring[tail:tail + first] = slots[:first]
