@@ -1,4 +1,5 @@
-"""Tensor parallelism on CPU: two gloo ranks give the same prefill logits and greedy decode as one.
+"""Tensor parallelism on CPU: 2 and 4 gloo ranks give the same prefill logits and greedy decode
+as one (random checkpoints and the bundled model).
 
 fp32 throughout; tolerance 1e-4 absolute (logits are O(1); the only difference between TP=1 and
 TP=2 is the summation order of the all-reduces). Greedy tokens must match exactly.
@@ -7,10 +8,11 @@ from __future__ import annotations
 
 import os
 
+import pytest
 import torch
 import torch.multiprocessing as mp
 
-from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
 from sglang.srt.distributed.parallel_state import destroy_distributed_environment, free_port
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.model_runner import ModelRunner
@@ -46,12 +48,26 @@ def run_greedy(path: str, tp_rank: int = 0, tp_size: int = 1, port=None):
     return prefill, torch.cat(steps)
 
 
-def _rank_main(rank: int, path: str, port: int, out_dir: str) -> None:
+def _rank_main(rank: int, path: str, port: int, out_dir: str, tp_size: int = 2) -> None:
+    torch.set_num_threads(1)  # several ranks share two cores
     try:
-        prefill, decode = run_greedy(path, rank, 2, port)
+        prefill, decode = run_greedy(path, rank, tp_size, port)
         torch.save({"prefill": prefill, "decode": decode}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         destroy_distributed_environment()
+
+
+def _check_tp_matches_tp1(path: str, tp_size: int, out_dir: str) -> None:
+    vocab = ModelConfig.from_path(path).vocab_size
+    mp.spawn(_rank_main, args=(path, free_port(), out_dir, tp_size), nprocs=tp_size, join=True)
+    ref_prefill, ref_decode = run_greedy(path)
+    for rank in range(tp_size):
+        got = torch.load(os.path.join(out_dir, f"rank{rank}.pt"))
+        assert got["prefill"].shape == ref_prefill.shape == (len(PROMPT), vocab)
+        torch.testing.assert_close(got["prefill"], ref_prefill, atol=ATOL, rtol=0)
+        torch.testing.assert_close(got["decode"], ref_decode, atol=ATOL, rtol=0)
+        assert torch.equal(got["decode"].argmax(-1), ref_decode.argmax(-1))
+    assert ref_prefill.std() > 1e-2  # the comparison is not between two constant outputs
 
 
 def test_tp2_matches_tp1(tmp_path):
@@ -60,13 +76,15 @@ def test_tp2_matches_tp1(tmp_path):
                 "moe_intermediate_size", "moe_shared_expert_intermediate_size", "vocab_size"):
         assert cfg[key] % 2 == 0, key
     path = write_random_checkpoint(str(tmp_path / "ckpt"))
-    mp.spawn(_rank_main, args=(path, free_port(), str(tmp_path)), nprocs=2, join=True)
+    _check_tp_matches_tp1(path, 2, str(tmp_path))
 
-    ref_prefill, ref_decode = run_greedy(path)
-    for rank in range(2):
-        got = torch.load(os.path.join(tmp_path, f"rank{rank}.pt"))
-        assert got["prefill"].shape == ref_prefill.shape == (len(PROMPT), cfg["vocab_size"])
-        torch.testing.assert_close(got["prefill"], ref_prefill, atol=ATOL, rtol=0)
-        torch.testing.assert_close(got["decode"], ref_decode, atol=ATOL, rtol=0)
-        assert torch.equal(got["decode"].argmax(-1), ref_decode.argmax(-1))
-    assert ref_prefill.std() > 1e-2  # the comparison is not between two constant outputs
+
+def test_tp4_matches_tp1(tmp_path):
+    cfg = tiny_config(num_attention_heads=4)
+    path = write_random_checkpoint(str(tmp_path / "ckpt"), cfg)
+    _check_tp_matches_tp1(path, 4, str(tmp_path))
+
+
+@pytest.mark.skipif(not (BUNDLED_MODEL_DIR / "config.json").exists(), reason="no bundled model")
+def test_tp4_matches_tp1_on_the_bundled_model(tmp_path):
+    _check_tp_matches_tp1(str(BUNDLED_MODEL_DIR), 4, str(tmp_path))
