@@ -447,7 +447,13 @@ def test_failed_warmup_exits_nonzero_without_orphans(server):
         time.sleep(0.05)
     assert proc.returncode == 1
     assert "warmup request failed" in proc.stderr.read()
-    assert seen and not [k for k in seen if process_alive(k)]
+    assert seen
+    # Children may finish exiting just after the parent (e.g. multiprocessing's resource
+    # tracker sees its pipe close): a short grace period, as for SIGTERM below.
+    deadline = time.time() + 10
+    while any(process_alive(k) for k in seen):
+        assert time.time() < deadline, [k for k in seen if process_alive(k)]
+        time.sleep(0.1)
 
 
 def test_sigterm_shuts_down_without_orphans(server):
