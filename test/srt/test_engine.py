@@ -17,17 +17,7 @@ ENGINE_KW = dict(device="cpu", dtype="float32", random_seed=0, max_total_tokens=
                  max_running_requests=8, log_level="warning")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_children():
-    # Spawned schedulers inherit the environment: one thread each is fastest for tiny shapes
-    # and does not oversubscribe the shared CI cores.
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    yield
-    if old is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = old
+pytestmark = pytest.mark.usefixtures("one_thread_children")
 
 
 @pytest.fixture(scope="module")

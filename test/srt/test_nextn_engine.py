@@ -22,15 +22,7 @@ KW = dict(device="cpu", dtype="float32", random_seed=0, max_total_tokens=4096,
 N_TOKENS = 64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread_children():
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
-    yield
-    if old is None:
-        os.environ.pop("OMP_NUM_THREADS", None)
-    else:
-        os.environ["OMP_NUM_THREADS"] = old
+pytestmark = pytest.mark.usefixtures("one_thread_children")
 
 
 @pytest.fixture(scope="module")
