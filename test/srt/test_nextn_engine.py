@@ -4,7 +4,6 @@ chunks, an abort mid-stream (slots come back), and the server-wide accept length
 ``internal_states`` reset by ``flush_cache``."""
 from __future__ import annotations
 
-import os
 
 import pytest
 import torch

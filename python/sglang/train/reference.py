@@ -8,7 +8,7 @@ Inputs are batched ``[B, T]`` token ids of one length; positions are ``0..T-1``.
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Optional, Tuple, Union
+from typing import Any, Dict, Tuple, Union
 
 import torch
 from torch import nn
