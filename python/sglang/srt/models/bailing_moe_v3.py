@@ -4,14 +4,15 @@ The math is model.md §3 (KDA), §4 (MLA in absorbed form), §5 (MoE); checkpoin
 Every layer is tensor-parallel by heads (attention) or by the intermediate dim (MLPs, experts),
 with the TP rank/size read when the model is built.
 
-Weight loading goes through a table of :class:`WeightSlot` (checkpoint name -> full shape and
-the parameter whose ``weight_loader`` takes it), built from the modules themselves, so the
-name list of :meth:`BailingMoeV3ForCausalLM.checkpoint_spec` and the loader cannot disagree.
+Weight loading goes through a table of :class:`~sglang.srt.models.weight_slots.WeightSlot`
+(checkpoint name -> full shape and the parameter whose ``weight_loader`` takes it), built from the
+modules themselves, so the name list of :meth:`BailingMoeV3ForCausalLM.checkpoint_spec` and the
+loader cannot disagree.
 """
 from __future__ import annotations
 
 import re
-from typing import Any, Dict, Iterable, NamedTuple, Optional, Set, Tuple
+from typing import Dict, Iterable, Optional, Set, Tuple
 
 import torch
 from torch import nn
@@ -26,7 +27,6 @@ from sglang.srt.layers.attention.kda_ops import kda_gate
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
-    LinearBase,
     MergedColumnParallelLinear,
     ReplicatedLinear,
     RowParallelLinear,
@@ -40,9 +40,20 @@ from sglang.srt.layers.rotary_embedding import RotaryEmbedding, get_rope
 from sglang.srt.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.weight_utils import LazyWeight
+from sglang.srt.models.weight_slots import (
+    Slots,
+    WeightSlot,
+    canonical_alias,
+    linear_slot,
+    load_into_slots,
+    merged_slots,
+    mlp_slots,
+    moe_slots,
+    norm_slot,
+    tag_parameter_names,
+)
 
 __all__ = [
-    "WeightSlot",
     "BailingKDA",
     "BailingMLA",
     "BailingMoeV3DecoderLayer",
@@ -50,66 +61,6 @@ __all__ = [
     "BailingMoeV3ForCausalLM",
     "EntryClass",
 ]
-
-
-# ============================================================================================
-# Weight-slot table
-# ============================================================================================
-class WeightSlot(NamedTuple):
-    """One checkpoint tensor: its full (unsharded) shape and where it goes."""
-
-    shape: Tuple[int, ...]
-    param: nn.Parameter
-    shard_id: Any = None
-    expert_id: Optional[int] = None
-
-    def load(self, loaded: LazyWeight) -> None:
-        """Hand the tensor to the parameter's ``weight_loader``."""
-        if self.expert_id is None:
-            self.param.weight_loader(self.param, loaded, self.shard_id)
-        else:
-            self.param.weight_loader(self.param, loaded, self.shard_id, self.expert_id)
-
-
-Slots = Dict[str, WeightSlot]
-
-
-def linear_slot(name: str, layer: LinearBase) -> Slots:
-    """The slot of a (replicated / column / row parallel) linear layer's weight."""
-    return {name: WeightSlot((layer.output_size, layer.input_size), layer.weight)}
-
-
-def _merged_slots(prefix: str, names: Iterable[str], layer: MergedColumnParallelLinear) -> Slots:
-    return {f"{prefix}{n}.weight": WeightSlot((size, layer.input_size), layer.weight, i)
-            for i, (n, size) in enumerate(zip(names, layer.output_sizes))}
-
-
-def norm_slot(name: str, norm: nn.Module) -> Slots:
-    """The slot of a norm's weight."""
-    return {name: WeightSlot((norm.hidden_size,), norm.weight)}
-
-
-def _mlp_slots(prefix: str, mlp: BailingMLP) -> Slots:
-    slots = _merged_slots(prefix, ("gate_proj", "up_proj"), mlp.gate_up_proj)
-    slots.update(linear_slot(f"{prefix}down_proj.weight", mlp.down_proj))
-    return slots
-
-
-def _moe_slots(prefix: str, moe: BailingMoE) -> Slots:
-    gate, experts = moe.gate, moe.experts
-    slots = {f"{prefix}gate.weight": WeightSlot(tuple(gate.weight.shape), gate.weight)}
-    if gate.expert_bias is not None:
-        slots[f"{prefix}gate.expert_bias"] = WeightSlot(tuple(gate.expert_bias.shape),
-                                                        gate.expert_bias)
-    h, i = experts.hidden_size, experts.intermediate_size
-    for e in range(experts.num_experts):
-        p = f"{prefix}experts.{e}."
-        slots[p + "gate_proj.weight"] = WeightSlot((i, h), experts.w13_weight, "w1", e)
-        slots[p + "up_proj.weight"] = WeightSlot((i, h), experts.w13_weight, "w3", e)
-        slots[p + "down_proj.weight"] = WeightSlot((h, i), experts.w2_weight, "w2", e)
-    if moe.shared_experts is not None:
-        slots.update(_mlp_slots(f"{prefix}shared_experts.", moe.shared_experts))
-    return slots
 
 
 def _fp32_vector(n: int) -> nn.Parameter:
@@ -201,7 +152,7 @@ class BailingKDA(nn.Module):
         """Checkpoint names under ``prefix`` (``...attention.``)."""
         full = self.total_num_heads * self.head_dim
         kernel = self.attn.conv_kernel
-        slots = _merged_slots(prefix, ("q_proj", "k_proj", "v_proj", "b_proj", "f_proj", "g_proj"),
+        slots = merged_slots(prefix, ("q_proj", "k_proj", "v_proj", "b_proj", "f_proj", "g_proj"),
                               self.fused_qkvbfg_proj)
         for i, n in enumerate(("q_conv1d", "k_conv1d", "v_conv1d")):
             slots[f"{prefix}{n}.weight"] = WeightSlot((full, 1, kernel), self.attn.conv_weight, i)
@@ -364,9 +315,9 @@ class BailingMoeV3DecoderLayer(nn.Module):
                                 self.post_attention_layernorm))
         slots.update(self.attention.weight_slots(f"{prefix}attention."))
         if self.is_moe:
-            slots.update(_moe_slots(f"{prefix}mlp.", self.mlp))
+            slots.update(moe_slots(f"{prefix}mlp.", self.mlp))
         else:
-            slots.update(_mlp_slots(f"{prefix}mlp.", self.mlp))
+            slots.update(mlp_slots(f"{prefix}mlp.", self.mlp))
         return slots
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor,
@@ -414,41 +365,6 @@ class BailingMoeV3Model(nn.Module):
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
-_ALIASES = ((".mlp.gate.e_score_correction_bias", ".mlp.gate.expert_bias"),)
-
-
-def canonical_alias(name: str) -> Optional[str]:
-    """Shared name normalisation: ``None`` for tensors never loaded, aliases to canonical names."""
-    if name.endswith("rotary_emb.inv_freq"):
-        return None
-    for old, new in _ALIASES:
-        if name.endswith(old):
-            return name[: -len(old)] + new
-    return name
-
-
-def tag_parameter_names(module: nn.Module) -> None:
-    """Record each parameter's qualified name on it, for error messages of weight loaders."""
-    for name, param in module.named_parameters():
-        param.qualname = name
-
-
-def load_into_slots(slots: Slots, weights: Iterable[Tuple[str, LazyWeight]],
-                    canonical) -> Set[str]:
-    """Route ``(name, LazyWeight)`` pairs through ``canonical`` and into ``slots``; returns the
-    canonical names loaded. A name that is neither ignorable nor in the table is an error."""
-    loaded: Set[str] = set()
-    for name, weight in weights:
-        cname = canonical(name)
-        if cname is None:
-            continue
-        slot = slots.get(cname)
-        if slot is None:
-            raise ValueError(f"unexpected checkpoint tensor {name!r}: the model has no parameter "
-                             "for it (wrong architecture or config?)")
-        slot.load(weight)
-        loaded.add(cname)
-    return loaded
 
 
 class BailingMoeV3ForCausalLM(nn.Module):

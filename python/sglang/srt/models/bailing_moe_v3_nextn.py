@@ -27,14 +27,13 @@ from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorO
 from sglang.srt.layers.vocab_parallel_embedding import pad_vocab_size, vocab_parallel_lookup
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
 from sglang.srt.model_loader.weight_utils import LazyWeight
-from sglang.srt.models.bailing_moe_v3 import (
-    BailingMoeV3DecoderLayer,
+from sglang.srt.models.bailing_moe_v3 import BailingMoeV3DecoderLayer, make_rope
+from sglang.srt.models.weight_slots import (
     Slots,
-    linear_slot,
-    norm_slot,
     canonical_alias,
+    linear_slot,
     load_into_slots,
-    make_rope,
+    norm_slot,
     tag_parameter_names,
 )
 
