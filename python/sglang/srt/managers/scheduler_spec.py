@@ -146,7 +146,9 @@ class SchedulerSpecMixin:
                 to_free.append(loc)  # finished (or aborted) before this round: all surplus
                 continue
             a = out.accept_lens[b]
-            r.kv_committed_slots.append(loc[:a])
+            # A copy: a view would keep this round's whole pinned host buffer alive until the
+            # request ends (one pinned block per round).
+            r.kv_committed_slots.append(loc[:a].clone())
             to_free.append(loc[a:])
             r.kv_len += a
             r.spec_verify_ct += 1
