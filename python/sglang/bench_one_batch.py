@@ -23,7 +23,7 @@ import torch
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, release_kv_cache
-from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.model_runner import ModelRunner, runner_kwargs_from_server_args
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.distributed.parallel_state import free_port
 from sglang.srt.server_args import ServerArgs
@@ -73,17 +73,10 @@ def build_runner(server_args: ServerArgs, bench_args: BenchArgs, tp_rank: int,
     need = max(bench_args.batch_size) * (max(bench_args.input_len) + max(bench_args.output_len))
     model_config = ModelConfig.from_path(server_args.model_path,
                                          server_args.json_model_override_args)
-    return ModelRunner(
-        model_config,
-        device=server_args.resolved_device(), dtype=server_args.resolved_dtype(),
-        tp_rank=tp_rank, tp_size=server_args.tp_size, nccl_port=nccl_port,
-        load_format=server_args.load_format, attention_backend=server_args.attention_backend,
-        kda_prefill_impl=server_args.kda_prefill_impl,
-        max_running_requests=max(bench_args.batch_size),
-        max_total_tokens=server_args.max_total_tokens or need,
-        mem_fraction_static=server_args.mem_fraction_static,
-        context_length=server_args.context_length, random_seed=server_args.random_seed,
-    )
+    kwargs = runner_kwargs_from_server_args(server_args, tp_rank, nccl_port)
+    kwargs.update(max_running_requests=max(bench_args.batch_size),
+                  max_total_tokens=server_args.max_total_tokens or need)
+    return ModelRunner(model_config, **kwargs)
 
 
 def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: int,

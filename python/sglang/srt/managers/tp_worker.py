@@ -16,7 +16,7 @@ from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput, last_token_indices
 from sglang.srt.layers.sampler import Sampler, SamplerOutput
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.model_runner import ModelRunner, runner_kwargs_from_server_args
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -45,22 +45,7 @@ class TpModelWorker:
         self.model_config = model_config or ModelConfig.from_path(
             server_args.model_path, server_args.json_model_override_args
         )
-        kwargs = dict(
-            device=server_args.resolved_device(),
-            dtype=server_args.resolved_dtype(),
-            tp_rank=tp_rank,
-            tp_size=server_args.tp_size,
-            nccl_port=nccl_port,
-            load_format=server_args.load_format,
-            attention_backend=server_args.attention_backend,
-            kda_prefill_impl=server_args.kda_prefill_impl,
-            max_total_tokens=server_args.max_total_tokens,
-            mem_fraction_static=server_args.mem_fraction_static,
-            context_length=server_args.context_length,
-            random_seed=server_args.random_seed,
-        )
-        if server_args.max_running_requests is not None:
-            kwargs["max_running_requests"] = server_args.max_running_requests
+        kwargs = runner_kwargs_from_server_args(server_args, tp_rank, nccl_port)
         if getattr(server_args, "speculative_algorithm", None) == "NEXTN":
             # The NEXTN draft shares this runner's pools: reserve the MTP layer's latent cache
             # and the KDA stage-then-commit scratch for one chain.

@@ -135,6 +135,29 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def runner_kwargs_from_server_args(server_args: Any, tp_rank: int = 0,
+                                   nccl_port: Union[None, int, str] = None) -> dict:
+    """:class:`ModelRunner` keyword arguments for one TP rank, from ``ServerArgs`` (the flags that
+    size and place the model; callers override what they size themselves)."""
+    kwargs = dict(
+        device=server_args.resolved_device(),
+        dtype=server_args.resolved_dtype(),
+        tp_rank=tp_rank,
+        tp_size=server_args.tp_size,
+        nccl_port=nccl_port,
+        load_format=server_args.load_format,
+        attention_backend=server_args.attention_backend,
+        kda_prefill_impl=server_args.kda_prefill_impl,
+        max_total_tokens=server_args.max_total_tokens,
+        mem_fraction_static=server_args.mem_fraction_static,
+        context_length=server_args.context_length,
+        random_seed=server_args.random_seed,
+    )
+    if server_args.max_running_requests is not None:
+        kwargs["max_running_requests"] = server_args.max_running_requests
+    return kwargs
+
+
 class ModelRunner:
     """Holds one TP rank's model, pools and attention backend; runs forwards eagerly.
 
