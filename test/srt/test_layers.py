@@ -1,14 +1,13 @@
 """Unit tests of the parallel layers: norms, RoPE, clamped SwiGLU, linear/embedding loaders, logits."""
 from __future__ import annotations
 
-import contextlib
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sglang.srt.distributed import parallel_state
+from layer_test_utils import fake_tp
 from sglang.srt.layers import vocab_parallel_embedding as vpe
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
@@ -29,15 +28,6 @@ from sglang.srt.model_executor.forward_batch_info import (
 from sglang.srt.model_loader.weight_utils import LazyWeight
 
 
-@contextlib.contextmanager
-def fake_tp(rank: int, size: int):
-    """Build layers as rank ``rank`` of ``size`` without a process group (loaders only)."""
-    old = parallel_state._TP_RANK, parallel_state._TP_SIZE
-    parallel_state._TP_RANK, parallel_state._TP_SIZE = rank, size
-    try:
-        yield
-    finally:
-        parallel_state._TP_RANK, parallel_state._TP_SIZE = old
 
 
 class SliceOnly(LazyWeight):

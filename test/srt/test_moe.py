@@ -1,13 +1,11 @@
 """MoE router and block against per-token references written out here (model.md §5)."""
 from __future__ import annotations
 
-import contextlib
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from sglang.srt.distributed import parallel_state
+from layer_test_utils import fake_tp
 from sglang.srt.layers.moe import moe_layer
 from sglang.srt.layers.moe.fused_moe_native import fused_moe, fused_moe_gather, fused_moe_loop
 from sglang.srt.layers.moe.moe_layer import BailingMoE
@@ -15,14 +13,6 @@ from sglang.srt.layers.moe.topk import MoEGate, select_experts
 from sglang.srt.model_loader.weight_utils import LazyWeight
 
 
-@contextlib.contextmanager
-def fake_tp(rank: int, size: int):
-    old = parallel_state._TP_RANK, parallel_state._TP_SIZE
-    parallel_state._TP_RANK, parallel_state._TP_SIZE = rank, size
-    try:
-        yield
-    finally:
-        parallel_state._TP_RANK, parallel_state._TP_SIZE = old
 
 
 # --------------------------------------------------------------------------------- router
