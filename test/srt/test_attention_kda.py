@@ -84,6 +84,9 @@ def test_chunked_stays_finite_near_lower_bound():
 
 
 def test_gate_forms():
+    # Seeded: with an unlucky global RNG state sigmoid saturates to exactly 1.0 in fp32 and g
+    # hits the lower bound, which made this test order-dependent.
+    torch.manual_seed(0)
     f = torch.randn(7, H, D)
     a_log, dt_bias = torch.randn(H), torch.randn(H * D)
     g = kda_gate(f, a_log, dt_bias, -5.0)
