@@ -2,12 +2,13 @@
 # A/B ladder at concurrency 1: no speculation vs NEXTN with 3/4/5 steps (chain, topk 1), each
 # through a real server and bench_serving (random-ids, IN in / OUT out). Results are appended to
 # $OUT/spec_ab.jsonl (one line per run, tagged) and summarised by benchmark/batch1/summarize.py.
-# Usage: OUT=out bash benchmark/batch1/spec_ab.sh NAME "SERVER ARGS..." [PROMPTS] [IN] [OUT_LEN]
+# Usage: OUT=out [STEPS="0 3 4 5"] bash benchmark/batch1/spec_ab.sh NAME "SERVER ARGS..." [PROMPTS] [IN] [OUT_LEN]
+# (STEPS: 0 = no speculation.) Logs: $OUT/server-TAG.log, $OUT/bench-TAG.{log,jsonl}.
 set -uo pipefail
 OUT=${OUT:-out}; mkdir -p "$OUT"
 name=$1; server_args=$2; prompts=${3:-5}; in_len=${4:-1024}; out_len=${5:-256}
 port=${PORT_BASE:-30100}
-for steps in 0 3 4 5; do
+for steps in ${STEPS:-0 3 4 5}; do
   tag="$name-$([ "$steps" = 0 ] && echo nospec || echo nextn$steps)"
   spec=()
   [ "$steps" != 0 ] && spec=(--speculative-algorithm NEXTN --speculative-num-steps "$steps"

@@ -4,8 +4,9 @@ Tolerances. The yardstick is the plain-PyTorch reference model itself run in bf1
 Frobenius error against the fp32 reference (``e16``, about 5% on this random 6-layer model) is
 what bf16 rounding alone costs. The serving model in bf16 must stay within ``1.5 * e16`` of the
 fp32 reference and agree with its greedy token at >= 90% of positions (near-ties may flip in
-bf16); fla ``chunk_kda`` prefill vs the torch-native chunked KDA (both bf16) must differ by less
-than ``e16``. (A fixed 3e-2 was tried first and is too tight: on CPU the serving model's bf16
+bf16); so must the model with fla ``chunk_kda`` prefill. (fla vs torch-native directly is not a
+fair gate: two bf16 paths each about ``e16`` from the truth differ by up to about sqrt(2) ``e16``;
+a first version gated on ``e16`` and failed on the H200.) (A fixed 3e-2 was tried first and is too tight: on CPU the serving model's bf16
 error is 3.0% while the reference's own is 5.0%.)
 """
 from __future__ import annotations
@@ -61,14 +62,20 @@ def _reference_bf16_error(checkpoint: str, ids: torch.Tensor):
     return out[torch.float32], _rel(out[torch.bfloat16], out[torch.float32])
 
 
+def _assert_close_to_reference(got: torch.Tensor, ref_logits: torch.Tensor, e16: float) -> None:
+    err = _rel(got, ref_logits)
+    print(f"bf16 serving rel. error {err:.4f}, reference's own bf16 error {e16:.4f}")
+    assert err <= 1.5 * e16, (err, e16)
+    agree = (got.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
+    assert agree >= 0.9, f"greedy agreement {agree:.3f}"
+
+
 def test_bf16_serving_matches_reference(checkpoint):
     torch.manual_seed(0)
     ids = torch.randint(0, GPU_OVERRIDES["vocab_size"], (300,))
     ref_logits, e16 = _reference_bf16_error(checkpoint, ids)
-    got = _prefill_logits(checkpoint, ids, "torch_native", "torch")
-    assert _rel(got, ref_logits) <= 1.5 * e16, (_rel(got, ref_logits), e16)
-    agree = (got.argmax(-1) == ref_logits.argmax(-1)).float().mean().item()
-    assert agree >= 0.9, f"greedy agreement {agree:.3f}"
+    _assert_close_to_reference(_prefill_logits(checkpoint, ids, "torch_native", "torch"),
+                               ref_logits, e16)
 
 
 def test_fla_prefill_matches_torch_native(checkpoint):
@@ -78,7 +85,8 @@ def test_fla_prefill_matches_torch_native(checkpoint):
         pytest.skip("fla-core not installed")
     torch.manual_seed(1)
     ids = torch.randint(0, GPU_OVERRIDES["vocab_size"], (480,))  # < 512 positions of the tiny config
-    _, e16 = _reference_bf16_error(checkpoint, ids)
-    a = _prefill_logits(checkpoint, ids, "torch_native", "torch")
-    b = _prefill_logits(checkpoint, ids, "triton", "fla")
-    assert _rel(b, a) <= e16, (_rel(b, a), e16)
+    ref_logits, e16 = _reference_bf16_error(checkpoint, ids)
+    got = _prefill_logits(checkpoint, ids, "triton", "fla")
+    print(f"fla vs torch-native (both bf16): "
+          f"{_rel(got, _prefill_logits(checkpoint, ids, 'torch_native', 'torch')):.4f}")
+    _assert_close_to_reference(got, ref_logits, e16)

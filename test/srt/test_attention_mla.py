@@ -228,3 +228,32 @@ def test_backend_rejects_bad_shapes():
     q, k = sequence(3, seed=4)
     with pytest.raises(ValueError, match="k must be"):
         h.extend([slot], [q], [k[:, :R]])
+
+
+@pytest.mark.parametrize("bound", [None, 12, 40])
+def test_chain_verify_batched_equals_per_request(bound):
+    """TARGET_VERIFY / chain DRAFT_EXTEND without host lengths (the NEXTN round): one batched
+    masked attention over a padded gather of width ``seq_lens_upper_bound`` (None: read from the
+    device) equals each request's causal attention over its prefix and its N chain tokens."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.srt.speculative.spec_utils import build_verify_forward_batch
+
+    n, prefixes = 3, (1, 9, 4)  # longest sequence 9 + 3 = 12
+    seqs = [sequence(p + n, seed=60 + p) for p in prefixes]
+    h = Harness()
+    slots = [h.new_request() for _ in prefixes]
+    for slot, p, (q, k) in zip(slots, prefixes, seqs):
+        h.extend([slot], [q[:p]], [k[:p]])
+    loc = h._locs(slots, [n] * len(slots)).view(len(slots), n)
+    for mode in (ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND):
+        fb = build_verify_forward_batch(
+            torch.zeros(len(slots), n, dtype=torch.int64), torch.tensor(slots),
+            torch.tensor(prefixes), loc, req_to_token_pool=h.req_pool, token_to_kv_pool=h.kv_pool,
+            seq_lens_upper_bound=bound)
+        fb.forward_mode = mode
+        assert fb.extend_seq_lens_cpu is None
+        out = h._run(fb, torch.cat([q[p:] for p, (q, _) in zip(prefixes, seqs)]),
+                     torch.cat([k[p:] for p, (_, k) in zip(prefixes, seqs)]), save=False)
+        for i, (p, (q, k)) in enumerate(zip(prefixes, seqs)):
+            ref = mla_absorbed_attention(q, k, R, SCALE, 0)[p:]
+            assert rel_err(out[i * n:(i + 1) * n], ref) < TOL, (mode, i)

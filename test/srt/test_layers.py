@@ -100,8 +100,11 @@ def test_rope_matches_pairwise_formula(interleaved):
     torch.manual_seed(2)
     rope = RotaryEmbedding(8, 8, max_position_embeddings=16, base=10000.0,
                            is_neox_style=not interleaved)
-    pos = torch.tensor([0, 3, 15, 40])  # 40 > max_position: the table grows on demand
+    pos = torch.tensor([0, 3, 15, 40])  # 40 > max_position: the table must be grown first
     q, k = torch.randn(4, 3, 8), torch.randn(4, 8)
+    with pytest.raises(IndexError):  # never grown by reading positions on the host
+        rope(pos, q, k)
+    rope.cos_sin_cache(pos.device, 41)  # what ModelRunner does once for the NEXTN headroom
     qr, kr = rope(pos, q, k)
     torch.testing.assert_close(qr.double(), _pairwise_rope(q, pos, 10000.0, interleaved),
                                atol=1e-5, rtol=1e-5)

@@ -446,3 +446,5 @@ def test_cuda_kv_plan_is_capped_by_request_slots(monkeypatch, tmp_path):
     mla, kda = cfg.full_attention_layer_ids, cfg.kda_layer_ids
     assert plan(fake, mla, kda, cfg.num_attention_heads, None, 0.85) == 4 * (512 + 8)
     assert plan(fake, mla, kda, cfg.num_attention_heads, 1000, 0.85) == 1000
+    # An explicit size is honoured past the default cap (it fits in memory here).
+    assert plan(fake, mla, kda, cfg.num_attention_heads, 5000, 0.85) == 5000

@@ -68,9 +68,10 @@ class RotaryEmbedding(nn.Module):
             if x.shape[-1] != self.rotary_dim or x.shape[0] != positions.shape[0]:
                 raise ValueError(f"RotaryEmbedding: {name} of shape {tuple(x.shape)} needs "
                                  f"[{positions.shape[0]}, ..., {self.rotary_dim}]")
-        on_host = positions.device.type == "cpu" and positions.numel() > 0
-        min_size = int(positions.max()) + 1 if on_host else 0
-        cos_sin = self.cos_sin_cache(positions.device, min_size)[positions]
+        # Positions are never read on the host (a forward must not wait for the device); the
+        # table covers max_position_embeddings, and ModelRunner grows it once to the longest
+        # position it can see (NEXTN headroom). Past the table, CPU indexing raises IndexError.
+        cos_sin = self.cos_sin_cache(positions.device)[positions]
         cos, sin = cos_sin.chunk(2, dim=-1)  # [T, r/2] each
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 

@@ -316,7 +316,8 @@ class ScheduleBatch:
         self.req_to_token_pool.req_to_token[req_pool_indices, seq_lens - 1] = out_cache_loc.to(
             torch.int32
         )
-        return ForwardBatch.for_decode(input_ids, req_pool_indices, seq_lens, out_cache_loc)
+        return ForwardBatch.for_decode(input_ids, req_pool_indices, seq_lens, out_cache_loc,
+                                       seq_lens_upper_bound=max(r.seqlen for r in self.reqs))
 
     def commit_forward(self) -> None:
         """After a forward: the tokens it consumed now have KV."""
@@ -335,11 +336,14 @@ class ScheduleBatch:
             start += n
 
     def prepare_for_spec_round(self, num_draft_tokens: int):
-        """A speculative round: ``(req_pool_indices [B], chain_cache_loc [B, N])`` on the device.
+        """A speculative round: ``(req_pool_indices [B], chain_cache_loc [B, N], seq_lens_bound)``.
 
         ``N`` KV slots per request are allocated ahead (an upper bound on what the round keeps);
         where they land in the request->token map depends on the device-side sequence lengths,
-        so the worker records them there. Host values here are only slot indices.
+        so the worker records them there. Host values here are only slot indices and
+        ``seq_lens_bound``, a host integer no sequence of the round can exceed: the host knows
+        each request's tokens up to the round before the one in flight, which adds at most ``N``;
+        this round adds at most ``N`` more.
         """
         self.forward_mode = ForwardMode.TARGET_VERIFY
         b = len(self.reqs)
@@ -347,7 +351,9 @@ class ScheduleBatch:
         slots = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
         if self.device.type == "cuda":
             slots = slots.pin_memory().to(self.device, non_blocking=True)
-        return slots.to(self.device), loc
+        bound = min(max(r.seqlen for r in self.reqs) + 2 * num_draft_tokens,
+                    self.req_to_token_pool.max_context_len)
+        return slots.to(self.device), loc, bound
 
     def filter_batch(self, keep_indices: Optional[List[int]] = None) -> None:
         """Keep the given requests (default: the unfinished ones)."""

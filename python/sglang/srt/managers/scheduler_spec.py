@@ -121,10 +121,11 @@ class SchedulerSpecMixin:
     def launch_spec_round(self, batch: ScheduleBatch) -> PendingSpecRound:
         """Allocate the chain slots and enqueue one draft/verify/extend round."""
         self.forward_ct += 1
-        slots, chain_cache_loc = batch.prepare_for_spec_round(self.spec_num_draft_tokens)
+        slots, chain_cache_loc, bound = batch.prepare_for_spec_round(self.spec_num_draft_tokens)
         want_lp = [r for r in batch.reqs if r.return_logprob]
         result = self.draft_worker.forward_spec_round(
-            slots, chain_cache_loc, batch.sampling_info, return_logprob=bool(want_lp),
+            slots, chain_cache_loc, batch.sampling_info, seq_lens_bound=bound,
+            return_logprob=bool(want_lp),
             top_logprobs_num=max([r.top_logprobs_num for r in want_lp], default=0))
         return PendingSpecRound(list(batch.reqs), result)
 

@@ -87,6 +87,10 @@ class ForwardBatch:
     seq_lens_cpu: Optional[torch.Tensor] = None
     extend_seq_lens_cpu: Optional[List[int]] = None
     extend_prefix_lens_cpu: Optional[List[int]] = None
+    # A host-known integer >= every request's seq_len (set for every batch the engine builds,
+    # including decode / verify / draft extend, where it is an upper bound computed on the host
+    # without reading accept-dependent device values). Sizes padded gathers of the cache.
+    seq_lens_upper_bound: Optional[int] = None
     # Output control.
     return_full_logits: bool = False  # logits for every token [T, V] instead of last per request
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
@@ -148,6 +152,7 @@ class ForwardBatch:
             seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
             extend_seq_lens_cpu=list(extend_lens),
             extend_prefix_lens_cpu=list(prefix_lens),
+            seq_lens_upper_bound=max(seq_lens, default=0),
             **kwargs,
         )
 

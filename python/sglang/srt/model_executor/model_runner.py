@@ -164,7 +164,7 @@ class ModelRunner:
     Pool sizing: on CUDA, ``mem_fraction_static`` (default 0.88) of the device's total memory is
     the budget for everything allocated statically (weights, request map, KDA state slots, MLA
     KV slots); what the weights leave is split into ``max_running_requests`` state slots and as
-    many KV slots as fit, capped by ``max_total_tokens`` if given and always by
+    many KV slots as fit, capped by ``max_total_tokens`` if given, else by
     ``max_running_requests * context_len`` (more can never be used). On CPU, or on CUDA with only
     ``max_total_tokens`` given, that many KV slots are allocated (CPU default:
     ``min(context_len * max_running_requests, 16384)``).
@@ -333,11 +333,13 @@ class ModelRunner:
             return min(self.context_len * self.max_running_requests, CPU_DEFAULT_MAX_TOTAL_TOKENS)
 
         fraction = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
-        # More slots than every request slot filled to the context length can never be used;
-        # without this cap a tiny model would take nearly the whole GPU for its KV cache.
-        cap = self.max_running_requests * (self.context_len + self.position_headroom)
+        # An explicit max_total_tokens is the user's size (if it fits). By default, more slots
+        # than every request slot filled to the context length can never be used; without this
+        # cap a tiny model would take nearly the whole GPU for its KV cache.
         if max_total_tokens is not None:
-            cap = min(cap, int(max_total_tokens))
+            cap = int(max_total_tokens)
+        else:
+            cap = self.max_running_requests * (self.context_len + self.position_headroom)
         free, total = torch.cuda.mem_get_info(self.device)
         tokens = kv_slots_from_memory(
             total_bytes=total, fraction=fraction,

@@ -227,11 +227,17 @@ class NEXTNWorker:
 
     # ------------------------------------------------------------------ decode round
     def forward_spec_round(self, req_pool_indices: torch.Tensor, chain_cache_loc: torch.Tensor,
-                           sampling_info: SamplingBatchInfo, return_logprob: bool = False,
+                           sampling_info: SamplingBatchInfo,
+                           seq_lens_bound: Optional[int] = None, return_logprob: bool = False,
                            top_logprobs_num: int = 0) -> SpecRoundResult:
         """Draft, verify and draft-extend one round for the requests in ``req_pool_indices [B]``
         (device), writing the chain's KV into ``chain_cache_loc [B, N]`` (allocated by the
-        caller; surplus slots are the caller's to free once it has the accept lengths)."""
+        caller; surplus slots are the caller's to free once it has the accept lengths).
+
+        ``seq_lens_bound``: a host integer no sequence of this round exceeds (the scheduler's,
+        see ``ScheduleBatch.prepare_for_spec_round``); attention backends size their padded
+        gathers with it instead of reading device lengths. ``None`` (tests) reads it from the
+        device once, a host sync."""
         n = self.num_draft_tokens
         b = int(req_pool_indices.shape[0])
         if b < 1 or tuple(chain_cache_loc.shape) != (b, n):
@@ -245,11 +251,14 @@ class NEXTNWorker:
         loc = chain_cache_loc.to(device=self.device, dtype=torch.int64)
         inp = self.relay.gather(slots, with_probs=sampled)
         prefix = inp.seq_lens
+        if seq_lens_bound is None:
+            seq_lens_bound = int(prefix.max()) + n
         assign_chain_req_to_token(self.target_runner.req_to_token_pool.req_to_token, slots,
                                   prefix, loc)
 
-        tokens, draft_probs = self._draft(slots, loc, inp, sampling_info)
-        verify_batch = build_verify_forward_batch(tokens, slots, prefix, loc)
+        tokens, draft_probs = self._draft(slots, loc, inp, sampling_info, seq_lens_bound)
+        verify_batch = build_verify_forward_batch(tokens, slots, prefix, loc,
+                                                  seq_lens_upper_bound=seq_lens_bound)
         target_out = self.target_runner.forward(verify_batch)
         verdict, processed, rows_info = self._verify(target_out.next_token_logits, tokens,
                                                      sampling_info, draft_probs)
@@ -281,8 +290,8 @@ class NEXTNWorker:
                 copies["top_val"], copies["top_idx"] = lp.topk(min(top_logprobs_num, vocab), -1)
         return SpecRoundResult(AsyncHostCopy(copies), verdict)
 
-    def _draft(self, slots: torch.Tensor, loc: torch.Tensor, inp, info: SamplingBatchInfo
-               ) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    def _draft(self, slots: torch.Tensor, loc: torch.Tensor, inp, info: SamplingBatchInfo,
+               seq_lens_bound: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """The chain ``[B, N]`` and the distributions drafts 1..N-1 were drawn from (sampled
         batches only)."""
         n, b = self.num_draft_tokens, int(slots.shape[0])
@@ -295,7 +304,8 @@ class NEXTNWorker:
             # MTP at sequence position P + pos - 1 (chain slot pos - 1) reads d_pos.
             fb = ForwardBatch.for_decode(tokens[:, pos].contiguous(), slots,
                                          inp.seq_lens + pos, loc[:, pos - 1],
-                                         capture_hidden_mode=CaptureHiddenMode.LAST)
+                                         capture_hidden_mode=CaptureHiddenMode.LAST,
+                                         seq_lens_upper_bound=seq_lens_bound)
             out = self.draft_runner.forward(fb, hidden_states=hidden)
             hidden = out.hidden_states
             token, probs = self._pick_draft(out.next_token_logits, info, tokens[:, 1:], pos)

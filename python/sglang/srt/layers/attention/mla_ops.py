@@ -60,28 +60,34 @@ def mla_absorbed_attention(
 def mla_decode_attention(
     q: torch.Tensor, kv: torch.Tensor, seq_lens: torch.Tensor, v_dim: int, scale: float
 ) -> torch.Tensor:
-    """One query per request, batched: ``q [B, H, Dk]``, ``kv [B, S, Dk]`` (rows padded past each
-    request's length), ``seq_lens [B]`` device tensor (row ``b`` sees keys ``0 .. seq_lens[b]-1``).
-    Returns ``[B, H, v_dim]`` in q's dtype. Requests are processed in blocks that bound the
-    fp32 scores to about :data:`SCORE_BLOCK_BYTES`.
+    """Batched attention of a few query rows per request over that request's padded cache rows.
+
+    ``q [B, R, Dk]`` (decode: ``R = H`` heads of one token; a speculative chain: ``R = N * H``,
+    token-major), ``kv [B, S, Dk]`` (rows padded past each request's length), ``seq_lens``
+    device tensor ``[B]`` (every row of request ``b`` sees keys ``0 .. seq_lens[b]-1``) or
+    ``[B, R]`` (per row). Returns ``[B, R, v_dim]`` in q's dtype. Requests are processed in
+    blocks that bound the fp32 scores to about :data:`SCORE_BLOCK_BYTES`.
     """
     if q.dim() != 3 or kv.dim() != 3 or kv.shape[0] != q.shape[0] or kv.shape[-1] != q.shape[-1]:
-        raise ValueError(f"mla_decode_attention: expected q [B, H, Dk] and kv [B, S, Dk], got "
+        raise ValueError(f"mla_decode_attention: expected q [B, R, Dk] and kv [B, S, Dk], got "
                          f"{tuple(q.shape)} and {tuple(kv.shape)}")
-    b, h, dk = q.shape
+    b, r, dk = q.shape
+    if seq_lens.shape not in ((b,), (b, r)):
+        raise ValueError(f"mla_decode_attention: seq_lens must be [{b}] or [{b}, {r}], got "
+                         f"{tuple(seq_lens.shape)}")
     s = kv.shape[1]
-    out = torch.empty(b, h, v_dim, dtype=q.dtype, device=q.device)
+    out = torch.empty(b, r, v_dim, dtype=q.dtype, device=q.device)
     if b == 0:
         return out
     kv = kv.to(q.dtype)
+    lens = seq_lens.view(b, -1, 1)  # [B, 1 or R, 1]
     kpos = torch.arange(s, device=q.device).view(1, 1, -1)
-    block = max(1, SCORE_BLOCK_BYTES // (4 * h * max(s, 1)))
+    block = max(1, SCORE_BLOCK_BYTES // (4 * r * max(s, 1)))
     for b0 in range(0, b, block):
         b1 = min(b0 + block, b)
         # fp32 scores (see mla_absorbed_attention); values stay in the input dtype.
-        scores = torch.bmm(q[b0:b1].float(), kv[b0:b1].float().transpose(1, 2)) * scale  # [b, H, S]
-        invalid = kpos >= seq_lens[b0:b1].view(-1, 1, 1)
-        scores.masked_fill_(invalid, float("-inf"))
+        scores = torch.bmm(q[b0:b1].float(), kv[b0:b1].float().transpose(1, 2)) * scale  # [b, R, S]
+        scores.masked_fill_(kpos >= lens[b0:b1], float("-inf"))
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out[b0:b1] = torch.bmm(probs, kv[b0:b1, :, :v_dim])
     return out

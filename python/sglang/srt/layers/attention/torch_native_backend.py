@@ -5,10 +5,11 @@
 * :class:`TorchNativeKDABackend` — KDA over :class:`~sglang.srt.mem_cache.memory_pool.KDAStatePool`
   (short-conv window + fp32 recurrent state per request slot).
 
-Both run on CPU and on CUDA. Decode works from device tensors only; the MLA decode reads one host
-integer per forward (the longest sequence, to size the padded gather), which is acceptable for a
-reference backend that is never captured in a CUDA graph. KDA target verify (a fixed-width chain
-per request) is device-only too: it stages per-position states in the pool's speculative scratch
+Both run on CPU and on CUDA. Decode, target verify and the chain-shaped draft extend work from
+device tensors plus one host integer the engine computes without reading the device
+(``ForwardBatch.seq_lens_upper_bound``, the width of the padded cache gather): MLA runs them as
+one batched masked attention over each request's first ``bound`` cache rows. KDA target verify
+(a fixed-width chain per request) stages per-position states in the pool's speculative scratch
 and leaves the persistent state alone (stage, then commit).
 """
 from __future__ import annotations
@@ -95,13 +96,28 @@ class _MetadataCache:
 # MLA
 # ============================================================================================
 @dataclass
-class _MLADecodeMeta:
-    max_len: int  # longest sequence of the batch (pads the gathered cache rows)
+class _MLAPaddedMeta:
+    """Decode (``rows = 1``) or a fixed-width speculative chain (``rows = N`` tokens per
+    request, request-major): one batched attention over padded per-request cache rows."""
+
+    width: int  # cache rows gathered per request (>= every sequence length of the batch)
+    rows: int  # query tokens per request
+
+
+def _padded_width(forward_batch: "ForwardBatch") -> int:
+    """Cache rows to gather per request: the host upper bound the engine sets, else (batches
+    built by hand in tests or tools) the longest sequence, read from the device once."""
+    bound = forward_batch.seq_lens_upper_bound
+    if bound is None:
+        bound = int(forward_batch.seq_lens.max()) if forward_batch.batch_size else 0
+    pool = forward_batch.req_to_token_pool
+    return bound if pool is None else min(bound, pool.req_to_token.shape[1])
 
 
 class TorchNativeMLABackend(AttentionBackend):
     """MLA (absorbed form) in plain PyTorch; see :class:`~sglang.srt.layers.radix_attention.RadixAttention`
-    for the call contract. Extends loop over requests; decode is batched over requests."""
+    for the call contract. Prefill-like extends loop over requests; decode, target verify and the
+    chain-shaped draft extend are batched over requests."""
 
     needs_cpu_seq_lens = False
 
@@ -116,10 +132,18 @@ class TorchNativeMLABackend(AttentionBackend):
     def _build(forward_batch: "ForwardBatch"):
         if forward_batch.forward_mode.is_idle():
             return None
-        if forward_batch.forward_mode.is_decode():
-            # One host read per forward, not per layer: the padded width of the gather.
-            max_len = int(forward_batch.seq_lens.max()) if forward_batch.batch_size else 0
-            return _MLADecodeMeta(max_len)
+        mode = forward_batch.forward_mode
+        if mode.is_decode():
+            return _MLAPaddedMeta(_padded_width(forward_batch), 1)
+        chain = mode.is_target_verify() or mode.is_draft_extend()
+        if chain and forward_batch.extend_seq_lens_cpu is None:
+            # A speculative chain: every request carries the same N tokens (T = B * N), and
+            # the per-request lengths are device values the host must not wait for.
+            b, t = forward_batch.batch_size, forward_batch.num_tokens
+            if b == 0 or t % b:
+                raise ValueError(f"{mode.name} without host lengths needs the same number of "
+                                 f"tokens per request; got {t} tokens for {b} requests")
+            return _MLAPaddedMeta(_padded_width(forward_batch), t // b)
         return _extend_layout(forward_batch)
 
     @staticmethod
@@ -140,6 +164,9 @@ class TorchNativeMLABackend(AttentionBackend):
         """Prefill / chunked prefill / verify: each request attends to its cached prefix and,
         causally, to its new tokens."""
         q = self._check(q, k, layer, forward_batch)
+        lay = self._cache.get(forward_batch, self._build)
+        if isinstance(lay, _MLAPaddedMeta):
+            return self._forward_padded(q, k, layer, forward_batch, lay, save_kv_cache)
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         if q.shape[0] == 0:
             return out
@@ -148,7 +175,6 @@ class TorchNativeMLABackend(AttentionBackend):
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k)
         buf = pool.get_kv_buffer(layer.layer_id)
         req_to_token = forward_batch.req_to_token_pool.req_to_token
-        lay: _ExtendLayout = self._cache.get(forward_batch, self._build)
         # The new rows come straight from k (cast to the cache dtype, i.e. exactly what the cache
         # holds), so the result does not depend on save_kv_cache.
         new_rows = k.to(buf.dtype)
@@ -162,23 +188,34 @@ class TorchNativeMLABackend(AttentionBackend):
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
-        """One token per request, batched: gather every request's rows up to the longest
-        sequence, mask the padding, one batched attention."""
+        """One token per request, batched (see :meth:`_forward_padded`)."""
         q = self._check(q, k, layer, forward_batch)
-        b = q.shape[0]
+        meta: _MLAPaddedMeta = self._cache.get(forward_batch, self._build)
+        return self._forward_padded(q, k, layer, forward_batch, meta, save_kv_cache)
+
+    @staticmethod
+    def _forward_padded(q, k, layer, forward_batch, meta: "_MLAPaddedMeta", save_kv_cache: bool):
+        """``meta.rows`` tokens per request at ``forward_batch.positions``, batched: gather every
+        request's first ``meta.width`` cache rows, put the new tokens' rows in from ``k`` (so
+        that save_kv_cache=False still sees them), mask each query past its own position."""
+        b, n = forward_batch.batch_size, meta.rows
+        h, dk = layer.tp_q_head_num, q.shape[-1]
         if b == 0:
-            return q.new_empty(0, layer.tp_q_head_num, layer.v_head_dim)
+            return q.new_empty(0, h, layer.v_head_dim)
         pool = forward_batch.token_to_kv_pool
         if save_kv_cache:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k)
         buf = pool.get_kv_buffer(layer.layer_id)
-        meta: _MLADecodeMeta = self._cache.get(forward_batch, self._build)
-        seq_lens = forward_batch.seq_lens
-        slots = forward_batch.req_to_token_pool.req_to_token[forward_batch.req_pool_indices, :meta.max_len]
-        kv = buf[slots.long()]  # [B, max_len, Dk]
-        # The current token's row from k itself, so that save_kv_cache=False still sees it.
-        kv[torch.arange(b, device=kv.device), seq_lens - 1] = k.to(buf.dtype)
-        return mla_decode_attention(q, kv, seq_lens, layer.v_head_dim, layer.scaling)
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        slots = req_to_token[forward_batch.req_pool_indices, :meta.width]
+        kv = buf[slots.long()]  # [B, width, Dk]
+        pos = forward_batch.positions.view(b, n)
+        kv[torch.arange(b, device=kv.device).unsqueeze(1), pos] = k.to(buf.dtype).view(b, n, dk)
+        # Query row (token i, head j) of request b sees keys 0 .. pos[b, i].
+        lens = (pos + 1).repeat_interleave(h, dim=1)  # [B, N * H]
+        out = mla_decode_attention(q.reshape(b, n * h, dk), kv, lens, layer.v_head_dim,
+                                   layer.scaling)
+        return out.view(b * n, h, layer.v_head_dim)
 
 
 # ============================================================================================
