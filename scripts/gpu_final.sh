@@ -24,7 +24,7 @@ tests)
   timeout 240 python3 -m pytest -v -s -m gpu test/srt/test_nextn.py -p no:cacheprovider --durations=4 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "PASS|FAIL|first differing|Error|passed|failed"
   echo "== other gpu-marked tests (not slow)"
-  timeout 150 python3 -m pytest -v -s -m "gpu and not slow" test --deselect test/srt/test_nextn.py -p no:cacheprovider --durations=6 2>&1 \
+  timeout 150 python3 -m pytest -v -s -m "gpu and not slow" test --ignore=test/srt/test_nextn.py -p no:cacheprovider --durations=6 2>&1 \
     | tee -a "$OUT/gpu_tests.log" | grep -E "PASS|FAIL|rel. error|fla vs|Error|passed|failed"
   echo "== NEXTN ladder, bundled model"
   timeout 190 bash benchmark/batch1/spec_ab.sh bundled "" 3 1024 256
