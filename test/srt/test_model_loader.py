@@ -31,6 +31,7 @@ from sglang.srt.model_loader import (
     get_model,
     init_dummy_weights,
     load_safetensors_weights,
+    model_weight_bytes,
 )
 from sglang.test.random_checkpoint import tiny_config, write_random_checkpoint
 
@@ -441,10 +442,38 @@ def test_cuda_kv_plan_is_capped_by_request_slots(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 20)
     fake = SimpleNamespace(hf_config=cfg, device=torch.device("cuda"), context_len=512,
                            max_running_requests=4, position_headroom=8, spec_num_draft_tokens=0,
-                           dtype=torch.bfloat16)
+                           dtype=torch.bfloat16, reserved_weight_bytes=0)
     plan = ModelRunner._plan_kv_tokens
     mla, kda = cfg.full_attention_layer_ids, cfg.kda_layer_ids
     assert plan(fake, mla, kda, cfg.num_attention_heads, None, 0.85) == 4 * (512 + 8)
     assert plan(fake, mla, kda, cfg.num_attention_heads, 1000, 0.85) == 1000
     # An explicit size is honoured past the default cap (it fits in memory here).
     assert plan(fake, mla, kda, cfg.num_attention_heads, 5000, 0.85) == 5000
+
+
+def test_cuda_kv_plan_keeps_room_for_the_nextn_draft(monkeypatch):
+    """The NEXTN draft's own weights load after the target's pools: the plan counts them as used
+    (Ling-3.0-flash's MTP layer: ~5.7 GiB in bf16, from a meta-device build)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    flash = ModelConfig.from_path("ling-3.0-flash")
+    draft = model_weight_bytes(flash, dtype=torch.bfloat16, is_draft=True)
+    assert 5.5 * (1 << 30) < draft < 6 * (1 << 30)
+    assert model_weight_bytes(flash, dtype=torch.bfloat16, is_draft=False) > 40 * draft
+    cfg = flash.hf_config
+    gib = 1 << 30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (40 * gib, 100 * gib))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 50 * gib)
+    plan = ModelRunner._plan_kv_tokens
+    mla, kda = cfg.full_attention_layer_ids, cfg.kda_layer_ids
+    slots = {}
+    for reserved in (0, draft):
+        fake = SimpleNamespace(hf_config=cfg, device=torch.device("cuda"), context_len=1 << 20,
+                               max_running_requests=4, position_headroom=8,
+                               spec_num_draft_tokens=4, dtype=torch.bfloat16,
+                               reserved_weight_bytes=reserved)
+        slots[reserved] = plan(fake, mla, kda, cfg.num_attention_heads, None, 0.8)
+    per_token = kv_bytes_per_token(cfg, len(mla), torch.bfloat16)
+    assert slots[0] - slots[draft] in range(draft // per_token - 1, draft // per_token + 2)

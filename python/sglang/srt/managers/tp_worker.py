@@ -51,6 +51,11 @@ class TpModelWorker:
             # and the KDA stage-then-commit scratch for one chain.
             kwargs["draft_extra_mla_layers"] = True
             kwargs["spec_num_draft_tokens"] = int(server_args.speculative_num_draft_tokens)
+            # The draft's own layers (~6 GB for Ling-3.0-flash's MTP layer) load after the pools:
+            # the memory plan keeps room for them.
+            from sglang.srt.speculative.nextn_worker import nextn_draft_model_config
+
+            kwargs["draft_model_config"] = nextn_draft_model_config(server_args, self.model_config)
         self.model_runner = ModelRunner(self.model_config, **kwargs)
         self.device = self.model_runner.device
         self.vocab_size = self.model_config.vocab_size

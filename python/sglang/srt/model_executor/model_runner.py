@@ -39,7 +39,7 @@ from sglang.srt.mem_cache.memory_pool import (
     TokenToKVPoolAllocator,
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-from sglang.srt.model_loader.loader import get_model
+from sglang.srt.model_loader.loader import get_model, model_weight_bytes
 from sglang.srt.speculative.spec_info import nextn_token_headroom
 
 if TYPE_CHECKING:
@@ -174,7 +174,8 @@ class ModelRunner:
     MTP layer.
 
     NEXTN target (``spec_num_draft_tokens = N > 0``): the KDA pool gets the stage-then-commit
-    scratch for ``N`` chain positions (counted in the CUDA memory plan), and the request->token
+    scratch for ``N`` chain positions (counted in the CUDA memory plan, as are the weights of
+    ``draft_model_config``'s draft, which loads after the pools), and the request->token
     map and the RoPE tables get :func:`nextn_token_headroom` positions beyond the context
     length, because the device may run one round past a request's finish before the host
     notices (the scheduler's admission still limits requests to the context length).
@@ -204,6 +205,7 @@ class ModelRunner:
         token_to_kv_pool: Optional[MLATokenToKVPool] = None,
         kda_state_pool: Optional[KDAStatePool] = None,
         spec_num_draft_tokens: int = 0,
+        draft_model_config: Optional[ModelConfig] = None,
     ):
         if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= tp_rank < tp_size):
             raise ValueError(
@@ -230,6 +232,10 @@ class ModelRunner:
         self._init_distributed(nccl_port)
         torch.manual_seed(random_seed)
 
+        # Weights loaded after this runner's pools (a NEXTN draft's own layers, ~6 GB for
+        # Ling-3.0-flash's MTP layer), counted per TP rank, so after the TP group exists.
+        self.reserved_weight_bytes = 0 if draft_model_config is None else model_weight_bytes(
+            draft_model_config, dtype=self.dtype, is_draft=True)
         self.model = get_model(model_config, load_format=load_format, dtype=self.dtype,
                                device=self.device, is_draft=is_draft, seed=random_seed)
         self._init_pools(draft_extra_mla_layers, max_total_tokens, mem_fraction_static,
@@ -343,14 +349,15 @@ class ModelRunner:
         free, total = torch.cuda.mem_get_info(self.device)
         tokens = kv_slots_from_memory(
             total_bytes=total, fraction=fraction,
-            used_bytes=torch.cuda.memory_allocated(self.device),  # weights (+ any earlier runner)
+            # Weights (+ any earlier runner), and weights still to come (the NEXTN draft's).
+            used_bytes=torch.cuda.memory_allocated(self.device) + self.reserved_weight_bytes,
             req_map_bytes=(self.max_running_requests + 1)
             * (self.context_len + self.position_headroom) * 4,
             # The spec scratch holds one more copy of the slot's state per chain position.
             state_bytes=(self.max_running_requests + 1) * (1 + self.spec_num_draft_tokens)
             * kda_bytes_per_slot(cfg, len(kda_ids), local_heads, self.dtype),
             bytes_per_token=kv_bytes_per_token(cfg, len(mla_ids), self.dtype),
-            free_bytes=free, max_total_tokens=cap)
+            free_bytes=free - self.reserved_weight_bytes, max_total_tokens=cap)
         if tokens < self.context_len:
             logger.warning("only %d KV slots fit; fewer than context_len %d", tokens,
                            self.context_len)

@@ -9,6 +9,7 @@ from sglang.srt.model_loader.loader import (
     get_model,
     load_safetensors_weights,
     match_checkpoint,
+    model_weight_bytes,
 )
 from sglang.srt.model_loader.weight_utils import LazyWeight
 
@@ -23,4 +24,5 @@ __all__ = [
     "init_dummy_weights",
     "load_safetensors_weights",
     "match_checkpoint",
+    "model_weight_bytes",
 ]

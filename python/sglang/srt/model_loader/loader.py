@@ -260,6 +260,16 @@ def build_model(model_config: ModelConfig, *, dtype: torch.dtype, device,
     return model
 
 
+def model_weight_bytes(model_config: ModelConfig, *, dtype: torch.dtype,
+                       is_draft: bool = False) -> int:
+    """Bytes of parameters and buffers one TP rank of the model would hold, from building it on
+    the meta device (no memory, no weights read). A NEXTN draft counts only its own layers: it
+    borrows the target's embedding and LM head."""
+    model = build_model(model_config, dtype=dtype, device="meta", is_draft=is_draft)
+    tensors = list(model.parameters()) + list(model.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
 def get_model(
     model_config: ModelConfig,
     *,
