@@ -17,6 +17,12 @@ def _has_cuda() -> bool:
         return False
 
 
+# Without a GPU, Triton kernels run in Triton's CPU interpreter. The mode is fixed when triton is
+# first imported (its own library functions are decorated then), so it is set here, first.
+if not _has_cuda():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+
 def pytest_collection_modifyitems(config, items):
     if _has_cuda():
         return

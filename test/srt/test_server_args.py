@@ -95,6 +95,7 @@ def test_chunked_prefill_minus_one_disables():
         ({"load_format": "gguf"}, "--load-format"),
         ({"log_level": "loud"}, "--log-level"),
         ({"kda_prefill_impl": "cuda"}, "--kda-prefill-impl"),
+        ({"moe_runner_backend": "deep_gemm"}, "--moe-runner-backend"),
         ({"flashinfer_allreduce_fusion_backend": "nccl"}, "--flashinfer-allreduce-fusion-backend"),
         ({"json_model_override_args": "{bad"}, "--json-model-override-args"),
         ({"json_model_override_args": "[1]"}, "--json-model-override-args"),
@@ -129,6 +130,15 @@ def test_device_cuda_without_gpu_is_rejected():
 def test_fla_prefill_needs_cuda():
     with pytest.raises(ValueError, match="--kda-prefill-impl fla"):
         ServerArgs(kda_prefill_impl="fla")
+
+
+@pytest.mark.skipif(ON_CUDA, reason="checks the no-GPU error")
+def test_triton_moe_needs_cuda_or_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="--moe-runner-backend triton needs CUDA"):
+        ServerArgs(moe_runner_backend="triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert ServerArgs(moe_runner_backend="triton").moe_runner_backend == "triton"
 
 
 def test_trtllm_mla_is_served_by_the_default_backend():

@@ -31,6 +31,9 @@ DEVICE_CHOICES = ("auto", "cuda", "cpu")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 KDA_PREFILL_IMPL_CHOICES = ("auto", "torch", "fla")
+# --moe-runner-backend values implemented here (upstream names); "auto" = torch_native until the
+# Triton path is validated and measured on the GPU host.
+MOE_RUNNER_BACKEND_CHOICES = ("auto", "triton", "torch_native")
 FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
 
 # Attention backends implemented in this engine.
@@ -96,6 +99,7 @@ class ServerArgs:
     attention_backend: Optional[str] = None
     flashinfer_allreduce_fusion_backend: Optional[str] = None
     kda_prefill_impl: str = "auto"
+    moe_runner_backend: str = "auto"
     watchdog_timeout: float = 300.0
     # Speculative decoding
     speculative_algorithm: Optional[str] = None
@@ -212,6 +216,7 @@ class ServerArgs:
         _choice("--load-format", self.load_format, LOAD_FORMAT_CHOICES)
         _choice("--log-level", self.log_level, LOG_LEVEL_CHOICES)
         _choice("--kda-prefill-impl", self.kda_prefill_impl, KDA_PREFILL_IMPL_CHOICES)
+        _choice("--moe-runner-backend", self.moe_runner_backend, MOE_RUNNER_BACKEND_CHOICES)
         if self.flashinfer_allreduce_fusion_backend is not None:
             _choice(
                 "--flashinfer-allreduce-fusion-backend",
@@ -256,6 +261,10 @@ class ServerArgs:
         parse_override_args(self.json_model_override_args)  # names the flag on bad JSON
         self._check_attention_backend()
         self._check_kda_prefill_impl()
+        if (self.moe_runner_backend == "triton" and self.resolved_device() != "cuda"
+                and os.environ.get("TRITON_INTERPRET") != "1"):
+            raise ValueError("--moe-runner-backend triton needs CUDA (or TRITON_INTERPRET=1 to run "
+                             "its kernels in Triton's CPU interpreter)")
         self._check_speculative()
 
     def _check_attention_backend(self) -> None:
@@ -380,6 +389,10 @@ class ServerArgs:
           default=d["flashinfer_allreduce_fusion_backend"], help="Accepted for compatibility.")
         a("--kda-prefill-impl", choices=KDA_PREFILL_IMPL_CHOICES, default=d["kda_prefill_impl"],
           help="KDA prefill kernel: torch (reference), fla (fla-core chunk_kda), auto.")
+        a("--moe-runner-backend", choices=MOE_RUNNER_BACKEND_CHOICES,
+          default=d["moe_runner_backend"],
+          help="Routed experts: torch_native (reference), triton (grouped mat-vec reading expert "
+               "weights in place, for decode / verify batches), auto (= torch_native for now).")
         a("--watchdog-timeout", type=float, default=d["watchdog_timeout"])
         a("--speculative-algorithm", type=str, default=d["speculative_algorithm"],
           help="NEXTN (alias EAGLE) or DSPARK.")

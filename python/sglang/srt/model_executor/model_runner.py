@@ -31,6 +31,7 @@ import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import parallel_state as ps
 from sglang.srt.layers.attention.attention_registry import create_attn_backend
+from sglang.srt.layers.moe.moe_layer import set_moe_runner_backend
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.mem_cache.memory_pool import (
     KDAStatePool,
@@ -148,6 +149,7 @@ def runner_kwargs_from_server_args(server_args: Any, tp_rank: int = 0,
         load_format=server_args.load_format,
         attention_backend=server_args.attention_backend,
         kda_prefill_impl=server_args.kda_prefill_impl,
+        moe_runner_backend=server_args.moe_runner_backend,
         max_total_tokens=server_args.max_total_tokens,
         mem_fraction_static=server_args.mem_fraction_static,
         context_length=server_args.context_length,
@@ -193,6 +195,7 @@ class ModelRunner:
         load_format: str = "auto",
         attention_backend: str = "torch_native",
         kda_prefill_impl: str = "auto",
+        moe_runner_backend: str = "auto",
         max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
         max_total_tokens: Optional[int] = None,
         mem_fraction_static: Optional[float] = None,
@@ -238,6 +241,8 @@ class ModelRunner:
             draft_model_config, dtype=self.dtype, is_draft=True)
         self.model = get_model(model_config, load_format=load_format, dtype=self.dtype,
                                device=self.device, is_draft=is_draft, seed=random_seed)
+        self.moe_runner_backend = set_moe_runner_backend(self.model, moe_runner_backend,
+                                                         self.device)
         self._init_pools(draft_extra_mla_layers, max_total_tokens, mem_fraction_static,
                          req_to_token_pool, token_to_kv_pool_allocator, token_to_kv_pool,
                          kda_state_pool)

@@ -19,14 +19,16 @@ import torch
 
 from sglang.srt.layers.activation import silu_and_mul
 
-__all__ = ["fused_moe", "fused_moe_gather", "fused_moe_loop", "GATHER_MAX_PAIRS"]
+__all__ = ["check_moe_inputs", "combine_expert_outputs", "fused_moe", "fused_moe_gather",
+           "fused_moe_loop", "GATHER_MAX_PAIRS"]
 
 # Above this many (token, expert) pairs the gathered weight copies outweigh per-expert launches.
 GATHER_MAX_PAIRS = 64
 
 
-def _check(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-           topk_weights: torch.Tensor) -> None:
+def check_moe_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                     topk_ids: torch.Tensor, topk_weights: torch.Tensor) -> None:
+    """Raise ``ValueError`` unless the shapes follow the layout of the module docstring."""
     e, two_i, h = w13.shape
     if hidden.dim() != 2 or hidden.shape[1] != h:
         raise ValueError(f"fused_moe: hidden must be [T, {h}], got {tuple(hidden.shape)}")
@@ -41,22 +43,29 @@ def fused_moe_gather(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                      limit: float = 0.0) -> torch.Tensor:
     """Gather the selected experts' weights per pair and bmm; returns ``[T, H]`` in hidden's dtype."""
-    _check(hidden, w13, w2, topk_ids, topk_weights)
-    t, k = topk_ids.shape
+    check_moe_inputs(hidden, w13, w2, topk_ids, topk_weights)
+    k = topk_ids.shape[1]
     ids = topk_ids.reshape(-1)
     x = hidden.repeat_interleave(k, dim=0).unsqueeze(-1)  # [P, H, 1]
     h13 = torch.bmm(w13[ids], x).squeeze(-1)  # [P, 2I]
     act = silu_and_mul(h13, limit).unsqueeze(-1)  # [P, I, 1]
     y = torch.bmm(w2[ids], act).squeeze(-1)  # [P, H]
-    y = y.float().view(t, k, -1) * topk_weights.float().unsqueeze(-1)
-    return y.sum(1).to(hidden.dtype)
+    return combine_expert_outputs(y, topk_weights)
+
+
+def combine_expert_outputs(y: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
+    """``y [T * k, H]`` (pair-major, in the model dtype) -> ``sum_i w_i * y_i`` per token
+    ``[T, H]``: fp32 products and sum, one rounding to y's dtype."""
+    t, k = topk_weights.shape
+    weighted = y.float().view(t, k, -1) * topk_weights.float().unsqueeze(-1)
+    return weighted.sum(1).to(y.dtype)
 
 
 def fused_moe_loop(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                    limit: float = 0.0) -> torch.Tensor:
     """Loop over the active experts only; returns ``[T, H]`` in hidden's dtype."""
-    _check(hidden, w13, w2, topk_ids, topk_weights)
+    check_moe_inputs(hidden, w13, w2, topk_ids, topk_weights)
     t, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)

@@ -6,6 +6,7 @@ all-reduce then completes both (model.md §5.1 step 7: the shared expert is not 
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -25,10 +26,12 @@ from sglang.srt.layers.linear import (
     normal_dummy_init,
 )
 from sglang.srt.layers.moe.fused_moe_native import fused_moe
+from sglang.srt.layers.moe.fused_moe_triton import SMALL_M_MAX_PAIRS, fused_moe_small_m
 from sglang.srt.layers.moe.topk import MoEGate
 from sglang.srt.model_loader.weight_utils import LazyWeight
+from sglang.srt.server_args import MOE_RUNNER_BACKEND_CHOICES
 
-__all__ = ["BailingMLP", "FusedMoE", "BailingMoE"]
+__all__ = ["BailingMLP", "FusedMoE", "BailingMoE", "set_moe_runner_backend"]
 
 
 class BailingMLP(nn.Module):
@@ -82,6 +85,9 @@ class FusedMoE(nn.Module):
         self.w2_weight.weight_loader = self.weight_loader
         # w2's fan-in is the full intermediate width, not the local slice in its last dim.
         self.w2_weight.dummy_init = normal_dummy_init(intermediate_size)
+        # "torch_native" or "triton" (small batches through sgl_kernel's grouped mat-vec);
+        # set for the whole model by set_moe_runner_backend.
+        self.runner_backend = "torch_native"
 
     def weight_loader(self, param: nn.Parameter, loaded: LazyWeight, shard_id: str,
                       expert_id: int) -> None:
@@ -110,11 +116,14 @@ class FusedMoE(nn.Module):
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
                 topk_ids: torch.Tensor) -> torch.Tensor:
         """Partial (this rank's intermediate slice) routed output ``[T, H]``; not reduced."""
+        if self.runner_backend == "triton" and topk_ids.numel() <= SMALL_M_MAX_PAIRS:
+            return fused_moe_small_m(hidden, self.w13_weight, self.w2_weight, topk_weights,
+                                     topk_ids, self.swiglu_limit)
         return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
                          self.swiglu_limit)
 
     def extra_repr(self) -> str:
-        return (f"experts={self.num_experts}, hidden={self.hidden_size}, "
+        return (f"backend={self.runner_backend}, experts={self.num_experts}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size} (local "
                 f"{self.intermediate_size_per_partition}), limit={self.swiglu_limit}")
 
@@ -146,3 +155,24 @@ class BailingMoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(hidden)
         return tensor_model_parallel_all_reduce(out)
+
+
+def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device) -> str:
+    """Point every :class:`FusedMoE` of ``model`` at ``backend`` and return the one chosen.
+
+    ``auto`` is ``torch_native`` until the Triton path has been validated and measured on the
+    GPU host (docs/performance.md). ``triton`` needs CUDA, or ``TRITON_INTERPRET=1`` on CPU
+    (tests); batches above ``SMALL_M_MAX_PAIRS`` (token, expert) pairs still take the native loop.
+    """
+    if backend not in MOE_RUNNER_BACKEND_CHOICES:
+        raise ValueError(f"moe runner backend must be one of {MOE_RUNNER_BACKEND_CHOICES}, got "
+                         f"{backend!r}")
+    chosen = "torch_native" if backend == "auto" else backend
+    if chosen == "triton":
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("--moe-runner-backend triton needs CUDA (or TRITON_INTERPRET=1 to "
+                             "run the kernels in Triton's CPU interpreter)")
+    for module in model.modules():
+        if isinstance(module, FusedMoE):
+            module.runner_backend = chosen
+    return chosen

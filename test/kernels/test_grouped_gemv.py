@@ -1,0 +1,144 @@
+"""sgl_kernel.grouped_gemv and the Triton small-M MoE built on it, against their torch references.
+
+Without CUDA the kernels run in Triton's CPU interpreter (TRITON_INTERPRET=1, fp32 / fp16 inputs:
+the interpreter has no bf16). The ``gpu`` test repeats the MoE check in bf16 on the device.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sglang.srt.layers.moe.fused_moe_native import fused_moe_gather
+from sglang.srt.layers.moe.fused_moe_triton import fused_moe_small_m
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+
+
+pytestmark = pytest.mark.skipif(
+    not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1 set before triton is imported (test/conftest.py)")
+
+
+@pytest.fixture(scope="module")
+def triton_mode():
+    """The kernel module (compiled on CUDA, interpreted on CPU)."""
+    import sgl_kernel.grouped_gemv as module
+
+    return module
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("rows_per_x", [1, 3])
+def test_grouped_gemv_matches_reference(triton_mode, dtype, tol, rows_per_x):
+    gen = torch.Generator().manual_seed(rows_per_x)
+    t, e, n, k = 4, 7, 70, 150  # n, k not multiples of the blocks
+    x = torch.randn(t, k, generator=gen).to(DEVICE, dtype)
+    w_full = torch.randn(e, n + 20, k, generator=gen).to(DEVICE, dtype)
+    w = w_full[:, 10:10 + n]  # a strided view, as a TP slice would be
+    ids = torch.randint(0, e, (t * rows_per_x,), generator=gen).to(DEVICE)
+    ids[1] = ids[0]  # repeated experts are fine
+    got = triton_mode.grouped_gemv(x, w, ids, rows_per_x=rows_per_x)
+    ref = triton_mode.grouped_gemv_reference(x, w, ids, rows_per_x=rows_per_x)
+    assert got.dtype == dtype and got.shape == (t * rows_per_x, n)
+    assert _rel(got, ref) < tol
+
+
+def test_grouped_gemv_rejects_bad_shapes(triton_mode):
+    x, w = torch.randn(2, 8), torch.randn(3, 4, 8)
+    with pytest.raises(ValueError, match="expected x"):
+        triton_mode.grouped_gemv(x, torch.randn(3, 4, 9), torch.zeros(2, dtype=torch.int64))
+    with pytest.raises(ValueError, match="T \\* rows_per_x"):
+        triton_mode.grouped_gemv(x, w, torch.zeros(3, dtype=torch.int64), rows_per_x=2)
+    with pytest.raises(ValueError, match="contiguous"):
+        triton_mode.grouped_gemv(x, w.transpose(1, 2).contiguous().transpose(1, 2),
+                                 torch.zeros(2, dtype=torch.int64))
+
+
+def _moe_inputs(dtype, t=3, e=9, h=48, i=40, k=4, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(t, h, generator=gen)
+    w13 = torch.randn(e, 2 * i, h, generator=gen) / h ** 0.5
+    w2 = torch.randn(e, h, i, generator=gen) / i ** 0.5
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+    weights = torch.rand(t, k, generator=gen)
+    to = dict(device=DEVICE, dtype=dtype)
+    return hidden.to(**to), w13.to(**to), w2.to(**to), weights.to(DEVICE), ids.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)])
+@pytest.mark.parametrize("limit", [0.0, 0.5])
+def test_small_m_moe_matches_gather_reference(triton_mode, dtype, tol, limit):
+    hidden, w13, w2, weights, ids = _moe_inputs(dtype)
+    got = fused_moe_small_m(hidden, w13, w2, weights, ids, limit)
+    ref = fused_moe_gather(hidden, w13, w2, weights, ids, limit)
+    assert got.dtype == dtype and got.shape == hidden.shape
+    assert _rel(got, ref) < tol
+
+
+def test_model_with_triton_moe_matches_native(triton_mode, tmp_path):
+    """A whole random tiny model (fp32): prefill logits and a decode step through
+    ``moe_runner_backend='triton'`` equal the torch-native MoE's."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.test.random_checkpoint import tiny_config, write_random_checkpoint
+    from sglang.srt.layers.moe.moe_layer import FusedMoE
+
+    path = write_random_checkpoint(str(tmp_path / "c"), tiny_config(), seed=4)
+    ids = torch.tensor([5, 17, 99, 3, 250, 42])
+    logits = {}
+    for backend in ("torch_native", "triton"):
+        runner = ModelRunner(ModelConfig.from_path(path), device=DEVICE, dtype=torch.float32,
+                             moe_runner_backend=backend, max_running_requests=2,
+                             max_total_tokens=64)
+        moes = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+        assert moes and all(m.runner_backend == backend for m in moes)
+        logits[backend] = _prefill_then_decode(runner, ids)
+    for got, ref in zip(logits["triton"], logits["torch_native"]):
+        assert _rel(got, ref) < 1e-5
+
+
+def _prefill_then_decode(runner, ids):
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    req = runner.req_to_token_pool.alloc(1)[0]
+    runner.kda_state_pool.clear_slots([req])
+    loc = runner.token_to_kv_pool_allocator.alloc(len(ids))
+    runner.req_to_token_pool.write(req, 0, loc)
+    fb = ForwardBatch.for_extend(ids.to(runner.device), [req], [0], [len(ids)], loc,
+                                 return_full_logits=True)
+    prefill = runner.forward(fb).next_token_logits
+    nxt = prefill[-1:].argmax(-1)
+    loc = runner.token_to_kv_pool_allocator.alloc(1)
+    runner.req_to_token_pool.write(req, len(ids), loc)
+    fb = ForwardBatch.for_decode(nxt, torch.tensor([req]), torch.tensor([len(ids) + 1]), loc)
+    return prefill, runner.forward(fb).next_token_logits
+
+
+def test_backend_choice_is_validated(monkeypatch):
+    from torch import nn
+
+    from sglang.srt.layers.moe.moe_layer import set_moe_runner_backend
+
+    assert set_moe_runner_backend(nn.Linear(1, 1), "auto", torch.device("cpu")) == "torch_native"
+    with pytest.raises(ValueError, match="one of"):
+        set_moe_runner_backend(nn.Linear(1, 1), "cutlass", torch.device("cpu"))
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="needs CUDA"):
+        set_moe_runner_backend(nn.Linear(1, 1), "triton", torch.device("cpu"))
+
+
+@pytest.mark.gpu
+def test_small_m_moe_bf16_on_cuda(triton_mode):
+    hidden, w13, w2, weights, ids = _moe_inputs(torch.bfloat16, t=6, e=64, h=512, i=256, k=8)
+    got = fused_moe_small_m(hidden, w13, w2, weights, ids, 7.0)
+    ref = fused_moe_gather(hidden, w13, w2, weights, ids, 7.0)
+    exact = fused_moe_gather(hidden.float(), w13.float(), w2.float(), weights, ids, 7.0)
+    # Both bf16 paths round h13, the activation and y alike; only the accumulation order differs.
+    assert _rel(got, exact) <= 1.5 * _rel(ref, exact) + 1e-3
