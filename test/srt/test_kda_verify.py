@@ -262,3 +262,20 @@ def test_verify_errors():
     with pytest.raises(ValueError, match="DRAFT_EXTEND"):
         m.run(fb, rows(x, slice(0, 2)))
     assert all(torch.equal(a, b) for a, b in zip(m.state(), before))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_conv_chain_equals_step_by_step_updates(dtype):
+    """The verify's all-positions short conv does each position's arithmetic exactly as the
+    one-step decode update (bit for bit), so verify and decode round alike."""
+    from sglang.srt.layers.attention.kda_ops import causal_conv1d_chain, causal_conv1d_update
+
+    gen = torch.Generator().manual_seed(7)
+    b, n, c = 3, 5, 24
+    x = torch.randn(b, n, c, generator=gen).to(dtype)
+    weight = torch.randn(c, KERNEL, generator=gen).to(dtype)
+    window = torch.randn(b, c, KERNEL - 1, generator=gen).to(dtype)
+    y, windows = causal_conv1d_chain(x, weight, window)
+    for i in range(n):
+        y_i, window = causal_conv1d_update(x[:, i], weight, window)
+        assert torch.equal(y[:, i], y_i) and torch.equal(windows[:, i], window), i

@@ -23,6 +23,7 @@ from sglang.srt.layers.attention import fla_kda
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.kda_ops import (
     causal_conv1d,
+    causal_conv1d_chain,
     causal_conv1d_update,
     kda_chunked,
     kda_recurrent,
@@ -363,24 +364,23 @@ class TorchNativeKDABackend(AttentionBackend):
             raise ValueError(f"KDA target-verify: chains of {n} tokens but the KDA state pool stages "
                              f"at most spec_num_draft_tokens={pool.spec_num_draft_tokens}")
         slots = slots.to(device=mixed.device, dtype=torch.int64)
-        x = mixed.view(b, n, -1)
-        gf = g.float().reshape(b, n, layer.num_heads, layer.head_dim)
-        bf = beta.float().reshape(b, n, layer.num_heads)
-        # Gathers are copies: the persistent pools are only read.
-        window = conv_pool[slots]
+        h, d = layer.num_heads, layer.head_dim
+        gf = g.float().reshape(b, n, h, d)
+        bf = beta.float().reshape(b, n, h)
+        # The conv and the q/k/v split do not depend on the recurrent state: all N positions at
+        # once (the same per-position arithmetic as decode's one-step update). Gathers are
+        # copies: the persistent pools are only read.
+        y, windows = causal_conv1d_chain(mixed.view(b, n, -1), layer.conv_weight, conv_pool[slots])
+        qn, kn, vn = (z.view(b, n, h, -1) for z in self._split_heads(y.reshape(b * n, -1), layer))
         state = ssm_pool[slots]
-        out = q.new_empty(b, n, layer.num_heads, layer.head_dim)
-        windows, states = [], []
+        out = q.new_empty(b, n, h, d)
+        states = []
         for i in range(n):  # N is tiny (the chain width); each step is a batched decode step
-            y, window = causal_conv1d_update(x[:, i], layer.conv_weight, window)
-            qn, kn, vn = self._split_heads(y, layer)
-            o, state = kda_step(qn, kn, vn, gf[:, i], bf[:, i], layer.scale, state)
+            o, state = kda_step(qn[:, i], kn[:, i], vn[:, i], gf[:, i], bf[:, i], layer.scale, state)
             out[:, i] = o.to(out.dtype)
-            windows.append(window)
             states.append(state)
         # One scatter per buffer into rows 0..n-1 of each request's slot (slot 0 for padding).
-        pool.get_intermediate_conv(layer.layer_id)[:, :n].index_copy_(
-            0, slots, torch.stack(windows, dim=1).to(conv_pool.dtype))
+        pool.get_intermediate_conv(layer.layer_id)[:, :n].index_copy_(0, slots, windows)
         pool.get_intermediate_ssm(layer.layer_id)[:, :n].index_copy_(
             0, slots, torch.stack(states, dim=1))
         return out.view(t, layer.num_heads, layer.head_dim)
