@@ -13,6 +13,7 @@ fp32 accumulator. Reference: :func:`grouped_gemv_reference`.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional
 
 import torch
@@ -45,14 +46,16 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, rows_per_x,
 
 
 def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, rows_per_x: int = 1,
-                 out: Optional[torch.Tensor] = None, block_n: int = 32,
-                 block_k: int = 128) -> torch.Tensor:
+                 out: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
+                 block_k: Optional[int] = None) -> torch.Tensor:
     """``out [P, N]`` with ``out[p] = w[ids[p]] @ x[p // rows_per_x]``.
 
     ``x [T, K]`` (last dim contiguous), ``w [E, N, K]`` (last dim contiguous; any expert
     stride, so a TP slice or a view works), ``ids [P]`` integer expert ids with
     ``P = T * rows_per_x`` (``rows_per_x = top_k`` feeds each token to its ``k`` experts).
-    ``out`` defaults to a new ``[P, N]`` tensor in x's dtype.
+    ``out`` defaults to a new ``[P, N]`` tensor in x's dtype. Blocks default to 32 rows x 128
+    columns on the GPU; under Triton's CPU interpreter to one tile per pair (its cost is per
+    program and per op, not per element), unless given.
     """
     if x.dim() != 2 or w.dim() != 3 or ids.dim() != 1 or x.shape[1] != w.shape[2]:
         raise ValueError(f"grouped_gemv: expected x [T, K], w [E, N, K], ids [P]; got "
@@ -70,6 +73,9 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, rows_per_x
                          f"dim, got {tuple(out.shape)}")
     if p == 0 or n == 0:
         return out
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    block_n = block_n or (triton.next_power_of_2(n) if interpreted else 32)
+    block_k = block_k or (min(triton.next_power_of_2(k), 1024) if interpreted else 128)
     grid = (p, triton.cdiv(n, block_n))
     _grouped_gemv_kernel[grid](x, w, ids, out, n, k, rows_per_x, x.stride(0), w.stride(0),
                                w.stride(1), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k)
