@@ -4,8 +4,10 @@
 #                 fla, CUDA sizing), then the NEXTN ladder (no spec vs 3/4/5 steps) on the
 #                 bundled model
 #   STAGE=flash12 the NEXTN ladder on the 12-layer dummy Ling-3.0-flash
-#   STAGE=moe     --moe-runner-backend triton: kernel tests, cold-L2 microbenchmark vs the native
-#                 gather, then no spec / NEXTN 3 on the 12-layer dummy preset with each backend
+#   STAGE=kernels the Triton kernels (--moe-runner-backend triton, --linear-attn-decode-backend
+#                 triton): kernel tests and NEXTN bf16 losslessness with them, the cold-L2 MoE
+#                 microbenchmark, then no spec / NEXTN 3 on the 12-layer dummy preset, torch_native
+#                 vs triton
 #   ONE_BATCH=1   also eager bench_one_batch on the 12-layer dummy preset first
 # The ladder's summary table: python3 benchmark/batch1/summarize.py $OUT/spec_ab.jsonl
 set -uo pipefail
@@ -35,15 +37,16 @@ flash12)
   echo "== NEXTN ladder, dummy 12-layer Ling-3.0-flash"
   PORT_BASE=30200 timeout ${LADDER_TIMEOUT:-480} bash benchmark/batch1/spec_ab.sh flash12 "$FLASH12" 3 1024 256
   ;;
-moe)
-  echo "== Triton small-M MoE: tests, cold-L2 microbenchmark"
-  timeout 120 python3 -m pytest -v -m gpu test/kernels -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" \
-    | grep -E "PASS|FAIL|Error|passed|failed"
+kernels)
+  echo "== Triton kernels: tests on CUDA, NEXTN bf16 losslessness with them, MoE microbenchmark"
+  timeout 150 python3 -m pytest -v -s test/kernels "test/srt/test_nextn.py::test_greedy_lossless_on_cuda[bfloat16-triton]" \
+    -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASS|FAIL|first differing|Error|passed|failed"
   timeout 120 python3 benchmark/kernels/bench_moe_small_m.py 2>&1 | tee "$OUT/bench_moe_small_m.log"
-  echo "== 12-layer dummy Ling-3.0-flash: torch_native vs triton MoE, no spec and NEXTN 3"
-  for moe in torch_native triton; do
-    STEPS="0 3" PORT_BASE=$([ $moe = triton ] && echo 30400 || echo 30300) timeout 200 \
-      bash benchmark/batch1/spec_ab.sh "flash12-$moe" "$FLASH12 --moe-runner-backend $moe" 3 1024 256
+  echo "== 12-layer dummy Ling-3.0-flash: torch_native vs triton kernels, no spec and NEXTN 3"
+  for kern in torch_native triton; do
+    STEPS="0 3" PORT_BASE=$([ $kern = triton ] && echo 30400 || echo 30300) timeout 200 \
+      bash benchmark/batch1/spec_ab.sh "flash12-$kern" \
+      "$FLASH12 --moe-runner-backend $kern --linear-attn-decode-backend $kern" 3 1024 256
   done
   ;;
 esac

@@ -42,7 +42,7 @@ def test_grouped_gemv_matches_reference(triton_mode, dtype, tol, rows_per_x):
     x = torch.randn(t, k, generator=gen).to(DEVICE, dtype)
     w_full = torch.randn(e, n + 20, k, generator=gen).to(DEVICE, dtype)
     w = w_full[:, 10:10 + n]  # a strided view, as a TP slice would be
-    ids = torch.randint(0, e, (t * rows_per_x,), generator=gen).to(DEVICE)
+    ids = torch.randint(0, e, (t * rows_per_x, 2), generator=gen).to(DEVICE)[:, 0]  # strided
     ids[1] = ids[0]  # repeated experts are fine
     # Small blocks: several row blocks and column steps, ragged edges masked.
     got = triton_mode.grouped_gemv(x, w, ids, rows_per_x=rows_per_x, block_n=32, block_k=64)

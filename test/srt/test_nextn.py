@@ -150,8 +150,11 @@ def test_round_never_reads_device_values_on_the_host(prompts, monkeypatch, steps
     ``forward_spec_round``; greedy and sampled rows. With the native MoE this holds while the
     verify routes <= 64 (token, expert) pairs (batch 2 x 4 positions x top-4 here); with
     ``--moe-runner-backend triton`` for any decode-sized batch (4 x 6 x 4 = 96 pairs; on CPU the
-    kernels run in Triton's interpreter)."""
-    sched = spec_scheduler(steps, moe_runner_backend=moe)
+    kernels run in Triton's interpreter), here with the Triton KDA recurrence too."""
+    kernels = dict(moe_runner_backend=moe)
+    if moe == "triton":  # and the Triton KDA decode / verify recurrence
+        kernels["linear_attn_decode_backend"] = "triton"
+    sched = spec_scheduler(steps, **kernels)
     worker = sched.draft_worker
     launch = worker.forward_spec_round
     rounds = []
@@ -173,6 +176,17 @@ def test_round_never_reads_device_values_on_the_host(prompts, monkeypatch, steps
                     sampling_seed=5 + i, ignore_eos=True) for i in range(batch)]
     got = run(sched, reqs)
     assert len(rounds) >= n // steps and all(len(got.ids[f"h{i}"]) == n for i in range(batch))
+
+
+def test_greedy_lossless_with_triton_kernels(prompts):
+    """``--moe-runner-backend triton`` and ``--linear-attn-decode-backend triton`` (Triton's
+    interpreter on CPU): greedy NEXTN equals greedy plain decoding with the same kernels, token
+    for token (the verify and the decode of a token run the same kernels on the same state)."""
+    kernels = dict(moe_runner_backend="triton", linear_attn_decode_backend="triton")
+    reqs = lambda: [greedy(f"t{i}", prompts[i][:8], 16) for i in range(2)]  # noqa: E731
+    base = run(make_scheduler(MODEL, **KW, **kernels), reqs())
+    got = run(spec_scheduler(3, **kernels), reqs())
+    assert got.ids == base.ids and all(len(ids) == 16 for ids in got.ids.values())
 
 
 # ------------------------------------------------------------------------------- lossless
@@ -446,12 +460,15 @@ def test_async_host_copy_on_cpu():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-def test_greedy_lossless_on_cuda(prompts, dtype):
+@pytest.mark.parametrize("dtype,kernels", [("float32", "torch_native"), ("bfloat16", "torch_native"),
+                                           ("bfloat16", "triton")])
+def test_greedy_lossless_on_cuda(prompts, dtype, kernels):
     """On CUDA (side-stream copies, copy-done events, one-round-late host): speculative greedy
     equals plain greedy. fp32 checks the algorithm; bf16 is the issue's GPU gate (a verify over
-    N tokens and a 1-token decode must round alike for it to hold)."""
-    kw = dict(device="cuda", dtype=dtype, max_total_tokens=8192, max_running_requests=8)
+    N tokens and a 1-token decode must round alike for it to hold); ``kernels="triton"`` runs
+    the MoE and the KDA recurrence through the project's Triton kernels."""
+    kw = dict(device="cuda", dtype=dtype, max_total_tokens=8192, max_running_requests=8,
+              moe_runner_backend=kernels, linear_attn_decode_backend=kernels)
     base = run(make_scheduler(MODEL, **kw), [greedy(f"g{i}", prompts[i], GEN) for i in range(4)])
     for steps in (1, 3, 5):
         sched = make_scheduler(MODEL, speculative_algorithm="NEXTN",

@@ -34,6 +34,8 @@ KDA_PREFILL_IMPL_CHOICES = ("auto", "torch", "fla")
 # --moe-runner-backend values implemented here (upstream names); "auto" = torch_native until the
 # Triton path is validated and measured on the GPU host.
 MOE_RUNNER_BACKEND_CHOICES = ("auto", "triton", "torch_native")
+# --linear-attn-decode-backend (KDA decode and target verify), same convention.
+LINEAR_ATTN_DECODE_BACKEND_CHOICES = ("auto", "triton", "torch_native")
 FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
 
 # Attention backends implemented in this engine.
@@ -100,6 +102,7 @@ class ServerArgs:
     flashinfer_allreduce_fusion_backend: Optional[str] = None
     kda_prefill_impl: str = "auto"
     moe_runner_backend: str = "auto"
+    linear_attn_decode_backend: str = "auto"
     watchdog_timeout: float = 300.0
     # Speculative decoding
     speculative_algorithm: Optional[str] = None
@@ -217,6 +220,8 @@ class ServerArgs:
         _choice("--log-level", self.log_level, LOG_LEVEL_CHOICES)
         _choice("--kda-prefill-impl", self.kda_prefill_impl, KDA_PREFILL_IMPL_CHOICES)
         _choice("--moe-runner-backend", self.moe_runner_backend, MOE_RUNNER_BACKEND_CHOICES)
+        _choice("--linear-attn-decode-backend", self.linear_attn_decode_backend,
+                LINEAR_ATTN_DECODE_BACKEND_CHOICES)
         if self.flashinfer_allreduce_fusion_backend is not None:
             _choice(
                 "--flashinfer-allreduce-fusion-backend",
@@ -261,10 +266,12 @@ class ServerArgs:
         parse_override_args(self.json_model_override_args)  # names the flag on bad JSON
         self._check_attention_backend()
         self._check_kda_prefill_impl()
-        if (self.moe_runner_backend == "triton" and self.resolved_device() != "cuda"
-                and os.environ.get("TRITON_INTERPRET") != "1"):
-            raise ValueError("--moe-runner-backend triton needs CUDA (or TRITON_INTERPRET=1 to run "
-                             "its kernels in Triton's CPU interpreter)")
+        for flag, value in (("--moe-runner-backend", self.moe_runner_backend),
+                            ("--linear-attn-decode-backend", self.linear_attn_decode_backend)):
+            if (value == "triton" and self.resolved_device() != "cuda"
+                    and os.environ.get("TRITON_INTERPRET") != "1"):
+                raise ValueError(f"{flag} triton needs CUDA (or TRITON_INTERPRET=1 to run its "
+                                 "kernels in Triton's CPU interpreter)")
         self._check_speculative()
 
     def _check_attention_backend(self) -> None:
@@ -393,6 +400,11 @@ class ServerArgs:
           default=d["moe_runner_backend"],
           help="Routed experts: torch_native (reference), triton (grouped mat-vec reading expert "
                "weights in place, for decode / verify batches), auto (= torch_native for now).")
+        a("--linear-attn-decode-backend", choices=LINEAR_ATTN_DECODE_BACKEND_CHOICES,
+          default=d["linear_attn_decode_backend"],
+          help="KDA decode and NEXTN target-verify recurrence: torch_native (reference), triton "
+               "(one kernel per layer, state read and written in the pools), auto "
+               "(= torch_native for now).")
         a("--watchdog-timeout", type=float, default=d["watchdog_timeout"])
         a("--speculative-algorithm", type=str, default=d["speculative_algorithm"],
           help="NEXTN (alias EAGLE) or DSPARK.")

@@ -76,6 +76,7 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, rows_per_x
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     block_n = block_n or (triton.next_power_of_2(n) if interpreted else 32)
     block_k = block_k or (min(triton.next_power_of_2(k), 1024) if interpreted else 128)
+    ids = ids.contiguous()  # the kernel indexes ids[p] densely
     grid = (p, triton.cdiv(n, block_n))
     _grouped_gemv_kernel[grid](x, w, ids, out, n, k, rows_per_x, x.stride(0), w.stride(0),
                                w.stride(1), out.stride(0), BLOCK_N=block_n, BLOCK_K=block_k)

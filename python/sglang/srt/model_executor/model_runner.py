@@ -149,6 +149,7 @@ def runner_kwargs_from_server_args(server_args: Any, tp_rank: int = 0,
         load_format=server_args.load_format,
         attention_backend=server_args.attention_backend,
         kda_prefill_impl=server_args.kda_prefill_impl,
+        linear_attn_decode_backend=server_args.linear_attn_decode_backend,
         moe_runner_backend=server_args.moe_runner_backend,
         max_total_tokens=server_args.max_total_tokens,
         mem_fraction_static=server_args.mem_fraction_static,
@@ -195,6 +196,7 @@ class ModelRunner:
         load_format: str = "auto",
         attention_backend: str = "torch_native",
         kda_prefill_impl: str = "auto",
+        linear_attn_decode_backend: str = "auto",
         moe_runner_backend: str = "auto",
         max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
         max_total_tokens: Optional[int] = None,
@@ -246,8 +248,9 @@ class ModelRunner:
         self._init_pools(draft_extra_mla_layers, max_total_tokens, mem_fraction_static,
                          req_to_token_pool, token_to_kv_pool_allocator, token_to_kv_pool,
                          kda_state_pool)
-        self.attn_backend = create_attn_backend(attention_backend,
-                                                kda_prefill_impl=kda_prefill_impl)
+        self.attn_backend = create_attn_backend(
+            attention_backend, kda_prefill_impl=kda_prefill_impl,
+            linear_attn_decode_backend=linear_attn_decode_backend)
         self._grow_rope_tables()
 
     # ------------------------------------------------------------------ init steps

@@ -158,6 +158,7 @@ class NEXTNWorker:
             cfg, device=t.device, dtype=t.dtype, tp_rank=t.tp_rank, tp_size=t.tp_size,
             load_format=server_args.load_format, attention_backend=server_args.attention_backend,
             kda_prefill_impl=server_args.kda_prefill_impl,
+            linear_attn_decode_backend=server_args.linear_attn_decode_backend,
             moe_runner_backend=server_args.moe_runner_backend, random_seed=server_args.random_seed,
             is_draft=True, req_to_token_pool=t.req_to_token_pool,
             token_to_kv_pool_allocator=t.token_to_kv_pool_allocator,

@@ -10,9 +10,13 @@ from sglang.srt.layers.attention.torch_native_backend import (
 )
 
 ATTENTION_BACKENDS = ("torch_native", "triton")
+# --linear-attn-decode-backend: KDA decode + target verify ("auto" = torch_native until the Triton
+# kernel has been validated and measured on the GPU host).
+LINEAR_ATTN_DECODE_BACKENDS = ("auto", "triton", "torch_native")
 
 
-def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto") -> AttentionBackend:
+def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto",
+                        linear_attn_decode_backend: str = "auto") -> AttentionBackend:
     """Build the attention backend called ``name`` for a hybrid KDA + MLA model.
 
     * ``"torch_native"``: plain PyTorch for both MLA and KDA, the reference. Here ``"auto"`` means
@@ -20,7 +24,15 @@ def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto") -> Attenti
     * ``"triton"``: until the project's Triton kernels exist this builds the same torch-native
       hybrid, but with ``"auto"`` the KDA prefill goes through fla-core's ``chunk_kda`` whenever
       CUDA and fla are available (torch otherwise). ``"torch"`` / ``"fla"`` are honoured as given.
+
+    ``linear_attn_decode_backend`` picks the KDA decode / verify recurrence: ``"triton"``
+    (``sgl_kernel.kda_recurrent``; CUDA, or Triton's interpreter on CPU) or the torch step
+    (``"torch_native"``, and ``"auto"`` for now).
     """
+    if linear_attn_decode_backend not in LINEAR_ATTN_DECODE_BACKENDS:
+        raise ValueError(f"linear_attn_decode_backend must be one of {LINEAR_ATTN_DECODE_BACKENDS}, "
+                         f"got {linear_attn_decode_backend!r}")
+    recurrent = "triton" if linear_attn_decode_backend == "triton" else "torch"
     if name not in ATTENTION_BACKENDS:
         raise ValueError(f"unknown attention backend {name!r}; choices: {', '.join(ATTENTION_BACKENDS)}")
     if kda_prefill_impl not in KDA_PREFILL_IMPLS:
@@ -28,4 +40,5 @@ def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto") -> Attenti
     if name == "torch_native" and kda_prefill_impl == "auto":
         kda_prefill_impl = "torch"
     return HybridLinearAttnBackend(TorchNativeMLABackend(),
-                                   TorchNativeKDABackend(kda_prefill_impl=kda_prefill_impl))
+                                   TorchNativeKDABackend(kda_prefill_impl=kda_prefill_impl,
+                                                         recurrent_impl=recurrent))

@@ -78,8 +78,8 @@ def causal_conv1d_chain(
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``N`` consecutive :func:`causal_conv1d_update` steps at once (a speculative chain).
 
-    ``x [B, N, C]``, ``weight [C, K]``, ``conv_state [B, C, K-1]``. Returns ``(y [B, N, C]`` in
-    x's dtype, ``windows [B, N, C, K-1]`` in conv_state's dtype)``: position ``i``'s output and
+    ``x [B, N, C]``, ``weight [C, K]``, ``conv_state [B, C, K-1]``. Returns ``(y [B, N, C]``
+    contiguous in x's dtype, ``windows [B, N, C, K-1]`` in conv_state's dtype)``: position ``i``'s output and
     the conv state after it. Each position multiplies and sums the same ``K``-window as the
     one-step update, so the results are those of the step-by-step loop.
     """
@@ -90,7 +90,7 @@ def causal_conv1d_chain(
     seq = torch.cat([conv_state.float(), x.float().transpose(1, 2)], dim=-1)  # [B, C, K-1+N]
     windows = seq.unfold(-1, kernel, 1)  # [B, C, N, K]: the window ending at each position
     y = (windows * weight.float().unsqueeze(1)).sum(-1)  # [B, C, N]
-    return (F.silu(y).transpose(1, 2).to(x.dtype),
+    return (F.silu(y).transpose(1, 2).contiguous().to(x.dtype),
             windows[..., 1:].transpose(1, 2).to(conv_state.dtype))
 
 

@@ -36,6 +36,9 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 KDA_PREFILL_IMPLS = ("auto", "torch", "fla")
+# The decode / target-verify recurrence: "torch" (kda_step, the reference) or "triton"
+# (sgl_kernel.kda_recurrent: state read from and written to the pools by one kernel per layer).
+KDA_RECURRENT_IMPLS = ("torch", "triton")
 
 # Extends up to this many tokens run the token-by-token recurrence; longer ones the chunked form
 # (the chunked form's fixed per-chunk cost only pays off once a chunk has some length).
@@ -228,14 +231,19 @@ class TorchNativeKDABackend(AttentionBackend):
 
     ``kda_prefill_impl``: ``"torch"`` (chunked/recurrent torch math), ``"fla"`` (fla-core's
     ``chunk_kda``; needs CUDA and fla) or ``"auto"`` (fla when the tensors are on CUDA and fla
-    imports, torch otherwise). Decode is always the batched torch step.
+    imports, torch otherwise). ``recurrent_impl``: decode and target verify through the torch
+    step (``"torch"``) or the Triton kernel (``"triton"``); one choice for both, so that a verify
+    position and the decode of the same token round alike.
     """
 
     needs_cpu_seq_lens = False
 
-    def __init__(self, kda_prefill_impl: str = "auto"):
+    def __init__(self, kda_prefill_impl: str = "auto", recurrent_impl: str = "torch"):
         if kda_prefill_impl not in KDA_PREFILL_IMPLS:
             raise ValueError(f"kda_prefill_impl must be one of {KDA_PREFILL_IMPLS}, got {kda_prefill_impl!r}")
+        if recurrent_impl not in KDA_RECURRENT_IMPLS:
+            raise ValueError(f"recurrent_impl must be one of {KDA_RECURRENT_IMPLS}, got {recurrent_impl!r}")
+        self.recurrent_impl = recurrent_impl
         if kda_prefill_impl == "fla" and not fla_kda.is_available():
             raise ValueError("kda_prefill_impl='fla' needs CUDA and fla-core (pip install fla-core)")
         self.kda_prefill_impl = kda_prefill_impl
@@ -365,15 +373,23 @@ class TorchNativeKDABackend(AttentionBackend):
                              f"at most spec_num_draft_tokens={pool.spec_num_draft_tokens}")
         slots = slots.to(device=mixed.device, dtype=torch.int64)
         h, d = layer.num_heads, layer.head_dim
-        gf = g.float().reshape(b, n, h, d)
-        bf = beta.float().reshape(b, n, h)
+        gf = g.float().contiguous().reshape(b, n, h, d)
+        bf = beta.float().contiguous().reshape(b, n, h)
         # The conv and the q/k/v split do not depend on the recurrent state: all N positions at
         # once (the same per-position arithmetic as decode's one-step update). Gathers are
         # copies: the persistent pools are only read.
         y, windows = causal_conv1d_chain(mixed.view(b, n, -1), layer.conv_weight, conv_pool[slots])
         qn, kn, vn = (z.view(b, n, h, -1) for z in self._split_heads(y.reshape(b * n, -1), layer))
-        state = ssm_pool[slots]
         out = q.new_empty(b, n, h, d)
+        if self.recurrent_impl == "triton":
+            from sgl_kernel.kda_recurrent import kda_recurrent_update
+
+            kda_recurrent_update(qn.contiguous(), kn.contiguous(), vn, gf, bf, layer.scale,
+                                 ssm_pool, slots, out,
+                                 staged=pool.get_intermediate_ssm(layer.layer_id))
+            pool.get_intermediate_conv(layer.layer_id)[:, :n].index_copy_(0, slots, windows)
+            return out.view(t, h, d)
+        state = ssm_pool[slots]
         states = []
         for i in range(n):  # N is tiny (the chain width); each step is a batched decode step
             o, state = kda_step(qn[:, i], kn[:, i], vn[:, i], gf[:, i], bf[:, i], layer.scale, state)
@@ -397,6 +413,17 @@ class TorchNativeKDABackend(AttentionBackend):
         y, window = causal_conv1d_update(mixed, layer.conv_weight, conv_pool[slots])
         conv_pool.index_copy_(0, slots, window.to(conv_pool.dtype))
         qn, kn, vn = self._split_heads(y, layer)
+        if self.recurrent_impl == "triton":
+            from sgl_kernel.kda_recurrent import kda_recurrent_update
+
+            h, d = layer.num_heads, layer.head_dim
+            out = q.new_empty(b, 1, h, d)
+            kda_recurrent_update(qn.contiguous().view(b, 1, h, d), kn.contiguous().view(b, 1, h, d),
+                                 vn.view(b, 1, h, d),
+                                 g.float().contiguous().view(b, 1, h, d),
+                                 beta.float().contiguous().view(b, 1, h), layer.scale, ssm_pool,
+                                 slots, out)
+            return out.view(b, h, d)
         o, state = kda_step(qn, kn, vn, g.float(), beta.float(), layer.scale, ssm_pool[slots])
         ssm_pool.index_copy_(0, slots, state)
         return o.to(q.dtype)

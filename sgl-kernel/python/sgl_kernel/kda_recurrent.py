@@ -1,0 +1,141 @@
+"""KDA gated delta rule over a few tokens per request, state read from and written to the pools:
+the decode step (one token, state updated in place) and the NEXTN target verify (a chain of ``N``
+tokens, the state after each position staged, the persistent state untouched).
+
+Per request ``b`` (pool slot ``slots[b]``), head ``h`` and a ``BLOCK_V`` slice of the value dim,
+one program keeps its ``[K, BLOCK_V]`` fp32 state slice in registers across the chain and per
+position does (model.md §3.2, as :func:`sglang.srt.layers.attention.kda_ops.kda_step`)::
+
+    S <- diag(exp g) S;   S <- S + beta k (v - S^T k)^T;   o = S^T (scale q)
+
+Decode and verify run the same program, so a verify position and the decode of the same token
+from the same state round identically. Inputs are the L2-normalised ``q, k`` and ``v``, the
+log-space gate ``g`` and ``beta``, all fp32. Reference: :func:`kda_recurrent_reference`.
+"""
+from __future__ import annotations
+
+import os
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["kda_recurrent_update", "kda_recurrent_reference"]
+
+
+@triton.jit
+def _kda_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slots_ptr, state_ptr, o_ptr,
+                          staged_ptr, N, H, K, V, scale,
+                          s_qb, s_qn, s_qh, s_vb, s_vn, s_vh, s_bb, s_bn,
+                          s_ss, s_sh, s_sk, s_ob, s_on, s_oh, s_ts, s_tn, s_th, s_tk,
+                          STAGE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_k, mask_v = offs_k < K, offs_v < V
+    mask_kv = mask_k[:, None] & mask_v[None, :]
+    slot = tl.load(slots_ptr + b).to(tl.int64)
+    kv_off = offs_k[:, None] * s_sk + offs_v[None, :]
+    state_rows = state_ptr + slot * s_ss + h * s_sh
+    s = tl.load(state_rows + kv_off, mask=mask_kv, other=0.0)
+    for i in range(0, N):
+        qk_off = b * s_qb + i * s_qn + h * s_qh
+        q = tl.load(q_ptr + qk_off + offs_k, mask=mask_k, other=0.0)
+        k = tl.load(k_ptr + qk_off + offs_k, mask=mask_k, other=0.0)
+        g = tl.load(g_ptr + qk_off + offs_k, mask=mask_k, other=0.0)
+        v = tl.load(v_ptr + b * s_vb + i * s_vn + h * s_vh + offs_v, mask=mask_v, other=0.0)
+        beta = tl.load(beta_ptr + b * s_bb + i * s_bn + h)
+        s = s * tl.exp(g)[:, None]
+        pred = tl.sum(s * k[:, None], axis=0)  # [BLOCK_V]
+        s = s + (beta * k)[:, None] * (v - pred)[None, :]
+        o = tl.sum(s * (q * scale)[:, None], axis=0)
+        tl.store(o_ptr + b * s_ob + i * s_on + h * s_oh + offs_v,
+                 o.to(o_ptr.dtype.element_ty), mask=mask_v)
+        if STAGE:
+            tl.store(staged_ptr + slot * s_ts + i * s_tn + h * s_th + offs_k[:, None] * s_tk
+                     + offs_v[None, :], s, mask=mask_kv)
+    if not STAGE:
+        tl.store(state_rows + kv_off, s, mask=mask_kv)
+
+
+def _check(q, k, v, g, beta, state_pool, slots):
+    if q.dim() != 4 or k.shape != q.shape or g.shape != q.shape:
+        raise ValueError(f"kda_recurrent_update: q, k, g must be [B, N, H, K] alike, got "
+                         f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}")
+    b, n, h, dk = q.shape
+    if v.dim() != 4 or v.shape[:3] != (b, n, h) or tuple(beta.shape) != (b, n, h):
+        raise ValueError(f"kda_recurrent_update: v must be [{b}, {n}, {h}, V] and beta "
+                         f"[{b}, {n}, {h}], got {tuple(v.shape)} and {tuple(beta.shape)}")
+    dv = v.shape[3]
+    if state_pool.dim() != 4 or tuple(state_pool.shape[1:]) != (h, dk, dv):
+        raise ValueError(f"kda_recurrent_update: state pool must be [S, {h}, {dk}, {dv}], got "
+                         f"{tuple(state_pool.shape)}")
+    if tuple(slots.shape) != (b,):
+        raise ValueError(f"kda_recurrent_update: slots must be [{b}], got {tuple(slots.shape)}")
+    if k.stride() != q.stride() or g.stride() != q.stride():
+        raise ValueError("kda_recurrent_update: q, k and g must share strides (e.g. contiguous)")
+    for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
+                    ("state pool", state_pool)):
+        if t.dtype != torch.float32 or t.stride(-1) != 1:
+            raise ValueError(f"kda_recurrent_update: {name} must be fp32 with a contiguous last dim")
+
+
+def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
+                         beta: torch.Tensor, scale: float, state_pool: torch.Tensor,
+                         slots: torch.Tensor, out: torch.Tensor,
+                         staged: Optional[torch.Tensor] = None,
+                         block_v: Optional[int] = None) -> torch.Tensor:
+    """Run ``N`` tokens per request from ``state_pool[slots[b]]`` (``[S, H, K, V]`` fp32).
+
+    ``q, k, g [B, N, H, K]``, ``v [B, N, H, V]``, ``beta [B, N, H]`` (fp32); outputs go to
+    ``out [B, N, H, V]`` (any float dtype). With ``staged`` (``[S, >= N, H, K, V]`` fp32, the
+    pool's speculative scratch) the state after position ``i`` is written to ``staged[slot, i]``
+    and ``state_pool`` is only read (verify); without it the final state replaces
+    ``state_pool[slot]`` (decode). Returns ``out``.
+    """
+    _check(q, k, v, g, beta, state_pool, slots)
+    b, n, h, dk = q.shape
+    dv = v.shape[3]
+    if tuple(out.shape) != (b, n, h, dv) or out.stride(-1) != 1:
+        raise ValueError(f"kda_recurrent_update: out must be [{b}, {n}, {h}, {dv}] with a "
+                         f"contiguous last dim, got {tuple(out.shape)}")
+    if staged is not None and (staged.dim() != 5 or staged.shape[1] < n
+                               or tuple(staged.shape[2:]) != (h, dk, dv)
+                               or staged.dtype != torch.float32 or staged.stride(-1) != 1):
+        raise ValueError(f"kda_recurrent_update: staged must be fp32 [S, >= {n}, {h}, {dk}, {dv}], "
+                         f"got {tuple(staged.shape)} {staged.dtype}")
+    if b == 0 or n == 0:
+        return out
+    if block_v is None:  # the interpreter's cost is per program: one value tile there
+        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+        block_v = triton.next_power_of_2(dv) if interpreted else 32
+    st = staged if staged is not None else state_pool  # unused pointer when not staging
+    st_strides = (st.stride(0), st.stride(1), st.stride(2), st.stride(3)) if staged is not None \
+        else (0, 0, 0, 0)
+    slots = slots.contiguous()  # the kernel indexes slots[b] densely (a column view is not)
+    grid = (b, h, triton.cdiv(dv, block_v))
+    _kda_recurrent_kernel[grid](
+        q, k, v, g, beta, slots, state_pool, out, st, n, h, dk, dv, float(scale),
+        q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2),
+        beta.stride(0), beta.stride(1),
+        state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
+        out.stride(0), out.stride(1), out.stride(2), *st_strides,
+        STAGE=staged is not None, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v)
+    return out
+
+
+def kda_recurrent_reference(q, k, v, g, beta, scale, state_pool, slots, out, staged=None):
+    """Plain-torch :func:`kda_recurrent_update` (the per-position step of ``kda_ops.kda_step``)."""
+    from sglang.srt.layers.attention.kda_ops import kda_step
+
+    state = state_pool[slots.long()]
+    for i in range(q.shape[1]):
+        o, state = kda_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], scale, state)
+        out[:, i] = o.to(out.dtype)
+        if staged is not None:
+            staged[slots.long(), i] = state
+    if staged is None:
+        state_pool[slots.long()] = state
+    return out
