@@ -23,11 +23,13 @@ DECODE_STEPS = 4
 ATOL = 1e-4
 
 
-def run_greedy(path: str, tp_rank: int = 0, tp_size: int = 1, port=None):
-    """Prefill logits ``[T, V]`` of PROMPT and the logits of DECODE_STEPS greedy decode steps."""
+def run_greedy(path: str, tp_rank: int = 0, tp_size: int = 1, port=None, kernels: str = "auto"):
+    """Prefill logits ``[T, V]`` of PROMPT and the logits of DECODE_STEPS greedy decode steps
+    (``kernels``: the MoE runner and KDA decode backend)."""
     runner = ModelRunner(ModelConfig.from_path(path), device="cpu", dtype=torch.float32,
                          tp_rank=tp_rank, tp_size=tp_size, nccl_port=port,
-                         max_running_requests=1, max_total_tokens=64)
+                         max_running_requests=1, max_total_tokens=64,
+                         moe_runner_backend=kernels, linear_attn_decode_backend=kernels)
     req = runner.req_to_token_pool.alloc(1)[0]
     runner.kda_state_pool.clear_slots([req])
     ids = torch.tensor(PROMPT, dtype=torch.int64)
@@ -48,18 +50,21 @@ def run_greedy(path: str, tp_rank: int = 0, tp_size: int = 1, port=None):
     return prefill, torch.cat(steps)
 
 
-def _rank_main(rank: int, path: str, port: int, out_dir: str, tp_size: int = 2) -> None:
+def _rank_main(rank: int, path: str, port: int, out_dir: str, tp_size: int = 2,
+               kernels: str = "auto") -> None:
     torch.set_num_threads(1)  # several ranks share two cores
     try:
-        prefill, decode = run_greedy(path, rank, tp_size, port)
+        prefill, decode = run_greedy(path, rank, tp_size, port, kernels)
         torch.save({"prefill": prefill, "decode": decode}, os.path.join(out_dir, f"rank{rank}.pt"))
     finally:
         destroy_distributed_environment()
 
 
-def _check_tp_matches_tp1(path: str, tp_size: int, out_dir: str) -> None:
+def _check_tp_matches_tp1(path: str, tp_size: int, out_dir: str, kernels: str = "auto") -> None:
+    """TP ranks (with ``kernels``) == TP=1 with the default (torch-native) kernels."""
     vocab = ModelConfig.from_path(path).vocab_size
-    mp.spawn(_rank_main, args=(path, free_port(), out_dir, tp_size), nprocs=tp_size, join=True)
+    mp.spawn(_rank_main, args=(path, free_port(), out_dir, tp_size, kernels), nprocs=tp_size,
+             join=True)
     ref_prefill, ref_decode = run_greedy(path)
     for rank in range(tp_size):
         got = torch.load(os.path.join(out_dir, f"rank{rank}.pt"))
@@ -77,6 +82,14 @@ def test_tp2_matches_tp1(tmp_path):
         assert cfg[key] % 2 == 0, key
     path = write_random_checkpoint(str(tmp_path / "ckpt"))
     _check_tp_matches_tp1(path, 2, str(tmp_path))
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU interpreter run")
+def test_tp2_with_triton_kernels_matches_tp1(tmp_path):
+    """The Triton MoE (on this rank's intermediate slice) and KDA recurrence (on this rank's
+    heads) under TP=2 give TP=1's torch-native logits."""
+    path = write_random_checkpoint(str(tmp_path / "ckpt"))
+    _check_tp_matches_tp1(path, 2, str(tmp_path), kernels="triton")
 
 
 def test_tp4_matches_tp1(tmp_path):
