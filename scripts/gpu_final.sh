@@ -4,6 +4,7 @@
 #                 fla, CUDA sizing), then the NEXTN ladder (no spec vs 3/4/5 steps) on the
 #                 bundled model
 #   STAGE=flash12 the NEXTN ladder on the 12-layer dummy Ling-3.0-flash
+#   STAGE=bundled the NEXTN ladder on the bundled model alone (STEPS="4 5" picks rows)
 #   STAGE=kernels the Triton kernels (--moe-runner-backend triton, --linear-attn-decode-backend
 #                 triton): kernel tests and NEXTN bf16 losslessness with them, the cold-L2 MoE
 #                 microbenchmark, then no spec / NEXTN 3 on the 12-layer dummy preset, torch_native
@@ -25,13 +26,17 @@ fi
 case "${STAGE:-tests}" in
 tests)
   echo "== NEXTN on CUDA (gpu-marked)"
-  timeout 240 python3 -m pytest -v -s -m gpu test/srt/test_nextn.py -p no:cacheprovider --durations=4 2>&1 \
+  timeout 240 python3 -m pytest -v -s -m gpu test/srt/test_nextn.py -k "not triton" -p no:cacheprovider --durations=4 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "PASS|FAIL|first differing|Error|passed|failed"
   echo "== other gpu-marked tests (not slow)"
   timeout 150 python3 -m pytest -v -s -m "gpu and not slow" test --ignore=test/srt/test_nextn.py -p no:cacheprovider --durations=6 2>&1 \
     | tee -a "$OUT/gpu_tests.log" | grep -E "PASS|FAIL|rel. error|fla vs|Error|passed|failed"
   echo "== NEXTN ladder, bundled model"
   timeout 190 bash benchmark/batch1/spec_ab.sh bundled "" 3 1024 256
+  ;;
+bundled)
+  echo "== NEXTN ladder, bundled model (steps: ${STEPS:-0 3 4 5})"
+  timeout ${LADDER_TIMEOUT:-300} bash benchmark/batch1/spec_ab.sh bundled "" 3 1024 256
   ;;
 flash12)
   echo "== NEXTN ladder, dummy 12-layer Ling-3.0-flash"
