@@ -31,11 +31,9 @@ DEVICE_CHOICES = ("auto", "cuda", "cpu")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 KDA_PREFILL_IMPL_CHOICES = ("auto", "torch", "fla")
-# --moe-runner-backend values implemented here (upstream names); "auto" = torch_native until the
-# Triton path is validated and measured on the GPU host.
-MOE_RUNNER_BACKEND_CHOICES = ("auto", "triton", "torch_native")
-# --linear-attn-decode-backend (KDA decode and target verify), same convention.
-LINEAR_ATTN_DECODE_BACKEND_CHOICES = ("auto", "triton", "torch_native")
+# --moe-runner-backend / --linear-attn-decode-backend: our Triton kernels or the torch reference;
+# "auto" = torch_native until the Triton path is validated and measured on the GPU host.
+KERNEL_BACKEND_CHOICES = ("auto", "triton", "torch_native")
 FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
 
 # Attention backends implemented in this engine.
@@ -219,9 +217,9 @@ class ServerArgs:
         _choice("--load-format", self.load_format, LOAD_FORMAT_CHOICES)
         _choice("--log-level", self.log_level, LOG_LEVEL_CHOICES)
         _choice("--kda-prefill-impl", self.kda_prefill_impl, KDA_PREFILL_IMPL_CHOICES)
-        _choice("--moe-runner-backend", self.moe_runner_backend, MOE_RUNNER_BACKEND_CHOICES)
+        _choice("--moe-runner-backend", self.moe_runner_backend, KERNEL_BACKEND_CHOICES)
         _choice("--linear-attn-decode-backend", self.linear_attn_decode_backend,
-                LINEAR_ATTN_DECODE_BACKEND_CHOICES)
+                KERNEL_BACKEND_CHOICES)
         if self.flashinfer_allreduce_fusion_backend is not None:
             _choice(
                 "--flashinfer-allreduce-fusion-backend",
@@ -396,15 +394,11 @@ class ServerArgs:
           default=d["flashinfer_allreduce_fusion_backend"], help="Accepted for compatibility.")
         a("--kda-prefill-impl", choices=KDA_PREFILL_IMPL_CHOICES, default=d["kda_prefill_impl"],
           help="KDA prefill kernel: torch (reference), fla (fla-core chunk_kda), auto.")
-        a("--moe-runner-backend", choices=MOE_RUNNER_BACKEND_CHOICES,
-          default=d["moe_runner_backend"],
-          help="Routed experts: torch_native (reference), triton (grouped mat-vec reading expert "
-               "weights in place, for decode / verify batches), auto (= torch_native for now).")
-        a("--linear-attn-decode-backend", choices=LINEAR_ATTN_DECODE_BACKEND_CHOICES,
+        a("--moe-runner-backend", choices=KERNEL_BACKEND_CHOICES, default=d["moe_runner_backend"],
+          help="Routed experts of decode/verify batches (auto = torch_native for now).")
+        a("--linear-attn-decode-backend", choices=KERNEL_BACKEND_CHOICES,
           default=d["linear_attn_decode_backend"],
-          help="KDA decode and NEXTN target-verify recurrence: torch_native (reference), triton "
-               "(one kernel per layer, state read and written in the pools), auto "
-               "(= torch_native for now).")
+          help="KDA decode + verify recurrence (auto = torch_native for now).")
         a("--watchdog-timeout", type=float, default=d["watchdog_timeout"])
         a("--speculative-algorithm", type=str, default=d["speculative_algorithm"],
           help="NEXTN (alias EAGLE) or DSPARK.")

@@ -8,11 +8,9 @@ from sglang.srt.layers.attention.torch_native_backend import (
     TorchNativeKDABackend,
     TorchNativeMLABackend,
 )
+from sglang.srt.server_args import KERNEL_BACKEND_CHOICES
 
 ATTENTION_BACKENDS = ("torch_native", "triton")
-# --linear-attn-decode-backend: KDA decode + target verify ("auto" = torch_native until the Triton
-# kernel has been validated and measured on the GPU host).
-LINEAR_ATTN_DECODE_BACKENDS = ("auto", "triton", "torch_native")
 
 
 def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto",
@@ -29,8 +27,8 @@ def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto",
     (``sgl_kernel.kda_recurrent``; CUDA, or Triton's interpreter on CPU) or the torch step
     (``"torch_native"``, and ``"auto"`` for now).
     """
-    if linear_attn_decode_backend not in LINEAR_ATTN_DECODE_BACKENDS:
-        raise ValueError(f"linear_attn_decode_backend must be one of {LINEAR_ATTN_DECODE_BACKENDS}, "
+    if linear_attn_decode_backend not in KERNEL_BACKEND_CHOICES:
+        raise ValueError(f"linear_attn_decode_backend must be one of {KERNEL_BACKEND_CHOICES}, "
                          f"got {linear_attn_decode_backend!r}")
     recurrent = "triton" if linear_attn_decode_backend == "triton" else "torch"
     if name not in ATTENTION_BACKENDS:

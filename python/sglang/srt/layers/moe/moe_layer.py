@@ -29,7 +29,7 @@ from sglang.srt.layers.moe.fused_moe_native import fused_moe
 from sglang.srt.layers.moe.fused_moe_triton import SMALL_M_MAX_PAIRS, fused_moe_small_m
 from sglang.srt.layers.moe.topk import MoEGate
 from sglang.srt.model_loader.weight_utils import LazyWeight
-from sglang.srt.server_args import MOE_RUNNER_BACKEND_CHOICES
+from sglang.srt.server_args import KERNEL_BACKEND_CHOICES
 
 __all__ = ["BailingMLP", "FusedMoE", "BailingMoE", "set_moe_runner_backend"]
 
@@ -164,8 +164,8 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device)
     GPU host (docs/performance.md). ``triton`` needs CUDA, or ``TRITON_INTERPRET=1`` on CPU
     (tests); batches above ``SMALL_M_MAX_PAIRS`` (token, expert) pairs still take the native loop.
     """
-    if backend not in MOE_RUNNER_BACKEND_CHOICES:
-        raise ValueError(f"moe runner backend must be one of {MOE_RUNNER_BACKEND_CHOICES}, got "
+    if backend not in KERNEL_BACKEND_CHOICES:
+        raise ValueError(f"moe runner backend must be one of {KERNEL_BACKEND_CHOICES}, got "
                          f"{backend!r}")
     chosen = "torch_native" if backend == "auto" else backend
     if chosen == "triton":
