@@ -349,8 +349,9 @@ class TorchNativeKDABackend(AttentionBackend):
 
         Rows are request-major with the same ``N`` for every request (fixed shape: ``T = B * N``,
         padded requests included). Starting from the slot's persistent conv window and state,
-        each chain position ``i`` runs the same batched conv update and delta-rule step as a decode
-        of that token, and the window and state *after* it are staged in the pool's
+        each chain position ``i`` gets the same conv and delta-rule arithmetic as a decode of that
+        token (conv and head split for all positions at once; the recurrence per position in
+        torch, or in one kernel with ``recurrent_impl="triton"``), and the window and state *after* it are staged in the pool's
         ``intermediate_conv`` / ``intermediate_ssm`` at ``[slot, i]``. ``commit_after_verify``
         later makes the last accepted position persistent. Device ops only; ``N`` is a shape.
         """
@@ -380,6 +381,9 @@ class TorchNativeKDABackend(AttentionBackend):
         # copies: the persistent pools are only read.
         y, windows = causal_conv1d_chain(mixed.view(b, n, -1), layer.conv_weight, conv_pool[slots])
         qn, kn, vn = (z.view(b, n, h, -1) for z in self._split_heads(y.reshape(b * n, -1), layer))
+        # Staging: one scatter per buffer into rows 0..n-1 of each request's slot (slot 0 for
+        # padding rows).
+        pool.get_intermediate_conv(layer.layer_id)[:, :n].index_copy_(0, slots, windows)
         out = q.new_empty(b, n, h, d)
         if self.recurrent_impl == "triton":
             from sgl_kernel.kda_recurrent import kda_recurrent_update
@@ -387,7 +391,6 @@ class TorchNativeKDABackend(AttentionBackend):
             kda_recurrent_update(qn.contiguous(), kn.contiguous(), vn, gf, bf, layer.scale,
                                  ssm_pool, slots, out,
                                  staged=pool.get_intermediate_ssm(layer.layer_id))
-            pool.get_intermediate_conv(layer.layer_id)[:, :n].index_copy_(0, slots, windows)
             return out.view(t, h, d)
         state = ssm_pool[slots]
         states = []
@@ -395,11 +398,9 @@ class TorchNativeKDABackend(AttentionBackend):
             o, state = kda_step(qn[:, i], kn[:, i], vn[:, i], gf[:, i], bf[:, i], layer.scale, state)
             out[:, i] = o.to(out.dtype)
             states.append(state)
-        # One scatter per buffer into rows 0..n-1 of each request's slot (slot 0 for padding).
-        pool.get_intermediate_conv(layer.layer_id)[:, :n].index_copy_(0, slots, windows)
         pool.get_intermediate_ssm(layer.layer_id)[:, :n].index_copy_(
             0, slots, torch.stack(states, dim=1))
-        return out.view(t, layer.num_heads, layer.head_dim)
+        return out.view(t, h, d)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, g=None, beta=None,
                        **kwargs):
