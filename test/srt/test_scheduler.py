@@ -16,6 +16,7 @@ from engine_test_utils import (
     run_requests,
     write_checkpoint,
 )
+from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.managers.detokenizer_manager import IncrementalDetokenizer, longest_stop_prefix_suffix
 from sglang.srt.managers.io_struct import AbortReq, BatchTokenIDOutput, FlushCacheReqInput
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, release_kv_cache
@@ -129,6 +130,44 @@ def test_chunked_prefill_matches_unchunked(ckpt, ref_model):
     lp = torch.log_softmax(logits[0, :-1], dim=-1).gather(1, torch.tensor(prompt[1:])[:, None])
     torch.testing.assert_close(torch.tensor(chunked.in_lp["a"][1:]), lp[:, 0],
                                rtol=1e-4, atol=1e-4)
+
+
+def test_prompt_logprob_batches_are_capped(ckpt, monkeypatch):
+    """SGLANG_INPUT_LOGPROB_LOGITS_BYTES bounds the tokens of every prefill batch that returns
+    full logits (prompt logprobs): a long prompt is chunked more, a logprob request waits rather
+    than joining a batch already at the cap, and the logprobs equal an uncapped run's."""
+    prompts = {"plain": _prompt(20, 8), "lp": _prompt(23, 9), "lp2": _prompt(6, 10)}
+
+    def run(cap_tokens):
+        if cap_tokens:
+            vocab = ModelConfig.from_path(ckpt).vocab_size
+            monkeypatch.setenv("SGLANG_INPUT_LOGPROB_LOGITS_BYTES", str(4 * vocab * cap_tokens))
+        s = make_scheduler(ckpt, chunked_prefill_size=-1)
+        seen = []
+        forward = s.tp_worker.model_runner.forward
+
+        def spy(fb, **kw):
+            if fb.return_full_logits:
+                seen.append(fb.num_tokens)
+            return forward(fb, **kw)
+
+        s.tp_worker.model_runner.forward = spy
+        reqs = [request("plain", prompts["plain"], temperature=0, max_new_tokens=3)]
+        reqs += [request(rid, prompts[rid], temperature=0, max_new_tokens=3, return_logprob=True,
+                         logprob_start_len=0) for rid in ("lp", "lp2")]
+        out = run_requests(s, reqs)
+        s.check_memory()
+        return out, seen
+
+    whole, seen_whole = run(None)
+    capped, seen_capped = run(7)
+    assert max(seen_whole) > 7 and seen_capped and max(seen_capped) <= 7
+    for rid in prompts:
+        assert capped.ids[rid] == whole.ids[rid]
+    for rid in ("lp", "lp2"):
+        assert capped.in_ids[rid] == prompts[rid]
+        torch.testing.assert_close(torch.tensor(capped.in_lp[rid][1:]),
+                                   torch.tensor(whole.in_lp[rid][1:]), rtol=1e-4, atol=1e-4)
 
 
 def test_logprob_start_len_selects_prompt_suffix(sched):

@@ -142,6 +142,14 @@ class Envs:
         "Return log-probabilities of the raw logits; default (as upstream): of the distribution "
         "the token was sampled from (after penalties, logit bias and temperature).",
     )
+    SGLANG_INPUT_LOGPROB_LOGITS_BYTES = EnvField(
+        "SGLANG_INPUT_LOGPROB_LOGITS_BYTES",
+        int,
+        1 << 30,
+        "A prefill batch that returns prompt-token logprobs keeps fp32 logits for every token "
+        "([tokens, vocab]); its tokens are capped so these logits stay under this many bytes "
+        "(a long prompt is then prefilled in more chunks instead of exhausting memory).",
+    )
     SGLANG_IS_IN_CI = EnvField(
         "SGLANG_IS_IN_CI",
         bool,

@@ -27,6 +27,7 @@ import zmq
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import broadcast_pyobj
+from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import (
     AbortReq,
     FlushCacheReqInput,
@@ -83,6 +84,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin):
         self.eos_token_ids = get_eos_token_ids(self.model_config, self.tokenizer)
         cps = server_args.chunked_prefill_size
         self.chunked_prefill_size = cps if cps is not None and cps > 0 else None
+        # Token cap of a prefill batch that returns prompt logprobs (fp32 logits for every row).
+        self.input_logprob_max_tokens = max(
+            1, envs.SGLANG_INPUT_LOGPROB_LOGITS_BYTES.get() // (4 * self.vocab_size))
         self.stream_interval = server_args.stream_interval
 
         self.waiting_queue: List[Req] = []
@@ -262,10 +266,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin):
         free_tokens = self._free_unreserved_tokens()
         num_admitted = len(self._admitted_reqs())
         reqs: List[Req] = []
+        total = 0  # tokens in the batch so far
         if self.chunked_req is not None:
             r = self.chunked_req
+            if r.wants_input_logprobs():
+                budget = min(budget, self.input_logprob_max_tokens)
             r.extend_input_len = int(min(len(r.origin_input_ids) - r.kv_len, budget))
             budget -= r.extend_input_len
+            total += r.extend_input_len
             reqs.append(r)
             if r.kv_len + r.extend_input_len >= len(r.origin_input_ids):
                 self.chunked_req = None
@@ -274,6 +282,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin):
             need = self._tokens_needed(r)
             if num_admitted >= self.max_running_requests or need > free_tokens:
                 break  # wait for running requests to finish and free their slots
+            if r.wants_input_logprobs():  # then every row of the batch returns logits
+                if total >= self.input_logprob_max_tokens:
+                    break  # next batch
+                budget = min(budget, self.input_logprob_max_tokens - total)
             row = self.req_to_token_pool.alloc(1)
             if row is None:
                 break
@@ -285,6 +297,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin):
                 self.kda_state_pool.clear_slots(row)  # every sequence starts from zero state
             r.extend_input_len = int(min(len(r.origin_input_ids), budget))
             budget -= r.extend_input_len
+            total += r.extend_input_len
             if r.extend_input_len < len(r.origin_input_ids):
                 self.chunked_req = r
             reqs.append(r)
