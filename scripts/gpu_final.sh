@@ -9,6 +9,9 @@
 #                 triton): kernel tests and NEXTN bf16 losslessness with them, the cold-L2 MoE
 #                 microbenchmark, then no spec / NEXTN 3 on the 12-layer dummy preset, torch_native
 #                 vs triton
+#   STAGE=census  per-phase census (ops, launches, kernel time; profiled vs unprofiled) of a plain
+#                 decode step and a NEXTN-3 round on the 12-layer dummy preset, torch_native and
+#                 Triton kernels (benchmark/batch1/round_census.py)
 #   ONE_BATCH=1   also eager bench_one_batch on the 12-layer dummy preset first
 # The ladder's summary table: python3 benchmark/batch1/summarize.py $OUT/spec_ab.jsonl
 set -uo pipefail
@@ -37,6 +40,14 @@ tests)
 bundled)
   echo "== NEXTN ladder, bundled model (steps: ${STEPS:-0 3 4 5})"
   timeout ${LADDER_TIMEOUT:-300} bash benchmark/batch1/spec_ab.sh bundled "" 3 1024 256
+  ;;
+census)
+  for args in "" "--speculative-algorithm NEXTN --speculative-num-steps 3" \
+              "--speculative-algorithm NEXTN --speculative-num-steps 3 --moe-runner-backend triton --linear-attn-decode-backend triton"; do
+    echo "== census: $args"
+    eval "timeout 150 python3 benchmark/batch1/round_census.py $FLASH12 $args --prompt-len 1024 --steps 20" 2>&1 \
+      | grep -v Warn | tee -a "$OUT/census.log" | tail -12
+  done
   ;;
 flash12)
   echo "== NEXTN ladder, dummy 12-layer Ling-3.0-flash"
