@@ -52,12 +52,32 @@ def test_grouped_gemv_matches_reference(triton_mode, dtype, tol, rows_per_x):
     assert _rel(got, ref) < tol
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
+@pytest.mark.parametrize("limit", [0.0, 0.7])
+def test_swiglu_epilogue_matches_reference(triton_mode, dtype, tol, limit):
+    """``swiglu_limit``: [gate; up] rows -> silu(gate) * up (clamped), as silu_and_mul does."""
+    gen = torch.Generator().manual_seed(11)
+    t, e, i, k = 3, 5, 36, 80
+    x = torch.randn(t, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(e, 2 * i, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
+    ids = torch.randint(0, e, (t * 2,), generator=gen).to(DEVICE)
+    got = triton_mode.grouped_gemv(x, w, ids, rows_per_x=2, block_n=16, block_k=32,
+                                   swiglu_limit=limit)
+    ref = triton_mode.grouped_gemv_reference(x, w, ids, rows_per_x=2, swiglu_limit=limit)
+    assert got.shape == (t * 2, i) and _rel(got, ref) < tol
+    if limit:
+        assert got.float().abs().max() <= limit * limit + 1e-3  # both factors were clamped
+
+
 def test_grouped_gemv_rejects_bad_shapes(triton_mode):
     x, w = torch.randn(2, 8), torch.randn(3, 4, 8)
     with pytest.raises(ValueError, match="expected x"):
         triton_mode.grouped_gemv(x, torch.randn(3, 4, 9), torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="T \\* rows_per_x"):
         triton_mode.grouped_gemv(x, w, torch.zeros(3, dtype=torch.int64), rows_per_x=2)
+    with pytest.raises(ValueError, match="gate; up"):
+        triton_mode.grouped_gemv(x, torch.randn(3, 5, 8), torch.zeros(2, dtype=torch.int64),
+                                 swiglu_limit=0.0)
     with pytest.raises(ValueError, match="contiguous"):
         triton_mode.grouped_gemv(x, w.transpose(1, 2).contiguous().transpose(1, 2),
                                  torch.zeros(2, dtype=torch.int64))
