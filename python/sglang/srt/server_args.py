@@ -217,9 +217,6 @@ class ServerArgs:
         _choice("--load-format", self.load_format, LOAD_FORMAT_CHOICES)
         _choice("--log-level", self.log_level, LOG_LEVEL_CHOICES)
         _choice("--kda-prefill-impl", self.kda_prefill_impl, KDA_PREFILL_IMPL_CHOICES)
-        _choice("--moe-runner-backend", self.moe_runner_backend, KERNEL_BACKEND_CHOICES)
-        _choice("--linear-attn-decode-backend", self.linear_attn_decode_backend,
-                KERNEL_BACKEND_CHOICES)
         if self.flashinfer_allreduce_fusion_backend is not None:
             _choice(
                 "--flashinfer-allreduce-fusion-backend",
@@ -266,6 +263,7 @@ class ServerArgs:
         self._check_kda_prefill_impl()
         for flag, value in (("--moe-runner-backend", self.moe_runner_backend),
                             ("--linear-attn-decode-backend", self.linear_attn_decode_backend)):
+            _choice(flag, value, KERNEL_BACKEND_CHOICES)
             if (value == "triton" and self.resolved_device() != "cuda"
                     and os.environ.get("TRITON_INTERPRET") != "1"):
                 raise ValueError(f"{flag} triton needs CUDA (or TRITON_INTERPRET=1 to run its "
@@ -396,9 +394,8 @@ class ServerArgs:
           help="KDA prefill kernel: torch (reference), fla (fla-core chunk_kda), auto.")
         a("--moe-runner-backend", choices=KERNEL_BACKEND_CHOICES, default=d["moe_runner_backend"],
           help="Routed experts of decode/verify batches (auto = torch_native for now).")
-        a("--linear-attn-decode-backend", choices=KERNEL_BACKEND_CHOICES,
-          default=d["linear_attn_decode_backend"],
-          help="KDA decode + verify recurrence (auto = torch_native for now).")
+        a("--linear-attn-decode-backend", choices=KERNEL_BACKEND_CHOICES, help="KDA decode + "
+          "verify recurrence (auto = torch_native for now).", default=d["linear_attn_decode_backend"])
         a("--watchdog-timeout", type=float, default=d["watchdog_timeout"])
         a("--speculative-algorithm", type=str, default=d["speculative_algorithm"],
           help="NEXTN (alias EAGLE) or DSPARK.")
