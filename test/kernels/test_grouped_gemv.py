@@ -109,11 +109,12 @@ def test_model_with_triton_moe_matches_native(triton_mode, tmp_path):
     ``moe_runner_backend='triton'`` equal the torch-native MoE's."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.test.random_checkpoint import tiny_config, write_random_checkpoint
     from sglang.srt.layers.moe.moe_layer import FusedMoE
+    from sglang.test.random_checkpoint import tiny_config, write_random_checkpoint
+    from sglang.test.runner_utils import greedy_logits
 
     path = write_random_checkpoint(str(tmp_path / "c"), tiny_config(), seed=4)
-    ids = torch.tensor([5, 17, 99, 3, 250, 42])
+    ids = [5, 17, 99, 3, 250, 42]
     logits = {}
     for backend in ("torch_native", "triton"):
         runner = ModelRunner(ModelConfig.from_path(path), device=DEVICE, dtype=torch.float32,
@@ -121,26 +122,9 @@ def test_model_with_triton_moe_matches_native(triton_mode, tmp_path):
                              max_total_tokens=64)
         moes = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
         assert moes and all(m.runner_backend == backend for m in moes)
-        logits[backend] = _prefill_then_decode(runner, ids)
+        logits[backend] = greedy_logits(runner, ids, 1)
     for got, ref in zip(logits["triton"], logits["torch_native"]):
         assert _rel(got, ref) < 1e-5
-
-
-def _prefill_then_decode(runner, ids):
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-
-    req = runner.req_to_token_pool.alloc(1)[0]
-    runner.kda_state_pool.clear_slots([req])
-    loc = runner.token_to_kv_pool_allocator.alloc(len(ids))
-    runner.req_to_token_pool.write(req, 0, loc)
-    fb = ForwardBatch.for_extend(ids.to(runner.device), [req], [0], [len(ids)], loc,
-                                 return_full_logits=True)
-    prefill = runner.forward(fb).next_token_logits
-    nxt = prefill[-1:].argmax(-1)
-    loc = runner.token_to_kv_pool_allocator.alloc(1)
-    runner.req_to_token_pool.write(req, len(ids), loc)
-    fb = ForwardBatch.for_decode(nxt, torch.tensor([req]), torch.tensor([len(ids) + 1]), loc)
-    return prefill, runner.forward(fb).next_token_logits
 
 
 def test_backend_choice_is_validated(monkeypatch):

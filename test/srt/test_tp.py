@@ -14,9 +14,9 @@ import torch.multiprocessing as mp
 
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
 from sglang.srt.distributed.parallel_state import destroy_distributed_environment, free_port
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.test.random_checkpoint import tiny_config, write_random_checkpoint
+from sglang.test.runner_utils import greedy_logits
 
 PROMPT = [3, 141, 59, 265, 358, 97, 93, 238, 46, 264, 338, 327]
 DECODE_STEPS = 4
@@ -30,24 +30,7 @@ def run_greedy(path: str, tp_rank: int = 0, tp_size: int = 1, port=None, kernels
                          tp_rank=tp_rank, tp_size=tp_size, nccl_port=port,
                          max_running_requests=1, max_total_tokens=64,
                          moe_runner_backend=kernels, linear_attn_decode_backend=kernels)
-    req = runner.req_to_token_pool.alloc(1)[0]
-    runner.kda_state_pool.clear_slots([req])
-    ids = torch.tensor(PROMPT, dtype=torch.int64)
-    loc = runner.token_to_kv_pool_allocator.alloc(len(PROMPT))
-    runner.req_to_token_pool.write(req, 0, loc)
-    fb = ForwardBatch.for_extend(ids, [req], [0], [len(PROMPT)], loc, return_full_logits=True)
-    prefill = runner.forward(fb).next_token_logits
-    steps = []
-    token = prefill[-1:].argmax(-1)
-    for i in range(DECODE_STEPS):
-        seq_len = len(PROMPT) + i + 1
-        loc = runner.token_to_kv_pool_allocator.alloc(1)
-        runner.req_to_token_pool.write(req, seq_len - 1, loc)
-        fb = ForwardBatch.for_decode(token, torch.tensor([req]), torch.tensor([seq_len]), loc)
-        logits = runner.forward(fb).next_token_logits
-        steps.append(logits)
-        token = logits.argmax(-1)
-    return prefill, torch.cat(steps)
+    return greedy_logits(runner, PROMPT, DECODE_STEPS)
 
 
 def _rank_main(rank: int, path: str, port: int, out_dir: str, tp_size: int = 2,
