@@ -244,6 +244,11 @@ class TorchNativeKDABackend(AttentionBackend):
         if recurrent_impl not in KDA_RECURRENT_IMPLS:
             raise ValueError(f"recurrent_impl must be one of {KDA_RECURRENT_IMPLS}, got {recurrent_impl!r}")
         self.recurrent_impl = recurrent_impl
+        self._recurrent_kernel = None  # sgl_kernel's, imported (with triton) only when chosen
+        if recurrent_impl == "triton":
+            from sgl_kernel.kda_recurrent import kda_recurrent_update
+
+            self._recurrent_kernel = kda_recurrent_update
         if kda_prefill_impl == "fla" and not fla_kda.is_available():
             raise ValueError("kda_prefill_impl='fla' needs CUDA and fla-core (pip install fla-core)")
         self.kda_prefill_impl = kda_prefill_impl
@@ -385,12 +390,10 @@ class TorchNativeKDABackend(AttentionBackend):
         # padding rows).
         pool.get_intermediate_conv(layer.layer_id)[:, :n].index_copy_(0, slots, windows)
         out = q.new_empty(b, n, h, d)
-        if self.recurrent_impl == "triton":
-            from sgl_kernel.kda_recurrent import kda_recurrent_update
-
-            kda_recurrent_update(qn.contiguous(), kn.contiguous(), vn, gf, bf, layer.scale,
-                                 ssm_pool, slots, out,
-                                 staged=pool.get_intermediate_ssm(layer.layer_id))
+        if self._recurrent_kernel is not None:
+            self._recurrent_kernel(qn.contiguous(), kn.contiguous(), vn, gf, bf, layer.scale,
+                                   ssm_pool, slots, out,
+                                   staged=pool.get_intermediate_ssm(layer.layer_id))
             return out.view(t, h, d)
         state = ssm_pool[slots]
         states = []
@@ -414,16 +417,14 @@ class TorchNativeKDABackend(AttentionBackend):
         y, window = causal_conv1d_update(mixed, layer.conv_weight, conv_pool[slots])
         conv_pool.index_copy_(0, slots, window.to(conv_pool.dtype))
         qn, kn, vn = self._split_heads(y, layer)
-        if self.recurrent_impl == "triton":
-            from sgl_kernel.kda_recurrent import kda_recurrent_update
-
+        if self._recurrent_kernel is not None:
             h, d = layer.num_heads, layer.head_dim
             out = q.new_empty(b, 1, h, d)
-            kda_recurrent_update(qn.contiguous().view(b, 1, h, d), kn.contiguous().view(b, 1, h, d),
-                                 vn.view(b, 1, h, d),
-                                 g.float().contiguous().view(b, 1, h, d),
-                                 beta.float().contiguous().view(b, 1, h), layer.scale, ssm_pool,
-                                 slots, out)
+            self._recurrent_kernel(qn.contiguous().view(b, 1, h, d),
+                                   kn.contiguous().view(b, 1, h, d), vn.view(b, 1, h, d),
+                                   g.float().contiguous().view(b, 1, h, d),
+                                   beta.float().contiguous().view(b, 1, h), layer.scale, ssm_pool,
+                                   slots, out)
             return out.view(b, h, d)
         o, state = kda_step(qn, kn, vn, g.float(), beta.float(), layer.scale, ssm_pool[slots])
         ssm_pool.index_copy_(0, slots, state)
