@@ -8,7 +8,7 @@
 #   STAGE=kernels the Triton kernels (--moe-runner-backend triton, --linear-attn-decode-backend
 #                 triton): kernel tests and NEXTN bf16 losslessness with them, the cold-L2 MoE
 #                 microbenchmark, then no spec / NEXTN 3 on the 12-layer dummy preset, torch_native
-#                 vs triton
+#                 vs triton (MICRO=0 skips the microbenchmark; KSTEPS="3" picks ladder rows)
 #   STAGE=census  per-phase census (ops, launches, kernel time; profiled vs unprofiled) of a plain
 #                 decode step and a NEXTN-3 round on the 12-layer dummy preset, torch_native and
 #                 Triton kernels (benchmark/batch1/round_census.py)
@@ -57,10 +57,10 @@ kernels)
   echo "== Triton kernels: tests on CUDA, NEXTN bf16 losslessness with them, MoE microbenchmark"
   timeout 150 python3 -m pytest -v -s test/kernels "test/srt/test_nextn.py::test_greedy_lossless_on_cuda[bfloat16-triton]" \
     -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | grep -E "PASS|FAIL|first differing|Error|passed|failed"
-  timeout 120 python3 benchmark/kernels/bench_moe_small_m.py 2>&1 | tee "$OUT/bench_moe_small_m.log"
-  echo "== 12-layer dummy Ling-3.0-flash: torch_native vs triton kernels, no spec and NEXTN 3"
+  [ "${MICRO:-1}" = 1 ] && timeout 120 python3 benchmark/kernels/bench_moe_small_m.py 2>&1 | tee "$OUT/bench_moe_small_m.log"
+  echo "== 12-layer dummy Ling-3.0-flash: torch_native vs triton kernels (steps: ${KSTEPS:-0 3})"
   for kern in torch_native triton; do
-    STEPS="0 3" PORT_BASE=$([ $kern = triton ] && echo 30400 || echo 30300) timeout 200 \
+    STEPS="${KSTEPS:-0 3}" PORT_BASE=$([ $kern = triton ] && echo 30400 || echo 30300) timeout 200 \
       bash benchmark/batch1/spec_ab.sh "flash12-$kern" \
       "$FLASH12 --moe-runner-backend $kern --linear-attn-decode-backend $kern" 3 1024 256
   done
