@@ -32,7 +32,8 @@ LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 KDA_PREFILL_IMPL_CHOICES = ("auto", "torch", "fla")
 # --moe-runner-backend / --linear-attn-decode-backend: our Triton kernels or the torch reference;
-# "auto" = torch_native until the Triton path is validated and measured on the GPU host.
+# "auto" = torch_native. Triton: validated on the H200, 20% faster NEXTN rounds (docs/performance.md),
+# recommended with NEXTN on CUDA; the default is re-decided with CUDA graphs.
 KERNEL_BACKEND_CHOICES = ("auto", "triton", "torch_native")
 FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
 
@@ -393,9 +394,9 @@ class ServerArgs:
         a("--kda-prefill-impl", choices=KDA_PREFILL_IMPL_CHOICES, default=d["kda_prefill_impl"],
           help="KDA prefill kernel: torch (reference), fla (fla-core chunk_kda), auto.")
         a("--moe-runner-backend", choices=KERNEL_BACKEND_CHOICES, default=d["moe_runner_backend"],
-          help="Routed experts of decode/verify batches (auto = torch_native for now).")
-        a("--linear-attn-decode-backend", choices=KERNEL_BACKEND_CHOICES, help="KDA decode + "
-          "verify recurrence (auto = torch_native for now).", default=d["linear_attn_decode_backend"])
+          help="Decode/verify routed experts: triton = grouped mat-vec, experts read in place.")
+        a("--linear-attn-decode-backend", choices=KERNEL_BACKEND_CHOICES, help="KDA decode/verify "
+          "recurrence: triton = one kernel per layer.", default=d["linear_attn_decode_backend"])
         a("--watchdog-timeout", type=float, default=d["watchdog_timeout"])
         a("--speculative-algorithm", type=str, default=d["speculative_algorithm"],
           help="NEXTN (alias EAGLE) or DSPARK.")
