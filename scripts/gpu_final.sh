@@ -12,6 +12,8 @@
 #   STAGE=census  per-phase census (ops, launches, kernel time; profiled vs unprofiled) of a plain
 #                 decode step and a NEXTN-3 round on the 12-layer dummy preset, torch_native and
 #                 Triton kernels (benchmark/batch1/round_census.py)
+#   STAGE=tune    cold-L2 sweep of the grouped GEMV's launch configs on Flash's MoE shapes
+#                 (benchmark/kernels/tune_grouped_gemv.py), then the MoE microbenchmark
 #   ONE_BATCH=1   also eager bench_one_batch on the 12-layer dummy preset first
 # The ladder's summary table: python3 benchmark/batch1/summarize.py $OUT/spec_ab.jsonl
 set -uo pipefail
@@ -48,6 +50,10 @@ census)
     eval "timeout 150 python3 benchmark/batch1/round_census.py $FLASH12 $args --prompt-len 1024 --steps 20" 2>&1 \
       | grep -v Warn | tee -a "$OUT/census.log" | tail -12
   done
+  ;;
+tune)
+  timeout 300 python3 benchmark/kernels/tune_grouped_gemv.py 2>&1 | tee "$OUT/tune_grouped_gemv.log"
+  timeout 120 python3 benchmark/kernels/bench_moe_small_m.py 2>&1 | tee "$OUT/bench_moe_small_m.log"
   ;;
 flash12)
   echo "== NEXTN ladder, dummy 12-layer Ling-3.0-flash"

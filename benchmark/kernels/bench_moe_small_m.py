@@ -15,24 +15,9 @@ import argparse
 
 import torch
 
+from cold_l2 import cold_time_us, flush_buffer  # benchmark/kernels/cold_l2.py
 from sglang.srt.layers.moe.fused_moe_native import fused_moe_gather
 from sglang.srt.layers.moe.fused_moe_triton import fused_moe_small_m
-
-FLUSH_BYTES = 256 << 20  # > the H200's L2
-
-
-def _time(fn, iters: int, flush: torch.Tensor) -> float:
-    """Mean microseconds of ``fn()`` with L2 flushed before each call."""
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
-    for s, e in zip(starts, ends):
-        flush.zero_()
-        s.record()
-        fn()
-        e.record()
-    torch.cuda.synchronize()
-    return 1000.0 * sum(s.elapsed_time(e) for s, e in zip(starts, ends)) / iters
-
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -51,7 +36,7 @@ def main() -> None:
     e, h, i, k = args.experts, args.hidden, args.intermediate, args.topk
     w13 = (torch.randn(e, 2 * i, h, device=dev) / h ** 0.5).to(dt)
     w2 = (torch.randn(e, h, i, device=dev) / i ** 0.5).to(dt)
-    flush = torch.empty(FLUSH_BYTES, dtype=torch.uint8, device=dev)
+    flush = flush_buffer(dev)
     expert_bytes = (w13[0].numel() + w2[0].numel()) * w13.element_size()
     print(f"{torch.cuda.get_device_name()}, E={e} H={h} I={i} top-{k}, bf16, cold L2, "
           f"{args.iters} iters")
@@ -68,8 +53,8 @@ def main() -> None:
                                  local.view_as(ids), args.limit)
         native = lambda: fused_moe_gather(x, w13, w2, wts, ids, args.limit)  # noqa: E731
         triton_ = lambda: fused_moe_small_m(x, w13, w2, wts, ids, args.limit)  # noqa: E731
-        native(), triton_()  # compile / warm up
-        t_nat, t_tri = _time(native, args.iters, flush), _time(triton_, args.iters, flush)
+        t_nat = cold_time_us(native, args.iters, flush)
+        t_tri = cold_time_us(triton_, args.iters, flush)
         gbps = int(uniq.numel()) * expert_bytes / (t_tri * 1e-6) / 1e9
 
         def rel(y: torch.Tensor) -> float:

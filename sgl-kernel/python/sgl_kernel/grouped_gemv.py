@@ -63,7 +63,8 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, rows_per_x,
 def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, rows_per_x: int = 1,
                  out: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
                  block_k: Optional[int] = None,
-                 swiglu_limit: Optional[float] = None) -> torch.Tensor:
+                 swiglu_limit: Optional[float] = None, num_warps: Optional[int] = None,
+                 num_stages: Optional[int] = None) -> torch.Tensor:
     """``out [P, N]`` with ``out[p] = w[ids[p]] @ x[p // rows_per_x]``.
 
     With ``swiglu_limit`` (a float; 0 = no clamp) ``w``'s rows are ``[gate; up]`` (``2N``) and
@@ -76,7 +77,10 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, rows_per_x
     ``P = T * rows_per_x`` (``rows_per_x = top_k`` feeds each token to its ``k`` experts).
     ``out`` defaults to a new ``[P, N]`` tensor in x's dtype. Blocks default to 32 rows x 128
     columns on the GPU; under Triton's CPU interpreter to one tile per pair (its cost is per
-    program and per op, not per element), unless given.
+    program and per op, not per element), unless given; ``num_warps`` / ``num_stages`` default
+    to Triton's (``benchmark/kernels/tune_grouped_gemv.py`` sweeps all four on the GPU). The
+    blocks fix each output's summation order, so they must not depend on ``P``: a NEXTN verify
+    row and the decode of the same token then round alike.
     """
     if x.dim() != 2 or w.dim() != 3 or ids.dim() != 1 or x.shape[1] != w.shape[2]:
         raise ValueError(f"grouped_gemv: expected x [T, K], w [E, N, K], ids [P]; got "
@@ -107,8 +111,17 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, rows_per_x
     limit = float(swiglu_limit or 0.0)
     _grouped_gemv_kernel[grid](x, w, ids, out, n, k, rows_per_x, x.stride(0), w.stride(0),
                                w.stride(1), out.stride(0), limit, SWIGLU=swiglu,
-                               HAS_LIMIT=limit > 0, BLOCK_N=block_n, BLOCK_K=block_k)
+                               HAS_LIMIT=limit > 0, BLOCK_N=block_n, BLOCK_K=block_k,
+                               **_launch_options(num_warps, num_stages))
     return out
+
+
+def _launch_options(num_warps: Optional[int], num_stages: Optional[int]) -> dict:
+    """The launch's compiler options that were given (the interpreter takes none)."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return {}
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    return {key: val for key, val in opts.items() if val is not None}
 
 
 def grouped_gemv_reference(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,

@@ -1,0 +1,35 @@
+"""Cold-L2 timing shared by the kernel benchmarks: the weight-streaming kernels of a batch-1 step
+read weights that every other layer has pushed out of L2, so each timed call here does too."""
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+import torch
+
+FLUSH_BYTES = 256 << 20  # > the H200's L2 (60 MB)
+
+
+def flush_buffer(device: str) -> torch.Tensor:
+    """The buffer :func:`cold_time_us` writes before each call (1 byte off CUDA: no L2 to flush)."""
+    return torch.empty(FLUSH_BYTES if device == "cuda" else 1, dtype=torch.uint8, device=device)
+
+
+def cold_time_us(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> float:
+    """Mean microseconds of ``fn()`` (after one warm-up call): CUDA events with ``flush`` written
+    before each call on CUDA; wall clock off CUDA (smoke runs under Triton's interpreter)."""
+    fn()
+    if not flush.is_cuda:
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return 1e6 * (time.perf_counter() - start) / iters
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        flush.zero_()
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return 1000.0 * sum(s.elapsed_time(e) for s, e in zip(starts, ends)) / iters
