@@ -53,8 +53,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--top", type=int, default=5, help="configs re-timed at --check-tokens")
     args = p.parse_args()
-    on_cuda = torch.cuda.is_available()
-    if not on_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    on_cuda = torch.cuda.is_available() and not interpreted
+    if not on_cuda and not interpreted:
         raise SystemExit("tune_grouped_gemv needs CUDA (or TRITON_INTERPRET=1 for a smoke run)")
     torch.manual_seed(0)
     dev, dt = ("cuda", torch.bfloat16) if on_cuda else ("cpu", torch.float32)
