@@ -31,9 +31,8 @@ DEVICE_CHOICES = ("auto", "cuda", "cpu")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 KDA_PREFILL_IMPL_CHOICES = ("auto", "torch", "fla")
-# --moe-runner-backend / --linear-attn-decode-backend: our Triton kernels or the torch reference;
-# "auto" = torch_native. Triton: validated on the H200, 20% faster NEXTN rounds (docs/performance.md),
-# recommended with NEXTN on CUDA; the default is re-decided with CUDA graphs.
+# MoE / KDA-decode kernels: "auto" = torch_native; "triton" is validated on the H200 and 20% faster
+# in NEXTN rounds (docs/performance.md). The default is re-decided with CUDA graphs.
 KERNEL_BACKEND_CHOICES = ("auto", "triton", "torch_native")
 FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
 
