@@ -17,11 +17,9 @@
 #   ONE_BATCH=1   also eager bench_one_batch on the 12-layer dummy preset first
 # The ladder's summary table: python3 benchmark/batch1/summarize.py $OUT/spec_ab.jsonl
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/python:$PWD/sgl-kernel/python PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names
 FLASH12="--model-path ling-3.0-flash --load-format dummy --json-model-override-args '{\"num_hidden_layers\": 12}'"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader; date -u; git log --oneline -1
+date -u; git log --oneline -1
 
 if [ "${ONE_BATCH:-0}" = 1 ]; then
   echo "== bench_one_batch (eager, batch 1, 8192-token prefill, decode at 8k)"

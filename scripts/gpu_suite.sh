@@ -4,11 +4,8 @@
 # Usage (from the project root, wheels staged in .whl by ../shared/gpu/prepare.sh):
 #   OUT=out bash scripts/gpu_suite.sh
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/python:$PWD/sgl-kernel/python PYTHONUNBUFFERED=1
+source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names
 FLASH12=(--model-path ling-3.0-flash --load-format dummy --json-model-override-args '{"num_hidden_layers": 12}')
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
 date -u | tee -a "$OUT/gpu.txt"
 
 echo "== weight-bandwidth floor (12 layers, 8k context)"

@@ -3,10 +3,7 @@
 # Usage (from the project root, wheels staged in .whl by ../shared/gpu/prepare.sh):
 #   bash scripts/gpu_train.sh [TIME_BUDGET_S]
 set -uo pipefail
-OUT=${OUT:-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD/python:$PWD/sgl-kernel/python PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names
 python3 -c "import torch, fla; print('torch', torch.__version__, 'fla', fla.__version__)"
 # Correctness tests only (no timing), so they may share the GPU with training.
 (python3 -m pytest -q -m gpu test -p no:cacheprovider > "$OUT/gpu_tests.log" 2>&1; echo "pytest rc=$?" >> "$OUT/gpu_tests.log") &
