@@ -105,22 +105,25 @@ class Envs:
         "SGLANG_ENABLE_METADATA_GLUE_GRAPH",
         bool,
         False,
-        "Capture the per-replay attention-metadata preparation of the decode/verify CUDA graph "
-        "into its own small graph (batch-1 host overhead). Ignored for DSPARK, whose verify "
-        "plans are recomputed on the host every step.",
+        "Upstream: capture the per-replay attention-metadata preparation of the decode/verify "
+        "CUDA graph into its own small graph. Accepted so upstream launch commands run "
+        "unchanged; no effect here yet (this engine runs eager, without CUDA graphs).",
     )
     SGLANG_OPT_FUSED_KDA_VERIFY = EnvField(
         "SGLANG_OPT_FUSED_KDA_VERIFY",
         bool,
         False,
-        "Run the KDA chain of a speculative verify (conv update -> gated delta rule -> gated "
-        "RMSNorm) as one fused kernel chain instead of separate ops.",
+        "Upstream: run the KDA chain of a speculative verify (conv update -> gated delta rule "
+        "-> gated RMSNorm) as one fused kernel chain. Accepted so upstream launch commands run "
+        "unchanged; no effect here (the Triton verify kernel is --linear-attn-decode-backend "
+        "triton).",
     )
     SGLANG_ENABLE_FUSED_VERIFY_EXTEND_GRAPH = EnvField(
         "SGLANG_ENABLE_FUSED_VERIFY_EXTEND_GRAPH",
         bool,
         False,
-        "NEXTN: capture the target verify and the draft extend that follows it in one CUDA graph.",
+        "NEXTN: capture the target verify and the following draft extend in one CUDA graph. "
+        "Accepted so the seed's launch command runs unchanged; no effect here yet (eager).",
     )
     SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION = EnvField(
         "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION",
@@ -154,7 +157,7 @@ class Envs:
         "SGLANG_IS_IN_CI",
         bool,
         False,
-        "Set by the CI runner: tests may shrink their workloads.",
+        "Set by upstream CI runners; accepted, no effect in this engine.",
     )
 
 
