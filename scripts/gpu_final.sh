@@ -14,6 +14,9 @@
 #                 Triton kernels (benchmark/batch1/round_census.py)
 #   STAGE=tune    cold-L2 sweep of the grouped GEMV's launch configs on Flash's MoE shapes
 #                 (benchmark/kernels/tune_grouped_gemv.py), then the MoE microbenchmark
+#   STAGE=prefill torch-native MoE prefill: the loop over experts vs SGLANG_MOE_GROUPED_MM=1
+#                 (torch._grouped_mm) — its gpu test, then eager bench_one_batch (8192-token
+#                 prefill, 12-layer dummy preset) with each
 #   ONE_BATCH=1   also eager bench_one_batch on the 12-layer dummy preset first
 # The ladder's summary table: python3 benchmark/batch1/summarize.py $OUT/spec_ab.jsonl
 set -uo pipefail
@@ -52,6 +55,13 @@ census)
 tune)
   timeout 300 python3 benchmark/kernels/tune_grouped_gemv.py 2>&1 | tee "$OUT/tune_grouped_gemv.log"
   timeout 120 python3 benchmark/kernels/bench_moe_small_m.py 2>&1 | tee "$OUT/bench_moe_small_m.log"
+  ;;
+prefill)
+  timeout 120 python3 -m pytest -v -s -m gpu test/srt/test_moe.py -p no:cacheprovider 2>&1 | grep -E "PASS|FAIL|Error|passed|failed"
+  for flag in 0 1; do
+    echo "== bench_one_batch, SGLANG_MOE_GROUPED_MM=$flag"
+    eval "SGLANG_MOE_GROUPED_MM=$flag timeout 200 python3 -m sglang.bench_one_batch $FLASH12 --batch-size 1 --input-len 8192 --output-len 16 --result-filename $OUT/one_batch.jsonl" 2>&1 | grep -v Warn | tail -4
+  done
   ;;
 flash12)
   echo "== NEXTN ladder, dummy 12-layer Ling-3.0-flash"

@@ -7,7 +7,11 @@ import torch.nn.functional as F
 
 from layer_test_utils import fake_tp
 from sglang.srt.layers.moe import moe_layer
-from sglang.srt.layers.moe.fused_moe_native import fused_moe, fused_moe_gather, fused_moe_loop
+from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR
+from sglang.srt.layers.moe import fused_moe_native
+from sglang.srt.layers.moe.fused_moe_native import (fused_moe, fused_moe_gather,
+                                                    fused_moe_grouped_mm, fused_moe_loop,
+                                                    grouped_mm_supported)
 from sglang.srt.layers.moe.moe_layer import BailingMoE
 from sglang.srt.layers.moe.topk import MoEGate, select_experts
 from sglang.srt.model_loader.weight_utils import LazyWeight
@@ -161,6 +165,79 @@ def test_gather_path_equals_loop_path():
     torch.testing.assert_close(fused_moe(*args, gather_max_pairs=10_000), gathered)
     with pytest.raises(ValueError):
         fused_moe_gather(x[:, :5], *args[1:])
+
+
+def _routed_inputs(t, e, h, i, k, dtype=torch.float32, device="cpu", seed=6):
+    """Random stacked experts and a routing of ``t`` tokens to ``k`` distinct experts each."""
+    g = torch.Generator().manual_seed(seed)
+    w13 = torch.randn(e, 2 * i, h, generator=g) / h ** 0.5
+    w2 = torch.randn(e, h, i, generator=g) / i ** 0.5
+    x = torch.randn(t, h, generator=g)
+    ids = torch.stack([torch.randperm(e, generator=g)[:k] for _ in range(t)])
+    wts = torch.rand(t, k, generator=g)
+    return [a.to(device=device, dtype=dtype) if a.is_floating_point() else a.to(device)
+            for a in (x, w13, w2, wts, ids)]
+
+
+@pytest.mark.parametrize("t,limit", [(3, 0.0), (20, 0.5), (40, 0.0)])
+def test_grouped_mm_path_equals_loop_path(t, limit):
+    """Sorted pairs + torch._grouped_mm == the loop over experts (3 tokens x top-2 of 8 leaves
+    experts without tokens: empty groups)."""
+    x, w13, w2, wts, ids = _routed_inputs(t, 8, 16, 8, 2)
+    assert grouped_mm_supported(x, w13, w2)
+    grouped = fused_moe_grouped_mm(x, w13, w2, wts, ids, limit)
+    torch.testing.assert_close(grouped, fused_moe_loop(x, w13, w2, wts, ids, limit),
+                               rtol=1e-5, atol=1e-6)
+    assert torch.equal(fused_moe(x, w13, w2, wts, ids, limit, gather_max_pairs=0,
+                                 grouped_mm=True), grouped)
+
+
+def test_grouped_mm_falls_back_to_the_loop_where_torch_refuses():
+    """Rows that are not 16-byte multiples (I = 10 fp32 = 40 bytes): the loop runs instead."""
+    x, w13, w2, wts, ids = _routed_inputs(20, 8, 16, 10, 2)
+    assert not grouped_mm_supported(x, w13, w2)
+    assert not grouped_mm_supported(x.double(), w13.double(), w2.double())
+    assert torch.equal(fused_moe(x, w13, w2, wts, ids, gather_max_pairs=0, grouped_mm=True),
+                       fused_moe_loop(x, w13, w2, wts, ids))
+
+
+@pytest.mark.skipif(not (BUNDLED_MODEL_DIR / "config.json").exists(), reason="no bundled model")
+def test_grouped_mm_flag_runs_the_bundled_model_alike(monkeypatch):
+    """SGLANG_MOE_GROUPED_MM=1: the bundled model's prefill (24 tokens x top-4 = 96 pairs per MoE
+    layer) goes through the grouped GEMMs and gives the loop's logits and greedy tokens."""
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.test.runner_utils import greedy_logits
+
+    calls = []
+    real = fused_moe_native.fused_moe_grouped_mm
+    monkeypatch.setattr(fused_moe_native, "fused_moe_grouped_mm",
+                        lambda *a: calls.append(1) or real(*a))
+    results = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("SGLANG_MOE_GROUPED_MM", flag)
+        runner = ModelRunner(ModelConfig.from_path(str(BUNDLED_MODEL_DIR)), device="cpu",
+                             dtype=torch.float32, max_running_requests=1, max_total_tokens=64)
+        results[flag] = greedy_logits(runner, list(range(3, 27)), 3)
+        assert len(calls) == (0 if flag == "0" else runner.model_config.hf_config.num_hidden_layers
+                              - runner.model_config.hf_config.first_k_dense_replace)
+    for a, b in zip(results["0"], results["1"]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+@pytest.mark.gpu
+def test_grouped_mm_on_cuda_bf16_matches_loop():
+    """torch's CUDA grouped GEMM (bf16, sm90+) on Flash-width experts == the loop within bf16."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("torch._grouped_mm needs sm90+ on CUDA")
+    x, w13, w2, wts, ids = _routed_inputs(96, 64, 2560, 768, 8, torch.bfloat16, "cuda")
+    assert grouped_mm_supported(x, w13, w2)
+    exact = fused_moe_loop(x.float(), w13.float(), w2.float(), wts, ids)
+    rel = lambda y: float((y.float() - exact).norm() / exact.norm())  # noqa: E731
+    grouped, looped = (fused_moe_grouped_mm(x, w13, w2, wts, ids),
+                       fused_moe_loop(x, w13, w2, wts, ids))
+    assert rel(grouped) < 1.5 * rel(looped) + 1e-3, (rel(grouped), rel(looped))
 
 
 def test_tensor_parallel_partials_sum_to_full(monkeypatch):

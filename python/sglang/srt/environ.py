@@ -153,6 +153,14 @@ class Envs:
         "([tokens, vocab]); its tokens are capped so these logits stay under this many bytes "
         "(a long prompt is then prefilled in more chunks instead of exhausting memory).",
     )
+    SGLANG_MOE_GROUPED_MM = EnvField(
+        "SGLANG_MOE_GROUPED_MM",
+        bool,
+        False,
+        "Torch-native MoE: run batches above the small-batch path (prefill chunks, large "
+        "verifies) as two torch._grouped_mm GEMMs with device-side expert offsets instead of a "
+        "host-synced loop over the active experts (CUDA: bf16 on sm90+; else the loop runs).",
+    )
     SGLANG_IS_IN_CI = EnvField(
         "SGLANG_IS_IN_CI",
         bool,

@@ -18,6 +18,7 @@ from sglang.srt.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
+from sglang.srt.environ import envs
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.linear import (
     MergedColumnParallelLinear,
@@ -86,8 +87,10 @@ class FusedMoE(nn.Module):
         # w2's fan-in is the full intermediate width, not the local slice in its last dim.
         self.w2_weight.dummy_init = normal_dummy_init(intermediate_size)
         # "torch_native" or "triton" (small batches through sgl_kernel's grouped mat-vec);
-        # set for the whole model by set_moe_runner_backend.
+        # set for the whole model by set_moe_runner_backend, as is grouped_mm (batches above
+        # the small-batch paths through torch._grouped_mm instead of the loop over experts).
         self.runner_backend = "torch_native"
+        self.grouped_mm = False
 
     def weight_loader(self, param: nn.Parameter, loaded: LazyWeight, shard_id: str,
                       expert_id: int) -> None:
@@ -120,10 +123,10 @@ class FusedMoE(nn.Module):
             return fused_moe_small_m(hidden, self.w13_weight, self.w2_weight, topk_weights,
                                      topk_ids, self.swiglu_limit)
         return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                         self.swiglu_limit)
+                         self.swiglu_limit, grouped_mm=self.grouped_mm)
 
     def extra_repr(self) -> str:
-        return (f"backend={self.runner_backend}, experts={self.num_experts}, hidden={self.hidden_size}, "
+        return (f"backend={self.runner_backend}, grouped_mm={self.grouped_mm}, experts={self.num_experts}, hidden={self.hidden_size}, "
                 f"intermediate={self.intermediate_size} (local "
                 f"{self.intermediate_size_per_partition}), limit={self.swiglu_limit}")
 
@@ -162,7 +165,8 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device)
 
     ``auto`` is ``torch_native`` until the Triton path has been validated and measured on the
     GPU host (docs/performance.md). ``triton`` needs CUDA, or ``TRITON_INTERPRET=1`` on CPU
-    (tests); batches above ``SMALL_M_MAX_PAIRS`` (token, expert) pairs still take the native loop.
+    (tests); batches above ``SMALL_M_MAX_PAIRS`` (token, expert) pairs still take the native path,
+    whose large batches use grouped GEMMs when ``SGLANG_MOE_GROUPED_MM`` is set (read here, once).
     """
     if backend not in KERNEL_BACKEND_CHOICES:
         raise ValueError(f"moe runner backend must be one of {KERNEL_BACKEND_CHOICES}, got "
@@ -172,7 +176,8 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device)
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("--moe-runner-backend triton needs CUDA (or TRITON_INTERPRET=1 to "
                              "run the kernels in Triton's CPU interpreter)")
+    grouped_mm = envs.SGLANG_MOE_GROUPED_MM.get()
     for module in model.modules():
         if isinstance(module, FusedMoE):
-            module.runner_backend = chosen
+            module.runner_backend, module.grouped_mm = chosen, grouped_mm
     return chosen
