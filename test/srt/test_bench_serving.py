@@ -201,6 +201,45 @@ def test_backends_count_tokens_exactly(server, tmp_path, backend, dataset, extra
         assert result["mean_itl_ms"] > 0.0
 
 
+def test_profile_endpoints_and_bench_serving_profile(server, tmp_path, monkeypatch):
+    """/start_profile and /stop_profile: state errors and bad bodies are 400 JSON; bench_serving
+    --profile traces the run's scheduler steps into the client's SGLANG_TORCH_PROFILER_DIR; a
+    profile with num_steps ends (and writes its trace) by itself."""
+    import gzip
+
+    import requests
+
+    from sglang.benchmark.serving import build_parser, run_benchmark
+
+    url = server.base_url
+    assert requests.post(f"{url}/stop_profile").status_code == 400  # nothing running
+    for body in ({"activities": ["TPU"]}, {"num_steps": 0}, {"profile_by_stage": True}, [1]):
+        bad = requests.post(f"{url}/start_profile", json=body)
+        assert bad.status_code == 400 and "/start_profile" in bad.json()["error"]["message"]
+
+    monkeypatch.setenv("SGLANG_TORCH_PROFILER_DIR", str(tmp_path / "bench"))
+    run_benchmark(build_parser().parse_args([
+        "--backend", "sglang", "--base-url", url, "--dataset-name", "random-ids",
+        "--num-prompts", "2", "--random-input-len", "8", "--random-output-len", "4",
+        "--random-range-ratio", "1.0", "--output-file", str(tmp_path / "r.jsonl"),
+        "--disable-tqdm", "--profile"]))
+    (trace,) = (tmp_path / "bench").glob("*-TP-0.trace.json.gz")
+    names = [e.get("name", "") for e in json.load(gzip.open(trace))["traceEvents"]]
+    assert any("forward_batch_generation" in n for n in names)  # the scheduler's own steps
+
+    auto = tmp_path / "auto"
+    started = requests.post(f"{url}/start_profile", json={
+        "num_steps": 2, "output_dir": str(auto), "activities": ["CPU"], "with_stack": False,
+        "profile_prefix": "two-"})
+    assert started.status_code == 200 and started.text.startswith("Start profiling")
+    assert requests.post(f"{url}/start_profile").status_code == 400  # already running
+    # The 4-token request outlives the 2 profiled steps, so the trace exists when it returns.
+    requests.post(f"{url}/generate", json={"input_ids": [5, 6, 7],
+                                           "sampling_params": {"max_new_tokens": 4}})
+    assert len(list(auto.glob("two-*-TP-0.trace.json.gz"))) == 1
+    assert requests.post(f"{url}/stop_profile").status_code == 400  # it ended by itself
+
+
 def test_unreachable_server_is_a_clear_error(capsys):
     from sglang.benchmark.serving import main
     from sglang.test.test_utils import find_available_port

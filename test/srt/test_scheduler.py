@@ -363,3 +363,27 @@ def test_max_new_tokens_zero_is_prefill_only(sched):
     assert out.ids["z"] == [] and out.finish["z"] == {"type": "length", "length": 0}
     assert len(out.in_lp["z"]) == 5
     sched.check_memory()
+
+
+def test_profile_waits_for_start_step_and_ends_after_num_steps(sched, tmp_path, monkeypatch):
+    """A profile with start_step waits for that forward count, covers num_steps scheduler steps,
+    writes one trace and replies once per start / stop (rank 0)."""
+    from sglang.srt.managers.io_struct import ProfileReq, ProfileReqOutput
+
+    start_at = sched.forward_ct + 3
+    sched.submit(ProfileReq(start=True, start_step=start_at, num_steps=2, output_dir=str(tmp_path),
+                            activities=["CPU"], with_stack=False))
+    sched.process_input_requests(sched.recv_requests())
+    assert sched._profiler is None and sched._profile_req is not None  # pending
+    replies = [o for o in sched.outbox if isinstance(o, ProfileReqOutput)]
+    assert len(replies) == 1 and replies[0].success and str(start_at) in replies[0].message
+    sched.outbox.clear()
+    begun_at = []
+    real_begin = sched._begin_profiler
+    monkeypatch.setattr(sched, "_begin_profiler",
+                        lambda: begun_at.append(sched.forward_ct) or real_begin())
+    run_requests(sched, [request("p", _prompt(5, 11), max_new_tokens=8)])
+    assert begun_at == [start_at] and sched._profile_steps == 2
+    assert len(list(tmp_path.glob("*-TP-0.trace.json.gz"))) == 1
+    assert sched._profile_req is None
+    assert not sched.stop_profile().success  # it ended by itself

@@ -192,12 +192,16 @@ async def benchmark(
             pbar.update(1)
             return out
 
+        if args.profile:
+            _profile_call(base_url, "start")
         start = time.perf_counter()
         tasks = []
         async for row in get_request(rows, args.request_rate):
             tasks.append(asyncio.create_task(one(row)))
         outputs: List[RequestFuncOutput] = await asyncio.gather(*tasks)
         pbar.close()
+        if args.profile:
+            _profile_call(base_url, "stop")
 
     server_info = _get_json(f"{base_url}/server_info") if "sglang" in args.backend else None
     accept_length = _fetch_accept_length(base_url, args.backend)
@@ -325,7 +329,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache before the run")
     p.add_argument("--ready-check-timeout-sec", type=float, default=60)
+    p.add_argument("--profile", action="store_true",
+                   help="torch-profile the server during the run (/start_profile, /stop_profile; "
+                        "traces go to the client's SGLANG_TORCH_PROFILER_DIR if set, else the "
+                        "server's)")
     return p
+
+
+def _profile_call(base_url: str, what: str) -> None:
+    """POST /start_profile or /stop_profile and print the server's answer (raises if refused)."""
+    body = {}
+    if what == "start" and os.environ.get("SGLANG_TORCH_PROFILER_DIR"):
+        body["output_dir"] = os.environ["SGLANG_TORCH_PROFILER_DIR"]
+    resp = requests.post(f"{base_url}/{what}_profile", json=body or None, timeout=600)
+    if resp.status_code != 200:
+        raise RuntimeError(f"/{what}_profile failed ({resp.status_code}): {resp.text.strip()}")
+    print(resp.text.strip())
 
 
 def main(argv: Optional[List[str]] = None) -> int:

@@ -161,6 +161,13 @@ class Envs:
         "verifies) as two torch._grouped_mm GEMMs with device-side expert offsets instead of a "
         "host-synced loop over the active experts (CUDA: bf16 on sm90+; else the loop runs).",
     )
+    SGLANG_TORCH_PROFILER_DIR = EnvField(
+        "SGLANG_TORCH_PROFILER_DIR",
+        str,
+        "/tmp",
+        "Where /start_profile writes its traces unless the request names an output_dir "
+        "(bench_serving --profile prints it too).",
+    )
     SGLANG_IS_IN_CI = EnvField(
         "SGLANG_IS_IN_CI",
         bool,

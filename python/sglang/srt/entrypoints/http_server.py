@@ -45,7 +45,7 @@ from sglang.srt.entrypoints.openai.serving_base import (
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sglang.srt.environ import envs
-from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers.io_struct import GenerateReqInput, ProfileReq
 
 logger = logging.getLogger(__name__)
 
@@ -280,6 +280,36 @@ async def abort_request(request: Request) -> Response:
     else:
         tm.abort_request(rid)
     return Response(status_code=200)
+
+
+@app.api_route("/start_profile", methods=["GET", "POST"])
+async def start_profile(request: Request) -> Response:
+    """Start the torch profiler in the scheduler (optional JSON body: ``ProfileReq`` fields)."""
+    body = await _read_json(request) if await request.body() else None
+    if isinstance(body, JSONResponse):
+        return body
+    try:
+        req = ProfileReq.from_body(body)
+    except ValueError as e:
+        return create_error_response(f"/start_profile: {e}")
+    return await _profile(req)
+
+
+@app.api_route("/stop_profile", methods=["GET", "POST"])
+async def stop_profile() -> Response:
+    """Stop the running profile and write one trace per TP rank."""
+    return await _profile(ProfileReq(start=False))
+
+
+async def _profile(req: ProfileReq) -> Response:
+    try:
+        out = await _st().tokenizer_manager.profile(req)
+    except asyncio.TimeoutError:
+        return create_error_response("the scheduler did not answer the profile request in time",
+                                     "ServiceUnavailableError", 503)
+    if not out.success:
+        return create_error_response(out.message)
+    return PlainTextResponse(out.message + "\n", status_code=200)
 
 
 # ----------------------------------------------------------------------------- /generate

@@ -4,11 +4,12 @@ They are plain dataclasses pickled over ZMQ (``send_pyobj``). Names follow SGLan
 ``managers/io_struct.py``. Direction of each message:
 
 * ``GenerateReqInput``: user / HTTP layer -> TokenizerManager (not sent over a socket).
-* ``TokenizedGenerateReqInput``, ``AbortReq``, ``FlushCacheReqInput``, ``GetInternalStateReq``:
-  TokenizerManager -> Scheduler (rank 0, then broadcast to the other TP ranks).
+* ``TokenizedGenerateReqInput``, ``AbortReq``, ``FlushCacheReqInput``, ``GetInternalStateReq``,
+  ``ProfileReq``: TokenizerManager -> Scheduler (rank 0, then broadcast to the other TP ranks).
 * ``BatchTokenIDOutput``: Scheduler -> DetokenizerManager (one message per step with outputs).
 * ``BatchStrOutput``: DetokenizerManager -> TokenizerManager.
-* ``FlushCacheReqOutput``, ``GetInternalStateReqOutput``: Scheduler -> TokenizerManager.
+* ``FlushCacheReqOutput``, ``GetInternalStateReqOutput``, ``ProfileReqOutput``: Scheduler ->
+  TokenizerManager.
 """
 from __future__ import annotations
 
@@ -219,6 +220,76 @@ class GetInternalStateReqOutput:
     """The scheduler's counters (see ``Scheduler.get_internal_state``)."""
 
     internal_state: Dict[str, Any]
+
+
+PROFILE_ACTIVITIES = ("CPU", "GPU", "MEM")
+
+
+@dataclass
+class ProfileReq:
+    """Start (``/start_profile``) or stop (``/stop_profile``) the torch profiler on every rank.
+
+    ``start_step``: begin once the scheduler's forward counter reaches it (else at once);
+    ``num_steps``: stop and write the trace after that many scheduler steps (else at
+    ``/stop_profile``); ``activities`` from :data:`PROFILE_ACTIVITIES` (GPU = CUDA kernels, MEM
+    = allocations); ``output_dir`` defaults to ``SGLANG_TORCH_PROFILER_DIR``.
+    """
+
+    start: bool
+    output_dir: Optional[str] = None
+    start_step: Optional[int] = None
+    num_steps: Optional[int] = None
+    activities: List[str] = field(default_factory=lambda: ["CPU", "GPU"])
+    with_stack: bool = True
+    record_shapes: bool = False
+    profile_prefix: str = ""
+
+    @classmethod
+    def from_body(cls, body: Any) -> "ProfileReq":
+        """A start request from a ``/start_profile`` JSON body (``None`` = defaults); raises
+        ``ValueError`` naming the offending field."""
+        body = {} if body is None else body
+        if not isinstance(body, dict):
+            raise ValueError("the body must be a JSON object")
+        if body.get("profile_by_stage"):
+            raise ValueError("profile_by_stage is not supported by this server")
+        known = {f.name for f in dataclasses.fields(cls)} - {"start"} | {"profile_by_stage"}
+        unknown = sorted(set(body) - known)
+        if unknown:
+            raise ValueError(f"unknown field(s) {unknown}; known: {sorted(known)}")
+        req = cls(start=True)
+        for name in ("start_step", "num_steps"):
+            value = body.get(name)
+            low = 0 if name == "start_step" else 1
+            if value is not None and (type(value) is not int or value < low):
+                raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
+            setattr(req, name, value)
+        for name in ("output_dir", "profile_prefix"):
+            if body.get(name) is not None:
+                if not isinstance(body[name], str):
+                    raise ValueError(f"{name} must be a string")
+                setattr(req, name, body[name])
+        for name in ("with_stack", "record_shapes"):
+            if body.get(name) is not None:
+                if not isinstance(body[name], bool):
+                    raise ValueError(f"{name} must be true or false")
+                setattr(req, name, body[name])
+        acts = body.get("activities")
+        if acts is not None:
+            if (not isinstance(acts, list) or not acts
+                    or any(a not in PROFILE_ACTIVITIES for a in acts)):
+                raise ValueError(f"activities must be a non-empty list drawn from "
+                                 f"{list(PROFILE_ACTIVITIES)}, got {acts!r}")
+            req.activities = list(acts)
+        return req
+
+
+@dataclass
+class ProfileReqOutput:
+    """Whether the start / stop took effect, and what happened (the trace path on a stop)."""
+
+    success: bool
+    message: str = ""
 
 
 # Short name used in the brief and in older SGLang versions.

@@ -28,16 +28,12 @@ import zmq
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import broadcast_pyobj
 from sglang.srt.environ import envs
-from sglang.srt.managers.io_struct import (
-    AbortReq,
-    FlushCacheReqInput,
-    FlushCacheReqOutput,
-    GetInternalStateReq,
-    GetInternalStateReqOutput,
-    TokenizedGenerateReqInput,
-)
+from sglang.srt.managers.io_struct import (AbortReq, FlushCacheReqInput, FlushCacheReqOutput,
+                                           GetInternalStateReq, GetInternalStateReqOutput,
+                                           ProfileReq, TokenizedGenerateReqInput)
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch, release_kv_cache
 from sglang.srt.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
+from sglang.srt.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
 from sglang.srt.managers.scheduler_spec import SchedulerSpecMixin
 from sglang.srt.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from sglang.srt.managers.utils import (
@@ -56,7 +52,7 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 200
 
 
-class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin):
+class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin, SchedulerProfilerMixin):
     """Request queues, batching, and the event loop of one TP rank."""
 
     def __init__(self, server_args: Any, port_args: Any = None, tp_rank: int = 0):
@@ -95,6 +91,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin):
 
         # Counters (get_internal_state, decode log).
         self.forward_ct = 0
+        self.init_profiler()
         self.num_generated_tokens = 0
         self.last_gen_throughput = 0.0
         self._tput_tokens, self._tput_time, self._decode_steps = 0, time.perf_counter(), 0
@@ -184,6 +181,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin):
                 self.send_to_tokenizer(self.flush_cache())
             elif isinstance(obj, GetInternalStateReq):
                 self.send_to_tokenizer(GetInternalStateReqOutput(self.get_internal_state()))
+            elif isinstance(obj, ProfileReq):
+                self.handle_profile_request(obj)
             else:
                 logger.error("scheduler got an unknown message %s; ignored", type(obj).__name__)
 
@@ -365,11 +364,14 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin):
         """One scheduling iteration without I/O waits; False when there was nothing to run."""
         batch = self.get_next_batch_to_run()
         if self.spec_enabled:
-            return self.spec_step(batch)  # launch, then consume the previous round
-        if batch is None:
-            return False
-        self.process_batch_result(batch, self.run_batch(batch))
-        return True
+            busy = self.spec_step(batch)  # launch, then consume the previous round
+        else:
+            busy = batch is not None
+            if busy:
+                self.process_batch_result(batch, self.run_batch(batch))
+        if busy:
+            self.profile_tick()
+        return busy
 
     def run_until_idle(self, max_steps: int = 100000) -> None:
         """In-process mode: handle queued requests and step until nothing is left to do."""

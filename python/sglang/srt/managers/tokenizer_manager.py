@@ -31,6 +31,8 @@ from sglang.srt.managers.io_struct import (
     GenerateReqInput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    ProfileReq,
+    ProfileReqOutput,
 )
 from sglang.srt.managers.request_state import ReqState, build_tokenized_request
 from sglang.srt.managers.utils import load_tokenizer
@@ -41,6 +43,7 @@ logger = logging.getLogger(__name__)
 # How often a waiting request checks whether its HTTP client went away.
 DISCONNECT_CHECK_S = 2.0
 CONTROL_TIMEOUT_S = 60.0
+PROFILE_STOP_TIMEOUT_S = 600.0
 
 
 class TokenizerManager:
@@ -57,7 +60,8 @@ class TokenizerManager:
 
         self.rid_to_state: Dict[str, ReqState] = {}
         self._control_waiters: Dict[type, Deque[Tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {
-            FlushCacheReqOutput: deque(), GetInternalStateReqOutput: deque()}
+            FlushCacheReqOutput: deque(), GetInternalStateReqOutput: deque(),
+            ProfileReqOutput: deque()}
         self._lock = threading.Lock()  # guards the send socket, rid_to_state and the waiters
         self._child_processes: List[Tuple[str, Any]] = []
         self._dead_reason: Optional[str] = None
@@ -262,6 +266,12 @@ class TokenizerManager:
         out: GetInternalStateReqOutput = await self._control(GetInternalStateReq(),
                                                              GetInternalStateReqOutput, timeout)
         return [out.internal_state]
+
+    async def profile(self, req: ProfileReq) -> ProfileReqOutput:
+        """Start or stop the scheduler's torch profiler (a stop writes the traces first, which
+        takes a while for a long GPU profile: it gets PROFILE_STOP_TIMEOUT_S)."""
+        timeout = CONTROL_TIMEOUT_S if req.start else PROFILE_STOP_TIMEOUT_S
+        return await self._control(req, ProfileReqOutput, timeout)
 
     async def health_generate(self, timeout: float = 20.0) -> bool:
         """A one-token greedy probe (``input_ids=[0]``); True as soon as any output arrives."""
