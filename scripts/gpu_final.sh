@@ -17,6 +17,9 @@
 #   STAGE=prefill torch-native MoE prefill: the loop over experts vs SGLANG_MOE_GROUPED_MM=1
 #                 (torch._grouped_mm) — its gpu test, then eager bench_one_batch (8192-token
 #                 prefill, 12-layer dummy preset) with each
+#   STAGE=trace   a served decode on the 12-layer dummy preset (no spec, or ARGS="..." added
+#                 to the server): bench_serving without, then with --profile (profiled vs
+#                 unprofiled TPOT), the torch trace of the profiled run in $OUT/trace
 #   ONE_BATCH=1   also eager bench_one_batch on the 12-layer dummy preset first
 # The ladder's summary table: python3 benchmark/batch1/summarize.py $OUT/spec_ab.jsonl
 set -uo pipefail
@@ -62,6 +65,18 @@ prefill)
     echo "== bench_one_batch, SGLANG_MOE_GROUPED_MM=$flag"
     eval "SGLANG_MOE_GROUPED_MM=$flag timeout 200 python3 -m sglang.bench_one_batch $FLASH12 --batch-size 1 --input-len 8192 --output-len 16 --result-filename $OUT/one_batch.jsonl" 2>&1 | grep -v Warn | tail -4
   done
+  ;;
+trace)
+  eval "exec python3 -m sglang.launch_server $FLASH12 ${ARGS:-} --port 30500" > "$OUT/server-trace.log" 2>&1 &
+  for i in $(seq 1 300); do curl -sf localhost:30500/health > /dev/null && break; sleep 1; done
+  for prof in "" --profile; do
+    echo "== bench_serving ${prof:-(unprofiled)}"
+    SGLANG_TORCH_PROFILER_DIR=$OUT/trace timeout 200 python3 -m sglang.bench_serving --backend sglang \
+      --port 30500 --dataset-name random-ids --random-input-len 1024 --random-output-len 64 \
+      --random-range-ratio 1.0 --num-prompts 2 --max-concurrency 1 --disable-tqdm $prof 2>&1 \
+      | grep -E "Mean TPOT|Median TPOT|Mean TTFT|Trace|rofil"
+  done
+  ls -la "$OUT/trace"
   ;;
 flash12)
   echo "== NEXTN ladder, dummy 12-layer Ling-3.0-flash"
