@@ -36,10 +36,8 @@ class SchedulerProfilerMixin:
         self._profile_id = ""
 
     def handle_profile_request(self, req: ProfileReq) -> None:
-        """Start or stop; rank 0 sends the outcome back to the TokenizerManager."""
-        out = self.start_profile(req) if req.start else self.stop_profile()
-        if self.tp_rank == 0:
-            self.send_to_tokenizer(out)
+        """Start or stop; the outcome goes back to the TokenizerManager (from rank 0 only)."""
+        self.send_to_tokenizer(self.start_profile(req) if req.start else self.stop_profile())
 
     def start_profile(self, req: ProfileReq) -> ProfileReqOutput:
         """Accept a start: now, or once ``forward_ct`` reaches ``req.start_step``."""
