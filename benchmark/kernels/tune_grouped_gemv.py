@@ -26,12 +26,15 @@ from sgl_kernel.grouped_gemv import grouped_gemv, grouped_gemv_reference
 
 
 class Config(NamedTuple):
+    """One launch config of ``grouped_gemv`` (``None`` = the kernel's default)."""
+
     block_n: Optional[int]
     block_k: Optional[int]
     num_warps: Optional[int]
     num_stages: Optional[int]
 
     def label(self) -> str:
+        """``BLOCK_N/BLOCK_K/num_warps/num_stages``, or ``default``."""
         return "default" if self == DEFAULT else "/".join(str(v) for v in self)
 
 
