@@ -161,6 +161,14 @@ class Envs:
         "verifies) as two torch._grouped_mm GEMMs with device-side expert offsets instead of a "
         "host-synced loop over the active experts (CUDA: bf16 on sm90+; else the loop runs).",
     )
+    SGLANG_TRITON_RMSNORM = EnvField(
+        "SGLANG_TRITON_RMSNORM",
+        bool,
+        False,
+        "Run every RMSNorm (with its residual add) and the KDA output norm (with its gate) as "
+        "one Triton launch (sgl_kernel.rmsnorm) instead of the torch reference's six or seven "
+        "kernels. Needs CUDA (or TRITON_INTERPRET=1).",
+    )
     SGLANG_TORCH_PROFILER_DIR = EnvField(
         "SGLANG_TORCH_PROFILER_DIR",
         str,

@@ -1,10 +1,14 @@
 """RMS norms: the plain one (optionally fused with the residual add) and the KDA output norm.
 
-Both normalise in fp32 and cast the result back to the input dtype (model.md §3.3).
+Both normalise in fp32 and cast the result back to the input dtype (model.md §3.3). The torch
+code here is the reference; :func:`set_norm_backend` switches a model's norms to one Triton
+launch each (``sgl_kernel.rmsnorm``, opt-in ``SGLANG_TRITON_RMSNORM=1`` until measured).
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple, Union
+import functools
+import os
+from typing import Callable, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -12,7 +16,7 @@ from torch import nn
 from sglang.srt.layers.linear import copy_checked
 from sglang.srt.model_loader.weight_utils import LazyWeight
 
-__all__ = ["RMSNorm", "GatedRMSNorm", "rms_norm"]
+__all__ = ["RMSNorm", "GatedRMSNorm", "rms_norm", "set_norm_backend"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -20,6 +24,26 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * weight.float()).to(x.dtype)
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_rmsnorm() -> Callable:
+    from sgl_kernel.rmsnorm import rmsnorm  # Triton: imported once, on first use
+
+    return rmsnorm
+
+
+def set_norm_backend(model: nn.Module, triton_norms: bool, device: torch.device) -> bool:
+    """Point every :class:`RMSNorm` / :class:`GatedRMSNorm` of ``model`` at the Triton kernel
+    (``triton_norms``) or the torch reference; returns the choice. Triton needs CUDA, or
+    ``TRITON_INTERPRET=1`` on CPU (tests)."""
+    if triton_norms and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError("SGLANG_TRITON_RMSNORM=1 needs CUDA (or TRITON_INTERPRET=1 to run the "
+                         "kernel in Triton's CPU interpreter)")
+    for module in model.modules():
+        if isinstance(module, (RMSNorm, GatedRMSNorm)):
+            module.use_triton = triton_norms
+    return triton_norms
 
 
 def _norm_weight(size: int, dtype: Optional[torch.dtype]) -> nn.Parameter:
@@ -47,6 +71,7 @@ class RMSNorm(nn.Module):
         self.hidden_size = hidden_size
         self.variance_epsilon = eps
         self.weight = _norm_weight(hidden_size, params_dtype)
+        self.use_triton = False  # set for the whole model by set_norm_backend
 
     def forward(
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
@@ -54,6 +79,8 @@ class RMSNorm(nn.Module):
         """``norm(x)``, or ``(norm(x + residual), x + residual)`` when ``residual`` is given."""
         if x.shape[-1] != self.hidden_size:
             raise ValueError(f"RMSNorm({self.hidden_size}) got input of shape {tuple(x.shape)}")
+        if self.use_triton:
+            return _triton_rmsnorm()(x, self.weight, self.variance_epsilon, residual=residual)
         if residual is None:
             return rms_norm(x, self.weight, self.variance_epsilon)
         x = x + residual
@@ -80,12 +107,16 @@ class GatedRMSNorm(nn.Module):
         self.variance_epsilon = eps
         self.activation = activation
         self.weight = _norm_weight(hidden_size, params_dtype)
+        self.use_triton = False  # set for the whole model by set_norm_backend
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
         """``rmsnorm(x) * weight * act(gate)`` over the last dim, in x's dtype."""
         if x.shape != gate.shape or x.shape[-1] != self.hidden_size:
             raise ValueError(f"GatedRMSNorm({self.hidden_size}): x {tuple(x.shape)} and gate "
                              f"{tuple(gate.shape)} must match with last dim {self.hidden_size}")
+        if self.use_triton:
+            return _triton_rmsnorm()(x, self.weight, self.variance_epsilon, gate=gate,
+                                     activation=self.activation)
         xf = x.float()
         y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
         gf = gate.float()

@@ -30,7 +30,9 @@ import torch
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import parallel_state as ps
+from sglang.srt.environ import envs
 from sglang.srt.layers.attention.attention_registry import create_attn_backend
+from sglang.srt.layers.layernorm import set_norm_backend
 from sglang.srt.layers.moe.moe_layer import set_moe_runner_backend
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.mem_cache.memory_pool import (
@@ -245,6 +247,8 @@ class ModelRunner:
                                device=self.device, is_draft=is_draft, seed=random_seed)
         self.moe_runner_backend = set_moe_runner_backend(self.model, moe_runner_backend,
                                                          self.device)
+        self.triton_norms = set_norm_backend(self.model, envs.SGLANG_TRITON_RMSNORM.get(),
+                                             self.device)
         self._init_pools(draft_extra_mla_layers, max_total_tokens, mem_fraction_static,
                          req_to_token_pool, token_to_kv_pool_allocator, token_to_kv_pool,
                          kda_state_pool)

@@ -1,0 +1,113 @@
+"""sgl_kernel.rmsnorm (one-launch RMSNorm, residual add and KDA output gate fused) against the
+torch norms of sglang.srt.layers.layernorm, and through a model. Without CUDA the kernel runs in
+Triton's CPU interpreter."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm, rms_norm, set_norm_backend
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+pytestmark = pytest.mark.skipif(
+    not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1 set before triton is imported (test/conftest.py)")
+# CPU interpreter: fp32 only (see ENV.md); on CUDA bf16 as served.
+DTYPES = [torch.float32] + ([torch.bfloat16] if ON_CUDA else [])
+
+
+def _x(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    return (3 * torch.randn(*shape, generator=g)).to(device=DEVICE, dtype=dtype)
+
+
+def _tol(dtype):
+    return dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("d", [24, 64])  # 24: a masked tail inside the power-of-2 block
+def test_norm_and_fused_residual_match_the_torch_norm(dtype, d):
+    from sgl_kernel.rmsnorm import rmsnorm
+
+    x, res = _x((2, 3, d), dtype, 0), _x((2, 3, d), dtype, 1)
+    w = _x((d,), torch.float32, 2)
+    torch.testing.assert_close(rmsnorm(x, w, 1e-6), rms_norm(x, w, 1e-6), **_tol(dtype))
+    out, new_res = rmsnorm(x, w, 1e-6, residual=res)
+    assert torch.equal(new_res, x + res)  # the add rounds like the unfused one
+    torch.testing.assert_close(out, rms_norm(x + res, w, 1e-6), **_tol(dtype))
+    assert out.shape == x.shape and out.dtype == dtype
+    # A strided input (a column slice) is read correctly.
+    wide = _x((5, 2 * d), dtype, 3)
+    torch.testing.assert_close(rmsnorm(wide[:, :d], w, 1e-6), rms_norm(wide[:, :d], w, 1e-6),
+                               **_tol(dtype))
+
+
+@pytest.mark.parametrize("activation", ["sigmoid", "swish"])
+def test_gated_norm_matches_the_kda_output_norm(activation):
+    ref = GatedRMSNorm(32, 1e-6, activation).to(DEVICE)
+    ref.weight.data = _x((32,), torch.float32, 4)
+    x, gate = _x((7, 4, 32), torch.float32, 5), _x((7, 4, 32), torch.float32, 6)
+    expect = ref(x, gate)
+    ref.use_triton = True
+    torch.testing.assert_close(ref(x, gate), expect, rtol=1e-5, atol=1e-5)
+
+
+def test_rows_are_independent_of_the_batch():
+    """A row's output is bit-identical alone and inside a larger batch (verify == decode)."""
+    from sgl_kernel.rmsnorm import rmsnorm
+
+    x, res = _x((6, 40), torch.float32, 7), _x((6, 40), torch.float32, 8)
+    w = _x((40,), torch.float32, 9)
+    batch, _ = rmsnorm(x, w, 1e-6, residual=res)
+    alone, _ = rmsnorm(x[3:4], w, 1e-6, residual=res[3:4])
+    assert torch.equal(batch[3:4], alone)
+
+
+def test_bad_inputs_are_rejected():
+    from sgl_kernel.rmsnorm import rmsnorm
+
+    x = _x((2, 8), torch.float32, 0)
+    w = torch.ones(8, device=DEVICE)
+    with pytest.raises(ValueError, match="weight"):
+        rmsnorm(x, torch.ones(7, device=DEVICE), 1e-6)
+    with pytest.raises(ValueError, match="gate and activation"):
+        rmsnorm(x, w, 1e-6, gate=x)
+    with pytest.raises(ValueError, match="gate and activation"):
+        rmsnorm(x, w, 1e-6, gate=x, activation="relu")
+    with pytest.raises(ValueError, match="residual"):
+        rmsnorm(x, w, 1e-6, residual=x[:1])
+    with pytest.raises(ValueError, match="dtype"):
+        rmsnorm(x, w, 1e-6, residual=x.double())
+
+
+def test_model_with_triton_norms_matches_torch_norms():
+    """The bundled model with every norm on the kernel gives the reference norms' logits and
+    greedy tokens (prefill and decode)."""
+    from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.test.runner_utils import greedy_logits
+
+    if not (BUNDLED_MODEL_DIR / "config.json").exists():
+        pytest.skip("no bundled model")
+    runner = ModelRunner(ModelConfig.from_path(str(BUNDLED_MODEL_DIR)), device=DEVICE,
+                         dtype=torch.float32, max_running_requests=2, max_total_tokens=64)
+    norms = [m for m in runner.model.modules() if isinstance(m, (RMSNorm, GatedRMSNorm))]
+    assert norms and not runner.triton_norms
+    ref = greedy_logits(runner, list(range(3, 20)), 3)
+    assert set_norm_backend(runner.model, True, runner.device)
+    assert all(m.use_triton for m in norms)
+    got = greedy_logits(runner, list(range(3, 20)), 3)
+    for a, b in zip(ref, got):
+        torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_flag_needs_cuda_or_the_interpreter(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="SGLANG_TRITON_RMSNORM"):
+        set_norm_backend(RMSNorm(8), True, torch.device("cpu"))
+    assert not set_norm_backend(RMSNorm(8), False, torch.device("cpu"))
