@@ -17,9 +17,9 @@
 #   STAGE=prefill torch-native MoE prefill: the loop over experts vs SGLANG_MOE_GROUPED_MM=1
 #                 (torch._grouped_mm) — its gpu test, then eager bench_one_batch (8192-token
 #                 prefill, 12-layer dummy preset) with each
-#   STAGE=norms   SGLANG_TRITON_RMSNORM: the norm kernel's tests on CUDA (bf16 included), then
-#                 eager bench_one_batch (1024-token prompt, 32 decode steps, 12-layer dummy
-#                 preset) without and with it
+#   STAGE=fusions SGLANG_TRITON_RMSNORM and SGLANG_TRITON_ROUTER: their kernel tests on CUDA,
+#                 then eager bench_one_batch (1024-token prompt, 32 decode steps, 12-layer dummy
+#                 preset) with neither, each, and both
 #   STAGE=trace   a served decode on the 12-layer dummy preset (no spec, or ARGS="..." added
 #                 to the server): bench_serving without, then with --profile (profiled vs
 #                 unprofiled TPOT), the torch trace of the profiled run in $OUT/trace
@@ -69,11 +69,13 @@ prefill)
     eval "SGLANG_MOE_GROUPED_MM=$flag timeout 200 python3 -m sglang.bench_one_batch $FLASH12 --batch-size 1 --input-len 8192 --output-len 16 --result-filename $OUT/one_batch.jsonl" 2>&1 | grep -v Warn | tail -4
   done
   ;;
-norms)
-  timeout 150 python3 -m pytest -v -s test/kernels/test_rmsnorm.py -p no:cacheprovider 2>&1 | grep -E "PASS|FAIL|Error|passed|failed"
-  for flag in 0 1; do
-    echo "== bench_one_batch, SGLANG_TRITON_RMSNORM=$flag"
-    eval "SGLANG_TRITON_RMSNORM=$flag timeout 150 python3 -m sglang.bench_one_batch $FLASH12 --batch-size 1 --input-len 1024 --output-len 32" 2>&1 | grep -v Warn | tail -3
+fusions)
+  timeout 150 python3 -m pytest -v -s test/kernels/test_rmsnorm.py test/kernels/test_moe_router.py \
+    -p no:cacheprovider 2>&1 | grep -E "PASS|FAIL|Error|passed|failed"
+  for flags in "0 0" "1 0" "0 1" "1 1"; do
+    set -- $flags
+    echo "== bench_one_batch, SGLANG_TRITON_RMSNORM=$1 SGLANG_TRITON_ROUTER=$2"
+    eval "SGLANG_TRITON_RMSNORM=$1 SGLANG_TRITON_ROUTER=$2 timeout 120 python3 -m sglang.bench_one_batch $FLASH12 --batch-size 1 --input-len 1024 --output-len 32" 2>&1 | grep -v Warn | tail -3
   done
   ;;
 trace)

@@ -169,6 +169,15 @@ class Envs:
         "one Triton launch (sgl_kernel.rmsnorm) instead of the torch reference's six or seven "
         "kernels. Needs CUDA (or TRITON_INTERPRET=1).",
     )
+    SGLANG_TRITON_ROUTER = EnvField(
+        "SGLANG_TRITON_ROUTER",
+        bool,
+        False,
+        "Run each MoE router's selection (sigmoid, bias, group-limited top-k, weights) as one "
+        "Triton kernel (sgl_kernel.moe_router) instead of about twenty torch kernels; routers "
+        "whose expert / group counts are not powers of two keep the torch code. Needs CUDA "
+        "(or TRITON_INTERPRET=1).",
+    )
     SGLANG_TORCH_PROFILER_DIR = EnvField(
         "SGLANG_TORCH_PROFILER_DIR",
         str,

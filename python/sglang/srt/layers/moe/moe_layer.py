@@ -166,7 +166,9 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device)
     ``auto`` is ``torch_native`` until the Triton path has been validated and measured on the
     GPU host (docs/performance.md). ``triton`` needs CUDA, or ``TRITON_INTERPRET=1`` on CPU
     (tests); batches above ``SMALL_M_MAX_PAIRS`` (token, expert) pairs still take the native path,
-    whose large batches use grouped GEMMs when ``SGLANG_MOE_GROUPED_MM`` is set (read here, once).
+    whose large batches use grouped GEMMs when ``SGLANG_MOE_GROUPED_MM`` is set. With
+    ``SGLANG_TRITON_ROUTER`` the routers run their selection as one kernel. Both are read here,
+    once.
     """
     if backend not in KERNEL_BACKEND_CHOICES:
         raise ValueError(f"moe runner backend must be one of {KERNEL_BACKEND_CHOICES}, got "
@@ -176,8 +178,16 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device)
         if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
             raise ValueError("--moe-runner-backend triton needs CUDA (or TRITON_INTERPRET=1 to "
                              "run the kernels in Triton's CPU interpreter)")
-    grouped_mm = envs.SGLANG_MOE_GROUPED_MM.get()
+    grouped_mm, triton_router = envs.SGLANG_MOE_GROUPED_MM.get(), envs.SGLANG_TRITON_ROUTER.get()
+    if triton_router:
+        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+            raise ValueError("SGLANG_TRITON_ROUTER=1 needs CUDA (or TRITON_INTERPRET=1 to run "
+                             "the kernel in Triton's CPU interpreter)")
+        from sgl_kernel.moe_router import router_kernel_supports
     for module in model.modules():
         if isinstance(module, FusedMoE):
             module.runner_backend, module.grouped_mm = chosen, grouped_mm
+        elif isinstance(module, MoEGate):  # routers whose layout the kernel takes
+            module.use_triton = triton_router and router_kernel_supports(
+                module.weight.shape[0], module.num_expert_group)
     return chosen

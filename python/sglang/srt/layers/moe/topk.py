@@ -8,7 +8,8 @@ by ``routed_scaling_factor``.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+import functools
+from typing import Callable, NamedTuple, Optional
 
 import torch
 import torch.nn.functional as F
@@ -62,6 +63,13 @@ def select_experts(
     return TopKOutput(topk_weights, topk_ids)
 
 
+@functools.lru_cache(maxsize=None)
+def _triton_router() -> Callable:
+    from sgl_kernel.moe_router import moe_router_topk  # Triton: imported once, on first use
+
+    return moe_router_topk
+
+
 def _load_whole(param: nn.Parameter, loaded: LazyWeight, shard_id=None) -> None:
     copy_checked(param, param.data, loaded.load(), loaded.name)
 
@@ -98,6 +106,9 @@ class MoEGate(nn.Module):
             self.expert_bias.weight_loader = _load_whole
         else:
             self.register_parameter("expert_bias", None)
+        # The selection as one Triton kernel (sgl_kernel.moe_router); set for the whole model
+        # by set_moe_runner_backend (SGLANG_TRITON_ROUTER).
+        self.use_triton = False
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 ``[T, E]`` logits."""
@@ -107,6 +118,10 @@ class MoEGate(nn.Module):
 
     def forward(self, x: torch.Tensor) -> TopKOutput:
         """Route ``x [T, H]`` (the post-attention-normed hidden states)."""
+        if self.use_triton:
+            return TopKOutput(*_triton_router()(
+                self.router_logits(x), self.top_k, self.expert_bias, self.num_expert_group,
+                self.topk_group, self.renormalize, self.routed_scaling_factor))
         return select_experts(self.router_logits(x), self.top_k, self.expert_bias,
                               self.num_expert_group, self.topk_group, self.renormalize,
                               self.routed_scaling_factor)

@@ -1,0 +1,100 @@
+"""sgl_kernel.moe_router (sigmoid + bias + group-limited top-k + weights in one kernel) against
+sglang.srt.layers.moe.topk.select_experts, and through a model. Without CUDA the kernel runs in
+Triton's CPU interpreter."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sglang.srt.layers.moe.topk import select_experts
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+pytestmark = pytest.mark.skipif(
+    not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1 set before triton is imported (test/conftest.py)")
+
+
+def _logits(t, e, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return (2 * torch.randn(t, e, generator=g)).to(DEVICE), (0.3 * torch.randn(e, generator=g)).to(DEVICE)
+
+
+@pytest.mark.parametrize("t,e,groups,topk_group,k,bias,renorm,scale", [
+    (3, 512, 8, 4, 8, True, True, 2.5),   # Ling-3.0-flash
+    (6, 16, 4, 2, 4, True, True, 2.5),    # the bundled model
+    (4, 64, 1, 1, 6, False, False, 1.0),  # no groups, no bias, no renormalisation
+    (2, 32, 4, 4, 3, True, True, 1.0),    # every group kept
+    (5, 8, 8, 3, 2, True, True, 1.5),     # one expert per group (best only, no second)
+])
+def test_matches_select_experts(t, e, groups, topk_group, k, bias, renorm, scale):
+    from sgl_kernel.moe_router import moe_router_topk
+
+    logits, b = _logits(t, e)
+    b = b if bias else None
+    weights, ids = moe_router_topk(logits, k, b, groups, topk_group, renorm, scale)
+    ref = select_experts(logits, k, b, groups, topk_group, renorm, scale)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    assert torch.equal(ids, ref.topk_ids)
+    torch.testing.assert_close(weights, ref.topk_weights, rtol=1e-6, atol=1e-7)
+
+
+def test_rows_are_independent_of_the_batch_and_empty_batches_work():
+    from sgl_kernel.moe_router import moe_router_topk
+
+    logits, b = _logits(6, 512, seed=1)
+    w_all, i_all = moe_router_topk(logits, 8, b, 8, 4, True, 2.5)
+    w_one, i_one = moe_router_topk(logits[4:5], 8, b, 8, 4, True, 2.5)
+    assert torch.equal(w_all[4:5], w_one) and torch.equal(i_all[4:5], i_one)
+    w0, i0 = moe_router_topk(logits[:0], 8, b, 8, 4, True, 2.5)
+    assert w0.shape == i0.shape == (0, 8)
+
+
+def test_bad_inputs_are_rejected():
+    from sgl_kernel.moe_router import moe_router_topk
+
+    logits, b = _logits(2, 24)
+    with pytest.raises(ValueError, match="powers of two"):
+        moe_router_topk(logits, 4, None, 4, 2)
+    logits, b = _logits(2, 32)
+    with pytest.raises(ValueError, match="expert_bias"):
+        moe_router_topk(logits, 4, b[:5], 4, 2)
+    with pytest.raises(ValueError, match="topk_group"):
+        moe_router_topk(logits, 4, b, 4, 5)
+    with pytest.raises(ValueError, match=r"\[T, E\]"):
+        moe_router_topk(logits[0], 4, b, 4, 2)
+
+
+def test_model_with_the_triton_router_matches_the_torch_router(monkeypatch):
+    """SGLANG_TRITON_ROUTER=1: every router of the bundled model runs the kernel, with the
+    torch router's logits and greedy tokens."""
+    from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
+    from sglang.srt.layers.moe.topk import MoEGate
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.test.runner_utils import greedy_logits
+
+    if not (BUNDLED_MODEL_DIR / "config.json").exists():
+        pytest.skip("no bundled model")
+    results = {}
+    for flag in ("0", "1"):
+        monkeypatch.setenv("SGLANG_TRITON_ROUTER", flag)
+        runner = ModelRunner(ModelConfig.from_path(str(BUNDLED_MODEL_DIR)), device=DEVICE,
+                             dtype=torch.float32, max_running_requests=1, max_total_tokens=64)
+        gates = [m for m in runner.model.modules() if isinstance(m, MoEGate)]
+        assert gates and all(g.use_triton == (flag == "1") for g in gates)
+        results[flag] = greedy_logits(runner, list(range(3, 20)), 3)
+    for a, b in zip(results["0"], results["1"]):
+        torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
+        assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_flag_needs_cuda_or_the_interpreter(monkeypatch):
+    from sglang.srt.layers.moe.moe_layer import set_moe_runner_backend
+    from sglang.srt.layers.moe.topk import MoEGate
+
+    monkeypatch.setenv("SGLANG_TRITON_ROUTER", "1")
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    with pytest.raises(ValueError, match="SGLANG_TRITON_ROUTER"):
+        set_moe_runner_backend(MoEGate(8, 16, 2, 4, 2, True, 1.0), "auto", torch.device("cpu"))
