@@ -28,7 +28,7 @@ __all__ = ["moe_router_topk", "router_kernel_supports"]
 
 @triton.jit
 def _router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, s_logits, scale,
-                   E: tl.constexpr, G: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   E: tl.constexpr, G: tl.constexpr, PG: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
                    GROUPED: tl.constexpr, RENORM: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -39,7 +39,6 @@ def _router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, s_logits, scale,
         s = p + tl.load(bias_ptr + offs)
     neg = float("-inf")
     if GROUPED:
-        PG: tl.constexpr = E // G
         cols = tl.arange(0, PG)
         s2 = tl.reshape(s, [G, PG])
         gscore = tl.max(s2, axis=1)
@@ -104,7 +103,7 @@ def moe_router_topk(router_logits: torch.Tensor, top_k: int,
         bias = expert_bias.float().contiguous() if expert_bias is not None else logits
         _router_kernel[(t,)](
             logits, bias, weights, ids, logits.stride(0), float(routed_scaling_factor),
-            E=e, G=num_expert_group, TOPK_GROUP=topk_group, K=top_k,
+            E=e, G=num_expert_group, PG=e // num_expert_group, TOPK_GROUP=topk_group, K=top_k,
             BLOCK_K=triton.next_power_of_2(top_k), HAS_BIAS=expert_bias is not None,
             GROUPED=num_expert_group > 1 and topk_group < num_expert_group,
             RENORM=renormalize)
