@@ -244,11 +244,13 @@ class TorchNativeKDABackend(AttentionBackend):
         if recurrent_impl not in KDA_RECURRENT_IMPLS:
             raise ValueError(f"recurrent_impl must be one of {KDA_RECURRENT_IMPLS}, got {recurrent_impl!r}")
         self.recurrent_impl = recurrent_impl
-        self._recurrent_kernel = None  # sgl_kernel's, imported (with triton) only when chosen
+        # sgl_kernel's conv prologue and recurrence, imported (with triton) only when chosen.
+        self._recurrent_kernel = self._conv_kernel = None
         if recurrent_impl == "triton":
+            from sgl_kernel.kda_conv import kda_conv_qkv
             from sgl_kernel.kda_recurrent import kda_recurrent_update
 
-            self._recurrent_kernel = kda_recurrent_update
+            self._recurrent_kernel, self._conv_kernel = kda_recurrent_update, kda_conv_qkv
         if kda_prefill_impl == "fla" and not fla_kda.is_available():
             raise ValueError("kda_prefill_impl='fla' needs CUDA and fla-core (pip install fla-core)")
         self.kda_prefill_impl = kda_prefill_impl
@@ -381,6 +383,15 @@ class TorchNativeKDABackend(AttentionBackend):
         h, d = layer.num_heads, layer.head_dim
         gf = g.float().contiguous().reshape(b, n, h, d)
         bf = beta.float().contiguous().reshape(b, n, h)
+        if self._recurrent_kernel is not None:
+            # Two kernels: conv + head split + window staging, then the staged recurrence.
+            qn, kn, vn = self._conv_kernel(mixed.view(b, n, -1), layer.conv_weight, conv_pool,
+                                           slots, h, d,
+                                           staged=pool.get_intermediate_conv(layer.layer_id))
+            out = q.new_empty(b, n, h, d)
+            self._recurrent_kernel(qn, kn, vn, gf, bf, layer.scale, ssm_pool, slots, out,
+                                   staged=pool.get_intermediate_ssm(layer.layer_id))
+            return out.view(t, h, d)
         # The conv and the q/k/v split do not depend on the recurrent state: all N positions at
         # once (the same per-position arithmetic as decode's one-step update). Gathers are
         # copies: the persistent pools are only read.
@@ -390,11 +401,6 @@ class TorchNativeKDABackend(AttentionBackend):
         # padding rows).
         pool.get_intermediate_conv(layer.layer_id)[:, :n].index_copy_(0, slots, windows)
         out = q.new_empty(b, n, h, d)
-        if self._recurrent_kernel is not None:
-            self._recurrent_kernel(qn.contiguous(), kn.contiguous(), vn, gf, bf, layer.scale,
-                                   ssm_pool, slots, out,
-                                   staged=pool.get_intermediate_ssm(layer.layer_id))
-            return out.view(t, h, d)
         state = ssm_pool[slots]
         states = []
         for i in range(n):  # N is tiny (the chain width); each step is a batched decode step
@@ -414,18 +420,18 @@ class TorchNativeKDABackend(AttentionBackend):
         if b == 0:
             return q.new_empty(0, layer.num_heads, layer.head_dim)
         slots = forward_batch.req_pool_indices
-        y, window = causal_conv1d_update(mixed, layer.conv_weight, conv_pool[slots])
-        conv_pool.index_copy_(0, slots, window.to(conv_pool.dtype))
-        qn, kn, vn = self._split_heads(y, layer)
-        if self._recurrent_kernel is not None:
+        if self._recurrent_kernel is not None:  # two kernels: conv + head split, recurrence
             h, d = layer.num_heads, layer.head_dim
+            qn, kn, vn = self._conv_kernel(mixed.view(b, 1, -1), layer.conv_weight, conv_pool,
+                                           slots, h, d)
             out = q.new_empty(b, 1, h, d)
-            self._recurrent_kernel(qn.contiguous().view(b, 1, h, d),
-                                   kn.contiguous().view(b, 1, h, d), vn.view(b, 1, h, d),
-                                   g.float().contiguous().view(b, 1, h, d),
+            self._recurrent_kernel(qn, kn, vn, g.float().contiguous().view(b, 1, h, d),
                                    beta.float().contiguous().view(b, 1, h), layer.scale, ssm_pool,
                                    slots, out)
             return out.view(b, h, d)
+        y, window = causal_conv1d_update(mixed, layer.conv_weight, conv_pool[slots])
+        conv_pool.index_copy_(0, slots, window.to(conv_pool.dtype))
+        qn, kn, vn = self._split_heads(y, layer)
         o, state = kda_step(qn, kn, vn, g.float(), beta.float(), layer.scale, ssm_pool[slots])
         ssm_pool.index_copy_(0, slots, state)
         return o.to(q.dtype)

@@ -1,0 +1,94 @@
+"""sgl_kernel.kda_conv (KDA short conv + head split + window write, decode and verify) against
+kda_ops.causal_conv1d_update / causal_conv1d_chain and the backend's head split. Without CUDA
+the kernel runs in Triton's CPU interpreter (fp32)."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+from sglang.srt.layers.attention.kda_ops import causal_conv1d_chain, causal_conv1d_update, l2norm
+
+ON_CUDA = torch.cuda.is_available()
+DEVICE = "cuda" if ON_CUDA else "cpu"
+pytestmark = pytest.mark.skipif(
+    not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
+    reason="needs CUDA or TRITON_INTERPRET=1 set before triton is imported (test/conftest.py)")
+H, D, KW, S = 2, 24, 4, 6  # D = 24: a masked tail in the 32-wide block
+
+
+def _inputs(b=3, n=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    mixed = torch.randn(b, n, 3 * H * D, generator=g).to(DEVICE)
+    weight = (0.5 * torch.randn(3 * H * D, KW, generator=g)).to(DEVICE)
+    pool = torch.randn(S, 3 * H * D, KW - 1, generator=g).to(DEVICE)
+    # A column of a host-built [B, 3] table, as the scheduler passes slots: strided.
+    slots = torch.tensor([[9, 4, 9], [9, 1, 9], [9, 0, 9]], device=DEVICE)[:b, 1]
+    return mixed, weight, pool, slots
+
+
+def _split(y):
+    """The backend's head split: [T, 3HD] -> L2-normed q, k and v, fp32 [T, H, D]."""
+    qc, kc, vc = y.float().view(y.shape[0], 3, H, D).unbind(1)
+    return l2norm(qc), l2norm(kc), vc
+
+
+def test_decode_matches_the_one_step_update():
+    from sgl_kernel.kda_conv import kda_conv_qkv
+
+    mixed, weight, pool, slots = _inputs(n=1)
+    p = pool.clone()
+    got = kda_conv_qkv(mixed, weight, p, slots, H, D)
+    y, window = causal_conv1d_update(mixed[:, 0], weight, pool[slots])
+    for a, b in zip(got, _split(y)):
+        assert a.shape == (3, 1, H, D) and a.is_contiguous()
+        torch.testing.assert_close(a[:, 0], b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(p[slots], window)  # the pool slot holds the new window
+    others = [s for s in range(S) if s not in slots.tolist()]
+    assert torch.equal(p[others], pool[others])
+
+
+def test_verify_matches_the_chain_and_stages_windows():
+    from sgl_kernel.kda_conv import kda_conv_qkv
+
+    mixed, weight, pool, slots = _inputs(n=3)
+    p, staged = pool.clone(), torch.zeros(S, 4, 3 * H * D, KW - 1, device=DEVICE)
+    got = kda_conv_qkv(mixed, weight, p, slots, H, D, staged=staged)
+    y, windows = causal_conv1d_chain(mixed, weight, pool[slots])
+    for a, b in zip(got, _split(y.reshape(9, -1))):
+        torch.testing.assert_close(a, b.view(3, 3, H, D), rtol=1e-5, atol=1e-6)
+    assert torch.equal(p, pool)  # verify only reads the persistent windows
+    torch.testing.assert_close(staged[slots, :3], windows)
+
+
+def test_chain_equals_step_by_step_bit_for_bit():
+    """Verify position i == the decode of token i from the window decode left: the property
+    NEXTN losslessness rests on."""
+    from sgl_kernel.kda_conv import kda_conv_qkv
+
+    mixed, weight, pool, slots = _inputs(n=3, seed=1)
+    staged = torch.zeros(S, 3, 3 * H * D, KW - 1, device=DEVICE)
+    chain = kda_conv_qkv(mixed, weight, pool.clone(), slots, H, D, staged=staged)
+    p = pool.clone()
+    for i in range(3):
+        step = kda_conv_qkv(mixed[:, i:i + 1].contiguous(), weight, p, slots, H, D)
+        for a, b in zip(step, chain):
+            assert torch.equal(a[:, 0], b[:, i])
+        assert torch.equal(p[slots], staged[slots, i])
+
+
+def test_bad_inputs_are_rejected():
+    from sgl_kernel.kda_conv import kda_conv_qkv
+
+    mixed, weight, pool, slots = _inputs()
+    with pytest.raises(ValueError, match="mixed"):
+        kda_conv_qkv(mixed[:, :, :-1], weight, pool, slots, H, D)
+    with pytest.raises(ValueError, match="conv_weight"):
+        kda_conv_qkv(mixed, weight[:-1], pool, slots, H, D)
+    with pytest.raises(ValueError, match="conv_pool"):
+        kda_conv_qkv(mixed, weight, pool[:, :, :2], slots, H, D)
+    with pytest.raises(ValueError, match="slots"):
+        kda_conv_qkv(mixed, weight, pool, slots[:2], H, D)
+    with pytest.raises(ValueError, match="staged"):
+        kda_conv_qkv(mixed, weight, pool, slots, H, D, staged=pool.unsqueeze(1))
