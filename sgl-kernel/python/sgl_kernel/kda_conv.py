@@ -11,8 +11,8 @@ For ``N`` tokens per request (decode: 1; verify: the chain) and every channel ``
 
 The window after position ``i`` (``u_{i+1} .. u_{i+K-1}``) goes to ``staged[slot, i]`` (verify)
 or, after the last position, back to the pool slot (decode). One program per (request, head,
-q/k/v). The torch path is about fifteen kernels per KDA layer (concat, casts, products, sum,
-silu, copies, two L2 norms, the window write). Decode and verify run the same program: ``N``
+q/k/v). The torch path is over a dozen kernels per KDA layer (casts, products, sum, silu,
+copies, two L2 norms, the window write). Decode and verify run the same program: ``N``
 is not specialised and mul+add contraction is off, so a verify position rounds as the decode of
 that token does.
 """
