@@ -49,12 +49,13 @@ def test_decode_matches_the_one_step_update():
     assert torch.equal(p[others], pool[others])
 
 
-def test_verify_matches_the_chain_and_stages_windows():
+@pytest.mark.parametrize("rows", [None, 1, 4])  # default / one block per program (the GPU's) /
+def test_verify_matches_the_chain_and_stages_windows(rows):  # 6 blocks over 2 programs, masked
     from sgl_kernel.kda_conv import kda_conv_qkv
 
     mixed, weight, pool, slots = _inputs(n=3)
     p, staged = pool.clone(), torch.zeros(S, 4, 3 * H * D, KW - 1, device=DEVICE)
-    got = kda_conv_qkv(mixed, weight, p, slots, H, D, staged=staged)
+    got = kda_conv_qkv(mixed, weight, p, slots, H, D, staged=staged, rows=rows)
     y, windows = causal_conv1d_chain(mixed, weight, pool[slots])
     for a, b in zip(got, _split(y.reshape(9, -1))):
         torch.testing.assert_close(a, b.view(3, 3, H, D), rtol=1e-5, atol=1e-6)
@@ -62,17 +63,18 @@ def test_verify_matches_the_chain_and_stages_windows():
     torch.testing.assert_close(staged[slots, :3], windows)
 
 
-def test_chain_equals_step_by_step_bit_for_bit():
+@pytest.mark.parametrize("rows", [None, 1])
+def test_chain_equals_step_by_step_bit_for_bit(rows):
     """Verify position i == the decode of token i from the window decode left: the property
     NEXTN losslessness rests on."""
     from sgl_kernel.kda_conv import kda_conv_qkv
 
     mixed, weight, pool, slots = _inputs(n=3, seed=1)
     staged = torch.zeros(S, 3, 3 * H * D, KW - 1, device=DEVICE)
-    chain = kda_conv_qkv(mixed, weight, pool.clone(), slots, H, D, staged=staged)
+    chain = kda_conv_qkv(mixed, weight, pool.clone(), slots, H, D, staged=staged, rows=rows)
     p = pool.clone()
     for i in range(3):
-        step = kda_conv_qkv(mixed[:, i:i + 1].contiguous(), weight, p, slots, H, D)
+        step = kda_conv_qkv(mixed[:, i:i + 1].contiguous(), weight, p, slots, H, D, rows=rows)
         for a, b in zip(step, chain):
             assert torch.equal(a[:, 0], b[:, i])
         assert torch.equal(p[slots], staged[slots, i])

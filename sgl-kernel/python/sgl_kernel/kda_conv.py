@@ -11,10 +11,10 @@ For ``N`` tokens per request (decode: 1; verify: the chain) and every channel ``
 
 The window after position ``i`` (``u_{i+1} .. u_{i+K-1}``) goes to ``staged[slot, i]`` (verify)
 or, after the last position, back to the pool slot (decode). One program per (request, head,
-q/k/v). The torch path is over a dozen kernels per KDA layer (casts, products, sum, silu,
+q/k/v) block of ``D`` channels. The torch path is over a dozen kernels per KDA layer (casts, products, sum, silu,
 copies, two L2 norms, the window write). Decode and verify run the same program: ``N``
 is not specialised and mul+add contraction is off, so a verify position rounds as the decode of
-that token does.
+that token does. (Under Triton's interpreter a program takes all blocks of its request.)
 """
 from __future__ import annotations
 
@@ -27,26 +27,28 @@ import triton.language as tl
 
 __all__ = ["kda_conv_qkv"]
 
-_NO_FP_FUSION = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+_NO_FP_FUSION = {} if _INTERPRETED else {"enable_fp_fusion": False}
 
 
 @triton.jit(do_not_specialize=["N"])
 def _kda_conv_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, out_ptr, staged_ptr, N, H, D,
                      s_xb, s_xn, s_wc, s_ps, s_pc, s_ob, s_on, s_ow, s_oh,
                      s_ts, s_tn, s_tc, eps,
-                     KW: tl.constexpr, STAGE: tl.constexpr, BLOCK_D: tl.constexpr):
+                     KW: tl.constexpr, STAGE: tl.constexpr, BLOCK_D: tl.constexpr,
+                     ROWS: tl.constexpr):
     b = tl.program_id(0)
-    blk = tl.program_id(1)  # which * H + head
-    which = blk // H
-    head = blk % H
-    offs = tl.arange(0, BLOCK_D)
-    mask = offs < D
-    ch = blk * D + offs  # channel in [q | k | v]
+    blk = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # channel blocks: which * H + head
+    which = (blk // H)[:, None]
+    head = (blk % H)[:, None]
+    offs = tl.arange(0, BLOCK_D)[None, :]
+    mask = (offs < D) & (blk < 3 * H)[:, None]
+    ch = blk[:, None] * D + offs  # [ROWS, BLOCK_D] channels in [q | k | v]
     slot = tl.load(slots_ptr + b).to(tl.int64)
     win = pool_ptr + slot * s_ps + ch.to(tl.int64) * s_pc
     xrow = x_ptr + b.to(tl.int64) * s_xb + ch
     for i in range(0, N):
-        acc = tl.zeros([BLOCK_D], dtype=tl.float32)
+        acc = tl.zeros([ROWS, BLOCK_D], dtype=tl.float32)
         for tap in tl.static_range(KW):
             u = i + tap  # index into [window, x_0 .. x_{N-1}]
             from_win = u < KW - 1
@@ -57,7 +59,7 @@ def _kda_conv_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, out_ptr, staged_ptr, N, 
             acc += tl.where(from_win, wv, xv) * wt
         y = acc * tl.sigmoid(acc)
         y = y.to(x_ptr.dtype.element_ty).to(tl.float32)  # the torch path's rounding
-        y = tl.where(which < 2, y * tl.rsqrt(tl.sum(y * y, axis=0) + eps), y)  # L2 for q, k
+        y = tl.where(which < 2, y * tl.rsqrt(tl.sum(y * y, axis=1)[:, None] + eps), y)  # q, k
         tl.store(out_ptr + b.to(tl.int64) * s_ob + i * s_on + which * s_ow + head * s_oh + offs,
                  y, mask=mask)
         if STAGE:  # the window after position i: u[i+1 .. i+KW-1]
@@ -83,13 +85,15 @@ def _kda_conv_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, out_ptr, staged_ptr, N, 
 
 def kda_conv_qkv(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torch.Tensor,
                  slots: torch.Tensor, num_heads: int, head_dim: int,
-                 staged: Optional[torch.Tensor] = None
+                 staged: Optional[torch.Tensor] = None, rows: Optional[int] = None
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """``(q, k, v)``, each fp32 contiguous ``[B, N, H, D]`` (q and k L2-normalised),
     from ``mixed [B, N, 3HD]`` (the q/k/v projections, model dtype), ``conv_weight [3HD, K]``
     and ``conv_pool [S, 3HD, K-1]`` read at ``slots [B]``. Without ``staged`` the pool slot gets
     the window after the last token (decode); with ``staged [S, >= N, 3HD, K-1]`` the window
     after each position ``i`` goes to ``staged[slot, i]`` and the pool is only read (verify).
+    ``rows`` (a power of two): ``D``-channel blocks per program (default 1 on the GPU, all of a
+    request's under the interpreter).
     """
     if mixed.dim() != 3:
         raise ValueError(f"kda_conv_qkv: mixed must be [B, N, 3HD], got {tuple(mixed.shape)}")
@@ -119,10 +123,14 @@ def kda_conv_qkv(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torc
         st = staged if staged is not None else conv_pool  # unused pointer when not staging
         st_strides = (st.stride(0), st.stride(1), st.stride(2)) if staged is not None \
             else (0, 0, 0)
-        _kda_conv_kernel[(b, 3 * num_heads)](
+        # One (head, q/k/v) block per program on the GPU; the interpreter's cost is per program
+        # and per op, so there one program takes every block of its request.
+        if rows is None:
+            rows = triton.next_power_of_2(3 * num_heads) if _INTERPRETED else 1
+        _kda_conv_kernel[(b, triton.cdiv(3 * num_heads, rows))](
             mixed, conv_weight, conv_pool, slots.contiguous(), out, st, n, num_heads, head_dim,
             mixed.stride(0), mixed.stride(1), conv_weight.stride(0), conv_pool.stride(0),
             conv_pool.stride(1), out.stride(1), out.stride(2), out.stride(0), out.stride(3),
             *st_strides, 1e-6, KW=kw, STAGE=staged is not None,
-            BLOCK_D=triton.next_power_of_2(head_dim), **_NO_FP_FUSION)
+            BLOCK_D=triton.next_power_of_2(head_dim), ROWS=rows, **_NO_FP_FUSION)
     return out[0], out[1], out[2]
