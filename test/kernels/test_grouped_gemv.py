@@ -5,21 +5,14 @@ the interpreter has no bf16). The ``gpu`` test repeats the MoE check in bf16 on 
 """
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from kernel_test_utils import DEVICE, needs_triton
 from sglang.srt.layers.moe.fused_moe_native import fused_moe_gather
 from sglang.srt.layers.moe.fused_moe_triton import fused_moe_small_m
 
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
-
-
-pytestmark = pytest.mark.skipif(
-    not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs CUDA or TRITON_INTERPRET=1 set before triton is imported (test/conftest.py)")
+pytestmark = needs_triton
 
 
 @pytest.fixture(scope="module")

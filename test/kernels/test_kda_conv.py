@@ -3,18 +3,14 @@ kda_ops.causal_conv1d_update / causal_conv1d_chain and the backend's head split.
 the kernel runs in Triton's CPU interpreter (fp32)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from kernel_test_utils import DEVICE, needs_triton
+
 from sglang.srt.layers.attention.kda_ops import causal_conv1d_chain, causal_conv1d_update, l2norm
 
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs CUDA or TRITON_INTERPRET=1 set before triton is imported (test/conftest.py)")
+pytestmark = needs_triton
 H, D, KW, S = 2, 24, 4, 6  # D = 24: a masked tail in the 32-wide block
 
 

@@ -2,16 +2,12 @@
 through the attention backend. Without CUDA the kernel runs in Triton's CPU interpreter (fp32)."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs CUDA or TRITON_INTERPRET=1 set before triton is imported (test/conftest.py)")
+from kernel_test_utils import DEVICE, needs_triton
+
+pytestmark = needs_triton
 
 
 def _inputs(b=3, n=4, h=2, dk=24, dv=20, slots=6, seed=0):

@@ -3,18 +3,14 @@ sglang.srt.layers.moe.topk.select_experts, and through a model. Without CUDA the
 Triton's CPU interpreter."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from kernel_test_utils import DEVICE, needs_triton
+
 from sglang.srt.layers.moe.topk import select_experts
 
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs CUDA or TRITON_INTERPRET=1 set before triton is imported (test/conftest.py)")
+pytestmark = needs_triton
 
 
 def _logits(t, e, seed=0):

@@ -3,18 +3,14 @@ torch norms of sglang.srt.layers.layernorm, and through a model. Without CUDA th
 Triton's CPU interpreter."""
 from __future__ import annotations
 
-import os
-
 import pytest
 import torch
 
+from kernel_test_utils import DEVICE, ON_CUDA, needs_triton
+
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm, rms_norm, set_norm_backend
 
-ON_CUDA = torch.cuda.is_available()
-DEVICE = "cuda" if ON_CUDA else "cpu"
-pytestmark = pytest.mark.skipif(
-    not ON_CUDA and os.environ.get("TRITON_INTERPRET") != "1",
-    reason="needs CUDA or TRITON_INTERPRET=1 set before triton is imported (test/conftest.py)")
+pytestmark = needs_triton
 # CPU interpreter: fp32 only (see ENV.md); on CUDA bf16 as served.
 DTYPES = [torch.float32] + ([torch.bfloat16] if ON_CUDA else [])
 
