@@ -211,6 +211,15 @@ def get_env_field(name: str) -> EnvField:
     raise KeyError(f"unknown environment flag {name!r}; known flags: {known}")
 
 
+def require_triton_runtime(what: str, device_type: str) -> None:
+    """Raise ``ValueError`` naming ``what`` (a flag or variable asking for Triton kernels) unless
+    they can run: on CUDA, or in Triton's CPU interpreter (``TRITON_INTERPRET=1``, as the tests
+    set it before triton is first imported)."""
+    if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ValueError(f"{what} needs CUDA (or TRITON_INTERPRET=1 to run the kernels in "
+                         "Triton's CPU interpreter)")
+
+
 def env_snapshot() -> Dict[str, Any]:
     """Current parsed value of every flag (for logs and /server_info)."""
     return {f.name: f.get() for f in list_env_fields()}

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence
 
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, parse_override_args, resolve_model_path
+from sglang.srt.environ import require_triton_runtime
 
 logger = logging.getLogger(__name__)
 
@@ -264,10 +265,8 @@ class ServerArgs:
         for flag, value in (("--moe-runner-backend", self.moe_runner_backend),
                             ("--linear-attn-decode-backend", self.linear_attn_decode_backend)):
             _choice(flag, value, KERNEL_BACKEND_CHOICES)
-            if (value == "triton" and self.resolved_device() != "cuda"
-                    and os.environ.get("TRITON_INTERPRET") != "1"):
-                raise ValueError(f"{flag} triton needs CUDA (or TRITON_INTERPRET=1 to run its "
-                                 "kernels in Triton's CPU interpreter)")
+            if value == "triton":
+                require_triton_runtime(f"{flag} triton", self.resolved_device())
         self._check_speculative()
 
     def _check_attention_backend(self) -> None:

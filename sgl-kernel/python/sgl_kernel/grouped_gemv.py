@@ -13,12 +13,13 @@ fp32 accumulator. Reference: :func:`grouped_gemv_reference`.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
+
+from sgl_kernel._triton_mode import INTERPRETED
 
 __all__ = ["grouped_gemv", "grouped_gemv_reference"]
 
@@ -103,9 +104,8 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, rows_per_x
                          f"dim, got {tuple(out.shape)}")
     if p == 0 or n == 0:
         return out
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    block_n = block_n or (triton.next_power_of_2(n) if interpreted else 32)
-    block_k = block_k or (min(triton.next_power_of_2(k), 1024) if interpreted else 128)
+    block_n = block_n or (triton.next_power_of_2(n) if INTERPRETED else 32)
+    block_k = block_k or (min(triton.next_power_of_2(k), 1024) if INTERPRETED else 128)
     ids = ids.contiguous()  # the kernel indexes ids[p] densely
     grid = (p, triton.cdiv(n, block_n))
     limit = float(swiglu_limit or 0.0)
@@ -118,7 +118,7 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, rows_per_x
 
 def _launch_options(num_warps: Optional[int], num_stages: Optional[int]) -> dict:
     """The launch's compiler options that were given (the interpreter takes none)."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if INTERPRETED:
         return {}
     opts = {"num_warps": num_warps, "num_stages": num_stages}
     return {key: val for key, val in opts.items() if val is not None}

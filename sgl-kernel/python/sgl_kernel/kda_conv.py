@@ -18,17 +18,16 @@ that token does. (Under Triton's interpreter a program takes all blocks of its r
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
+from sgl_kernel._triton_mode import INTERPRETED, NO_FP_FUSION
+
 __all__ = ["kda_conv_qkv"]
 
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-_NO_FP_FUSION = {} if _INTERPRETED else {"enable_fp_fusion": False}
 
 
 @triton.jit(do_not_specialize=["N"])
@@ -126,11 +125,11 @@ def kda_conv_qkv(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torc
         # One (head, q/k/v) block per program on the GPU; the interpreter's cost is per program
         # and per op, so there one program takes every block of its request.
         if rows is None:
-            rows = triton.next_power_of_2(3 * num_heads) if _INTERPRETED else 1
+            rows = triton.next_power_of_2(3 * num_heads) if INTERPRETED else 1
         _kda_conv_kernel[(b, triton.cdiv(3 * num_heads, rows))](
             mixed, conv_weight, conv_pool, slots.contiguous(), out, st, n, num_heads, head_dim,
             mixed.stride(0), mixed.stride(1), conv_weight.stride(0), conv_pool.stride(0),
             conv_pool.stride(1), out.stride(1), out.stride(2), out.stride(0), out.stride(3),
             *st_strides, 1e-6, KW=kw, STAGE=staged is not None,
-            BLOCK_D=triton.next_power_of_2(head_dim), ROWS=rows, **_NO_FP_FUSION)
+            BLOCK_D=triton.next_power_of_2(head_dim), ROWS=rows, **NO_FP_FUSION)
     return out[0], out[1], out[2]

@@ -14,17 +14,15 @@ log-space gate ``g`` and ``beta``, all fp32. Reference: :func:`kda_recurrent_ref
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-__all__ = ["kda_recurrent_update", "kda_recurrent_reference"]
+from sgl_kernel._triton_mode import INTERPRETED, NO_FP_FUSION
 
-# The interpreter runs plain numpy (no contraction) and takes no compiler options.
-_NO_FP_FUSION = {} if os.environ.get("TRITON_INTERPRET") == "1" else {"enable_fp_fusion": False}
+__all__ = ["kda_recurrent_update", "kda_recurrent_reference"]
 
 
 # ``N`` is not specialised: Triton would compile ``N == 1`` (decode) as its own straight-line
@@ -114,8 +112,7 @@ def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     if b == 0 or n == 0:
         return out
     if block_v is None:  # the interpreter's cost is per program: one value tile there
-        interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-        block_v = triton.next_power_of_2(dv) if interpreted else 32
+        block_v = triton.next_power_of_2(dv) if INTERPRETED else 32
     st = staged if staged is not None else state_pool  # unused pointer when not staging
     st_strides = (st.stride(0), st.stride(1), st.stride(2), st.stride(3)) if staged is not None \
         else (0, 0, 0, 0)
@@ -131,7 +128,7 @@ def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         # No mul+add contraction: the decode and verify programs differ in their stores, and a
         # contraction the compiler picks in one and not the other broke their bit equality on an
         # H200 (values equal to 1e-4, not bit for bit). The kernel is bound by the state's bytes.
-        **_NO_FP_FUSION)
+        **NO_FP_FUSION)
     return out
 
 

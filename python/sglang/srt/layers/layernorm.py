@@ -7,12 +7,12 @@ launch each (``sgl_kernel.rmsnorm``, opt-in ``SGLANG_TRITON_RMSNORM=1`` until me
 from __future__ import annotations
 
 import functools
-import os
 from typing import Callable, Optional, Tuple, Union
 
 import torch
 from torch import nn
 
+from sglang.srt.environ import require_triton_runtime
 from sglang.srt.layers.linear import copy_checked
 from sglang.srt.model_loader.weight_utils import LazyWeight
 
@@ -37,9 +37,8 @@ def set_norm_backend(model: nn.Module, triton_norms: bool, device: torch.device)
     """Point every :class:`RMSNorm` / :class:`GatedRMSNorm` of ``model`` at the Triton kernel
     (``triton_norms``) or the torch reference; returns the choice. Triton needs CUDA, or
     ``TRITON_INTERPRET=1`` on CPU (tests)."""
-    if triton_norms and device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ValueError("SGLANG_TRITON_RMSNORM=1 needs CUDA (or TRITON_INTERPRET=1 to run the "
-                         "kernel in Triton's CPU interpreter)")
+    if triton_norms:
+        require_triton_runtime("SGLANG_TRITON_RMSNORM=1", device.type)
     for module in model.modules():
         if isinstance(module, (RMSNorm, GatedRMSNorm)):
             module.use_triton = triton_norms

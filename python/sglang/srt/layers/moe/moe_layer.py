@@ -6,7 +6,6 @@ all-reduce then completes both (model.md §5.1 step 7: the shared expert is not 
 """
 from __future__ import annotations
 
-import os
 from typing import Optional
 
 import torch
@@ -18,7 +17,7 @@ from sglang.srt.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from sglang.srt.environ import envs
+from sglang.srt.environ import envs, require_triton_runtime
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.linear import (
     MergedColumnParallelLinear,
@@ -175,14 +174,10 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device)
                          f"{backend!r}")
     chosen = "torch_native" if backend == "auto" else backend
     if chosen == "triton":
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("--moe-runner-backend triton needs CUDA (or TRITON_INTERPRET=1 to "
-                             "run the kernels in Triton's CPU interpreter)")
+        require_triton_runtime("--moe-runner-backend triton", device.type)
     grouped_mm, triton_router = envs.SGLANG_MOE_GROUPED_MM.get(), envs.SGLANG_TRITON_ROUTER.get()
     if triton_router:
-        if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
-            raise ValueError("SGLANG_TRITON_ROUTER=1 needs CUDA (or TRITON_INTERPRET=1 to run "
-                             "the kernel in Triton's CPU interpreter)")
+        require_triton_runtime("SGLANG_TRITON_ROUTER=1", device.type)
         from sgl_kernel.moe_router import router_kernel_supports
     for module in model.modules():
         if isinstance(module, FusedMoE):
