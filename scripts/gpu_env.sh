@@ -1,6 +1,6 @@
 # Sourced by the scripts/gpu_*.sh entry points on the GPU host (no network): install the staged
-# wheels (.whl, from ../shared/gpu/prepare.sh and scripts/gpu_wheels.sh), put the repository's
-# packages on the path, and print the GPUs. Sets OUT (default out) and creates it.
+# wheels (.whl, from scripts/gpu_wheels.sh), put the repository's packages on the path, and print
+# the GPUs. Sets OUT (default out) and creates it.
 OUT=${OUT:-out}; mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site \
   .whl/*.whl 2>&1 | grep -v "^WARNING: Target directory" || true

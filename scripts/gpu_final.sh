@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# GPU host, one device call per stage (each fits the 10-minute limit); logs and JSONL under $OUT.
+# GPU host, one stage per run (each finishes within 10 minutes on one H200); logs and JSONL
+# under $OUT.
 #   STAGE=tests   the gpu-marked tests (NEXTN bf16/fp32 losslessness first, then bf16 parity,
 #                 fla, CUDA sizing), then the NEXTN ladder (no spec vs 3/4/5 steps) on the
 #                 bundled model
@@ -109,5 +110,5 @@ kernels)
 esac
 pkill -f sglang.launch_server
 python3 benchmark/batch1/summarize.py "$OUT/spec_ab.jsonl"
-# At most 8 files come back from the device: pack the per-run logs.
+# Pack the per-run logs into one archive.
 cd "$OUT" && tar czf logs.tgz server-*.log bench-* 2>/dev/null && rm -f server-*.log bench-*

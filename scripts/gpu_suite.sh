@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
-# GPU host: the eager baselines of issues 2-4 on the dummy Ling-3.0-flash preset with 12 layers
-# (real width, bf16), then the gpu-marked test suite. Writes logs under $OUT.
-# Usage (from the project root, wheels staged in .whl by ../shared/gpu/prepare.sh):
+# GPU host: the eager baselines (weight-bandwidth floor, bench_one_batch, served bench_serving)
+# on the dummy Ling-3.0-flash preset with 12 layers (real width, bf16), then the gpu-marked test
+# suite. Writes logs under $OUT.
+# Usage (from the project root, wheels staged in .whl by scripts/gpu_wheels.sh):
 #   OUT=out bash scripts/gpu_suite.sh
 set -uo pipefail
 source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Multi-GPU host (issue #7: nvidia-h200-x4; nvidia-h200-x2 runs the same at TP=2). One device call
-# per stage, each within the 10-minute limit; logs under $OUT. NVLink multicast stays off.
+# Multi-GPU host (4 H200s run TP=4; 2 GPUs run the same at TP=2). Each stage finishes within
+# 10 minutes; logs under $OUT. NVLink multicast stays off.
 #   STAGE=tests  TP (4 ranks where 4 GPUs exist, else 2) == TP=1 on the GPUs, random checkpoint
 #                and bundled model (test_tp_matches_tp1_on_gpus), then the batch-1 all-reduce
 #                latency table (benchmark/kernels/bench_allreduce.py: engine path vs plain NCCL,
@@ -35,5 +35,5 @@ serve)
   python3 benchmark/batch1/summarize.py "$OUT/spec_ab.jsonl"
   ;;
 esac
-# At most 8 files come back from the device: pack the per-run logs.
+# Pack the per-run logs into one archive.
 cd "$OUT" && tar czf logs.tgz server-*.log bench-* 2>/dev/null && rm -f server-*.log bench-*

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
-# GPU host: train the bundled tiny model (issue 5) and, beside it, run the gpu-marked test suite.
-# Usage (from the project root, wheels staged in .whl by ../shared/gpu/prepare.sh):
+# GPU host: train the bundled tiny model (docs/bundled_model.md) and, beside it, run the
+# gpu-marked test suite.
+# Usage (from the project root, wheels staged in .whl by scripts/gpu_wheels.sh):
 #   bash scripts/gpu_train.sh [TIME_BUDGET_S]
 set -uo pipefail
 source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names

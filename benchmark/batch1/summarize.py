@@ -1,4 +1,4 @@
-"""Summarise bench_serving JSONL lines (tagged by spec_ab.sh) as the A/B table of the seed:
+"""Summarise bench_serving JSONL lines (tagged by spec_ab.sh) as a Markdown table, one row per run:
 mean / median TPOT, accept length, step time = mean TPOT x accept length, output throughput.
 
     python benchmark/batch1/summarize.py out/spec_ab.jsonl

@@ -10,7 +10,7 @@ step's cost) and replayed from a CUDA graph of ``--graph-calls`` calls (the coll
 a captured step pays). A bf16 message of 20 KB is a few tokens of hidden state at batch 1. Rows
 report the slowest rank's mean; the first call of every variant checks the sum.
 
-Keep NVLink multicast off on the shared GPU hosts (NCCL_NVLS_ENABLE=0,
+NVLink multicast stays off, as in scripts/gpu_tp.sh (NCCL_NVLS_ENABLE=0,
 TORCH_SYMM_MEM_DISABLE_MULTICAST=1, NVSHMEM_DISABLE_NVLS=1); this script sets them if unset.
 ``--device cpu`` (gloo, eager only, wall clock) is a smoke run of the script.
 """

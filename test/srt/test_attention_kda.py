@@ -59,7 +59,7 @@ def test_chunked_equals_recurrent(t):
 
 
 def test_recurrent_matches_delta_rule_by_hand():
-    """One head, two tokens, written out with explicit matrices (model.md §3.2)."""
+    """One head, two tokens, written out with explicit matrices (docs/model.md §3.2)."""
     q, k, v, g, beta = random_inputs(2, h=1, d=3, seed=5)
     S = torch.zeros(3, 3)
     outs = []

@@ -24,7 +24,7 @@ def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def naive_attention(q_nope, q_rope, c, k_rope, w_kvb, q_start):
-    """Per-head MLA as in model.md §4.1: k_h = [c W_UK[h]^T ; k_rope], v_h = c W_UV[h]^T."""
+    """Per-head MLA as in docs/model.md §4.1: k_h = [c W_UK[h]^T ; k_rope], v_h = c W_UV[h]^T."""
     s, t = c.shape[0], q_nope.shape[0]
     w = w_kvb.view(H, DN + DV, R)
     out = torch.empty(t, H, DV)

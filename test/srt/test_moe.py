@@ -1,4 +1,4 @@
-"""MoE router and block against per-token references written out here (model.md §5)."""
+"""MoE router and block against per-token references written out here (docs/model.md §5)."""
 from __future__ import annotations
 
 import pytest
@@ -21,7 +21,7 @@ from sglang.srt.model_loader.weight_utils import LazyWeight
 
 # --------------------------------------------------------------------------------- router
 def route_one_token(logits, bias, k, n_group, topk_group, renorm, scale):
-    """Literal per-token transcription of model.md §5.1 with Python lists."""
+    """Literal per-token transcription of docs/model.md §5.1 with Python lists."""
     e = len(logits)
     p = [1.0 / (1.0 + pow(2.718281828459045, -float(z))) for z in logits]
     s = [p[i] + (float(bias[i]) if bias is not None else 0.0) for i in range(e)]

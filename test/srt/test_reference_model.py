@@ -1,4 +1,5 @@
-"""Tests of the plain-PyTorch reference BailingMoeV3 (sglang.train.reference) against model.md."""
+"""Tests of the plain-PyTorch reference BailingMoeV3 (sglang.train.reference) against
+docs/model.md."""
 from __future__ import annotations
 
 import json

@@ -33,7 +33,7 @@ _TINY: Dict[str, Any] = {
     "qk_rope_head_dim": 8,
     "v_head_dim": 16,
     "rotary_dim": 8,
-    "partial_rotary_factor": 0.5,  # present in the real config and must be ignored (model.md §4.2)
+    "partial_rotary_factor": 0.5,  # in the real config and must be ignored (docs/model.md §4.2)
     "rope_theta": 10000.0,
     "rope_interleave": True,
     "rope_scaling": None,

@@ -1,7 +1,7 @@
-"""Plain-PyTorch, differentiable reference BailingMoeV3 (Ling-3.0), written from model.md.
+"""Plain-PyTorch, differentiable reference BailingMoeV3 (Ling-3.0), written from docs/model.md.
 
 It is the oracle the serving model is tested against and the model the training code trains.
-Parameter names are exactly the Hugging Face checkpoint names (model.md §2.1-2.2), so
+Parameter names are exactly the Hugging Face checkpoint names (docs/model.md §2.1-2.2), so
 ``state_dict()`` is a checkpoint and a checkpoint loads with ``load_state_dict(strict=True)``.
 Inputs are batched ``[B, T]`` token ids of one length; positions are ``0..T-1``.
 """
@@ -58,7 +58,7 @@ class DecoderLayer(nn.Module):
 
 
 class MTPLayer(DecoderLayer):
-    """The NextN/MTP block ``model.layers.{N}`` (model.md §6.1): MLA + MoE (never clamped) plus
+    """The NextN/MTP block ``model.layers.{N}`` (docs/model.md §6.1): MLA + MoE (never clamped) plus
     ``enorm``, ``hnorm``, ``eh_proj`` (input order ``[embedding, hidden]``) and ``final_layernorm``."""
 
     def __init__(self, cfg: BailingMoeV3Config, layer_id: int):
@@ -146,7 +146,7 @@ class ReferenceBailingMoeV3(nn.Module):
 
     def mtp_forward(self, hidden: torch.Tensor, next_ids: torch.Tensor
                     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """MTP draft (model.md §6.1): pairs ``(hidden[:, t], next_ids[:, t])`` at position t.
+        """MTP draft (docs/model.md §6.1): pairs ``(hidden[:, t], next_ids[:, t])`` at position t.
 
         ``hidden [B, T, H]`` is the main model's final-normed hidden state, ``next_ids [B, T]``
         the token at t+1 (in training: input ids rolled by -1). Returns

@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
-# Alternative spelling of the router bias in some checkpoints (model.md §2.1, §9.4).
+# Alternative spelling of the router bias in some checkpoints (docs/model.md §2.1, §9.4).
 _BIAS_ALIAS = (".mlp.gate.e_score_correction_bias", ".mlp.gate.expert_bias")
 
 

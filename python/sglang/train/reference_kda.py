@@ -1,4 +1,4 @@
-"""Kimi Delta Attention (KDA) of the plain-PyTorch reference BailingMoeV3 (model.md §3).
+"""Kimi Delta Attention (KDA) of the plain-PyTorch reference BailingMoeV3 (docs/model.md §3).
 
 Everything here is differentiable and batched over ``[B, T, ...]``. The core math (gate, L2 norm,
 recurrence) runs in fp32 with autocast switched off, because the state of a delta rule accumulates
@@ -29,13 +29,15 @@ def fp32_region(x: torch.Tensor) -> torch.autocast:
 
 
 def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """``x / sqrt(sum(x^2) + eps)`` over the last dim (FLA's ``l2norm``; model.md §3.1 step 3)."""
+    """``x / sqrt(sum(x^2) + eps)`` over the last dim (FLA's ``l2norm``; docs/model.md §3.1
+    step 3)."""
     return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 def kda_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor, lower_bound: float,
              safe_gate: bool) -> torch.Tensor:
-    """Log-space forget gate ``g`` [B, T, H, D] from the forget logits ``f`` (model.md §3.1 step 6).
+    """Log-space forget gate ``g`` [B, T, H, D] from the forget logits ``f`` (docs/model.md
+    §3.1 step 6).
 
     ``safe_gate``: ``g = lower_bound * sigmoid(exp(A_log[h]) * (f + dt_bias))`` in (lower_bound, 0);
     otherwise the original Kimi form ``g = -exp(A_log[h]) * softplus(f + dt_bias)``.
@@ -53,7 +55,7 @@ def kda_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Te
                   beta: torch.Tensor, scale: float,
                   initial_state: Optional[torch.Tensor] = None
                   ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The gated delta rule token by token (model.md §3.2), fp32.
+    """The gated delta rule token by token (docs/model.md §3.2), fp32.
 
     Shapes: ``q, k, g [B, T, H, K]``, ``v [B, T, H, V]``, ``beta [B, T, H]``, state ``[B, H, K, V]``.
     Per step: ``S <- diag(exp(g_t)) S``; ``S <- S + beta_t k_t (v_t - S^T k_t)^T``;
@@ -78,7 +80,7 @@ def kda_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
                 beta: torch.Tensor, scale: float, chunk_size: int = 32,
                 initial_state: Optional[torch.Tensor] = None
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The chunked form of the gated delta rule (model.md §3.4), fp32; same result as
+    """The chunked form of the gated delta rule (docs/model.md §3.4), fp32; same result as
     :func:`kda_recurrent` up to rounding.
 
     Decay factors are only ever formed as ``exp(G_i - G_j)`` with ``i >= j`` (a non-positive

@@ -1,4 +1,5 @@
-"""Gated MLA of the reference BailingMoeV3 in its naive (decompressed) form (model.md §4.1-4.2).
+"""Gated MLA of the reference BailingMoeV3 in its naive (decompressed) form (docs/model.md
+§4.1-4.2).
 
 q (optionally through a q_lora bottleneck), a compressed latent ``c`` normalised with
 ``kv_a_layernorm``, one rope key shared by all heads, ``kv_b_proj`` decompressing ``c`` into
@@ -33,7 +34,7 @@ class RMSNorm(nn.Module):
 
 def rope_interleaved(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tensor:
     """GPT-J RoPE: channels (2i, 2i+1) rotate by ``pos * theta^(-2i/d)``; ``x [..., T, d]`` with
-    ``positions [T]`` (model.md §4.2). Computed in fp32."""
+    ``positions [T]`` (docs/model.md §4.2). Computed in fp32."""
     d = x.shape[-1]
     inv_freq = theta ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float64) / d)
     angles = (positions.to(torch.float64).unsqueeze(-1) * inv_freq).float()  # [T, d/2]

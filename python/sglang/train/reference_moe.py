@@ -1,5 +1,5 @@
 """Feed-forward blocks of the reference BailingMoeV3: dense SwiGLU MLP and the routed MoE
-(model.md §5: fp32 sigmoid router, group-limited top-k with a selection-only bias, renormalised
+(docs/model.md §5: fp32 sigmoid router, group-limited top-k with a selection-only bias, renormalised
 weights scaled by ``routed_scaling_factor``, one unscaled shared expert, clamped SwiGLU §5.4).
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ from sglang.train.reference_kda import fp32_region
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float = 0.0) -> torch.Tensor:
     """``silu(gate) * up``; with ``limit > 0`` the clamped form
-    ``min(silu(gate), limit) * clamp(up, -limit, limit)`` (model.md §5.4)."""
+    ``min(silu(gate), limit) * clamp(up, -limit, limit)`` (docs/model.md §5.4)."""
     act = F.silu(gate)
     if limit > 0:
         act = act.clamp(max=limit)
@@ -60,7 +60,7 @@ class Router(nn.Module):
         return self
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """Router logits in fp32 (model.md §5.1 step 1): x and W are both upcast."""
+        """Router logits in fp32 (docs/model.md §5.1 step 1): x and W are both upcast."""
         with fp32_region(x):
             return F.linear(x.float(), self.weight.float())
 
@@ -68,7 +68,7 @@ class Router(nn.Module):
 def grouped_topk(logits: torch.Tensor, bias: Optional[torch.Tensor], top_k: int, n_group: int,
                  topk_group: int, renormalize: bool, scaling: float
                  ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Noaux-tc routing (model.md §5.1 steps 2-6) on fp32 ``logits [N, E]``.
+    """Noaux-tc routing (docs/model.md §5.1 steps 2-6) on fp32 ``logits [N, E]``.
 
     Returns ``(weights [N, top_k] fp32, ids [N, top_k] int64)``. The bias only picks experts; the
     weights come from the un-biased sigmoid scores.

@@ -11,7 +11,7 @@ Pipeline (every step seeded):
    each step every router's ``expert_bias`` moves by ``bias_rate * sign(mean_load - load)``;
 3. **MTP phase** (sequential, not joint, so the target is exactly what phase 2 left): the target is
    frozen, only ``model.layers.{N}`` (the MTP block) trains. At position t it reads
-   ``(h_t, x_{t+1})`` (model.md §6.1) and predicts ``x_{t+2}``; the loss mixes cross-entropy on
+   ``(h_t, x_{t+1})`` (docs/model.md §6.1) and predicts ``x_{t+2}``; the loss mixes cross-entropy on
    the true ``x_{t+2}`` (the Bailing recipe) with KL to the target's own distribution at t+1
    (weight ``--mtp-distill``), because drafts are accepted when they match the target.
 

@@ -4,7 +4,7 @@ tokens, the state after each position staged, the persistent state untouched).
 
 Per request ``b`` (pool slot ``slots[b]``), head ``h`` and a ``BLOCK_V`` slice of the value dim,
 one program keeps its ``[K, BLOCK_V]`` fp32 state slice in registers across the chain and per
-position does (model.md §3.2, as :func:`sglang.srt.layers.attention.kda_ops.kda_step`)::
+position does (docs/model.md §3.2, as :func:`sglang.srt.layers.attention.kda_ops.kda_step`)::
 
     S <- diag(exp g) S;   S <- S + beta k (v - S^T k)^T;   o = S^T (scale q)
 

@@ -1,7 +1,7 @@
 """The MoE router after its logits GEMM, in one kernel: sigmoid scores, bias-corrected
 group-limited top-k selection, unbiased weights (renormalised, scaled).
 
-Per token (one program, all ``E`` experts in registers), the rule of model.md §5.1 as
+Per token (one program, all ``E`` experts in registers), the rule of docs/model.md §5.1 as
 :func:`sglang.srt.layers.moe.topk.select_experts` computes it::
 
     p = sigmoid(logits);  s = p + bias

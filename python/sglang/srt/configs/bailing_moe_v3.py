@@ -38,7 +38,7 @@ _REQUIRED = (
 
 @dataclass
 class BailingMoeV3Config:
-    """Parsed BailingMoeV3 config; see ``reference/model.md`` §1 for each field's meaning."""
+    """Parsed BailingMoeV3 config; see ``docs/model.md`` §1 for each field's meaning."""
 
     hidden_size: int
     num_hidden_layers: int
@@ -154,7 +154,8 @@ class BailingMoeV3Config:
 
     # ------------------------------------------------------------------ derived layout
     def is_kda_layer(self, layer_id: int) -> bool:
-        """model.md §1.3: every ``layer_group_size``-th layer and an incomplete tail group are MLA."""
+        """docs/model.md §1.3: every ``layer_group_size``-th layer and an incomplete tail group
+        are MLA; the rest are KDA."""
         g = self.layer_group_size
         full_groups_end = (self.num_hidden_layers // g) * g
         return not ((layer_id + 1) % g == 0 or layer_id >= full_groups_end)

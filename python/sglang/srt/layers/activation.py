@@ -1,4 +1,4 @@
-"""SwiGLU activation with the optional clamp of Ling's late layers (model.md §5.4)."""
+"""SwiGLU activation with the optional clamp of Ling's late layers (docs/model.md §5.4)."""
 from __future__ import annotations
 
 import torch

@@ -1,6 +1,6 @@
 """RMS norms: the plain one (optionally fused with the residual add) and the KDA output norm.
 
-Both normalise in fp32 and cast the result back to the input dtype (model.md §3.3). The torch
+Both normalise in fp32 and cast the result back to the input dtype (docs/model.md §8). The torch
 code here is the reference; :func:`set_norm_backend` switches a model's norms to one Triton
 launch each (``sgl_kernel.rmsnorm``, opt-in ``SGLANG_TRITON_RMSNORM=1`` until measured).
 """
@@ -90,7 +90,7 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """Per-head RMSNorm times an activated output gate (KDA output, model.md §3.3).
+    """Per-head RMSNorm times an activated output gate (KDA output, docs/model.md §3.3).
 
     ``forward(x [..., D], gate [..., D]) = rmsnorm_D(x) * weight * act(gate)`` with ``act`` =
     sigmoid (Ling) or ``swish`` (silu; other FLA models). The weight ``[D]`` is shared by all

@@ -1,4 +1,4 @@
-"""Rotary position embedding on the rope channels of MLA queries and keys (model.md §4.2).
+"""Rotary position embedding on the rope channels of MLA queries and keys (docs/model.md §4.2).
 
 Two pairings of the ``rotary_dim`` channels into rotation planes:
 

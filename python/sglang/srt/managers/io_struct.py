@@ -292,7 +292,7 @@ class ProfileReqOutput:
     message: str = ""
 
 
-# Short name used in the brief and in older SGLang versions.
+# Short alias, as in older SGLang versions.
 FlushCacheReq = FlushCacheReqInput
 
 

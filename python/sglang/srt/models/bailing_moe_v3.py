@@ -1,8 +1,8 @@
 """BailingMoeV3ForCausalLM (Ling-3.0): KDA linear attention + gated MLA + grouped-top-k MoE.
 
-The math is model.md §3 (KDA), §4 (MLA in absorbed form), §5 (MoE); checkpoint names are §2.1.
-Every layer is tensor-parallel by heads (attention) or by the intermediate dim (MLPs, experts),
-with the TP rank/size read when the model is built.
+The math is docs/model.md §3 (KDA), §4 (MLA in absorbed form), §5 (MoE); checkpoint names
+are §2.1. Every layer is tensor-parallel by heads (attention) or by the intermediate dim (MLPs,
+experts), with the TP rank/size read when the model is built.
 
 Weight loading goes through a table of :class:`~sglang.srt.models.weight_slots.WeightSlot`
 (checkpoint name -> full shape and the parameter whose ``weight_loader`` takes it), built from the
@@ -81,7 +81,7 @@ def _uniform_dummy_init(low: float, high: float, log: bool = False):
 
 
 # ============================================================================================
-# KDA (model.md §3)
+# KDA (docs/model.md §3)
 # ============================================================================================
 class BailingKDA(nn.Module):
     """Kimi Delta Attention with a full-rank forget gate and a sigmoid-gated output norm.
@@ -175,7 +175,7 @@ class BailingKDA(nn.Module):
 
 
 # ============================================================================================
-# MLA (model.md §4), absorbed form for prefill and decode alike
+# MLA (docs/model.md §4), absorbed form for prefill and decode alike
 # ============================================================================================
 class BailingMLA(nn.Module):
     """Multi-head latent attention with a head-wise sigmoid output gate.
@@ -282,7 +282,8 @@ class BailingMLA(nn.Module):
 class BailingMoeV3DecoderLayer(nn.Module):
     """Pre-norm block: attention (KDA or MLA) then MLP (dense or MoE), residuals fused into norms.
 
-    ``is_nextn`` builds the MTP layer's block: MLA + MoE, no SwiGLU clamp (model.md §5.4, §6.1).
+    ``is_nextn`` builds the MTP layer's block: MLA + MoE, no SwiGLU clamp (docs/model.md §5.4,
+    §6.1).
     """
 
     def __init__(self, config: BailingMoeV3Config, layer_id: int, rope: RotaryEmbedding,

@@ -1,4 +1,5 @@
-"""The MTP (NEXTN) draft layer of BailingMoeV3, ``model.layers.{num_hidden_layers}`` (model.md §6.1).
+"""The MTP (NEXTN) draft layer of BailingMoeV3, ``model.layers.{num_hidden_layers}``
+(docs/model.md §6.1).
 
 Given the target's final-normed hidden state ``h_t`` and the next token ``x_{t+1}``:
 ``u = eh_proj([enorm(embed(x_{t+1})) ‖ hnorm(h_t)])``, one MLA + MoE block (own MLA cache rows,

@@ -1,4 +1,4 @@
-"""Architecture name -> model class (dispatch on ``architectures[0]``, model.md §1.1).
+"""Architecture name -> model class (dispatch on ``architectures[0]``, docs/model.md §1.1).
 
 Draft models: as in SGLang, any Bailing architecture loaded as a draft resolves to the MTP
 class ``BailingMoeForCausalLMNextN``.

@@ -1,7 +1,7 @@
 """Plain-PyTorch KDA (Kimi Delta Attention) math for one sequence: the reference for fast paths.
 
-Everything follows /work/shared/reference/model.md §3: a short causal depthwise convolution with
-SiLU, per-head L2 norm, the lower-bound (or softplus) forget gate, and the gated delta rule in its
+Everything follows docs/model.md §3: a short causal depthwise convolution with SiLU, per-head
+L2 norm, the lower-bound (or softplus) forget gate, and the gated delta rule in its
 token-by-token form (§3.2) and its chunked form (§3.4). All math runs in fp32 whatever the input
 dtype; outputs come back in the query's dtype and recurrent states are always fp32
 ``[H, K, V]`` (rows = key channels, the FLA layout).
@@ -153,7 +153,7 @@ def kda_step(
     """One token of the gated delta rule for any leading batch shape (fp32 in, fp32 out).
 
     ``q, k, g [..., K]``, ``v [..., V]``, ``beta [...]``, ``state [..., K, V]``. Returns
-    ``(o [..., V], new_state [..., K, V])`` with (model.md §3.2)
+    ``(o [..., V], new_state [..., K, V])`` with (docs/model.md §3.2)
     ``S <- diag(exp g) S;  S <- S + beta k (v - S^T k)^T;  o = S^T (scale q)``.
     """
     s = state * g.exp().unsqueeze(-1)
@@ -167,7 +167,7 @@ def kda_recurrent(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
     scale: float, initial_state: Optional[torch.Tensor] = None, return_all_states: bool = False,
 ):
-    """Token-by-token KDA over one sequence (model.md §3.2); q and k already L2-normalised.
+    """Token-by-token KDA over one sequence (docs/model.md §3.2); q and k already L2-normalised.
 
     ``q, k, g [T, H, K]``, ``v [T, H, V]``, ``beta [T, H]``, ``initial_state [H, K, V]`` fp32.
     Returns ``(o [T, H, V] in q's dtype, final_state [H, K, V] fp32)`` and, with
@@ -196,7 +196,7 @@ def kda_chunked(
     scale: float, initial_state: Optional[torch.Tensor] = None, return_all_states: bool = False,
     chunk_size: int = 64,
 ):
-    """Chunked KDA (model.md §3.4), equal to :func:`kda_recurrent` up to fp32 rounding.
+    """Chunked KDA (docs/model.md §3.4), equal to :func:`kda_recurrent` up to fp32 rounding.
 
     Same arguments and results as :func:`kda_recurrent`. Numerically safe for any ``g <= 0``:
     decays enter only as ``exp(G_i - G_j)`` with ``i >= j`` inside a chunk (masked to ``-inf``

@@ -1,6 +1,6 @@
 """Plain-PyTorch MLA attention in absorbed (latent-cache) form: the reference for fast paths.
 
-In absorbed form MLA is multi-query attention (model.md §4.3): every head's query
+In absorbed form MLA is multi-query attention (docs/model.md §4.3): every head's query
 (``W_UK^T q_nope`` ‖ roped ``q_rope``, width ``Dk = kv_lora_rank + qk_rope_head_dim``) scores the
 same per-token cache row ``[c ‖ k_rope]`` and reads the latent ``c = row[:v_dim]`` as value.
 Matmuls run in the input dtype, the softmax in fp32; score blocks are bounded so a long prefill

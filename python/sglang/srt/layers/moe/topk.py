@@ -1,4 +1,4 @@
-"""MoE router: sigmoid scores, bias-corrected group-limited top-k (model.md §5.1).
+"""MoE router: sigmoid scores, bias-corrected group-limited top-k (docs/model.md §5.1).
 
 Per token: ``p = sigmoid(x W^T)`` (fp32 logits); selection scores ``s = p + expert_bias``; the
 experts are split into ``n_group`` groups, a group's score is the sum of its two best ``s``,
@@ -79,7 +79,7 @@ class MoEGate(nn.Module):
 
     Replicated on every rank (each rank needs every token's selection). ``router_dtype`` "fp32"
     keeps the weight in fp32 and computes ``x.float() @ W^T``; "bf16" keeps the weight in the
-    model dtype and upcasts the logits (faster, as SGLang does; model.md §5.1).
+    model dtype and upcasts the logits (faster, as SGLang does; docs/model.md §5.2).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, num_expert_group: int,
