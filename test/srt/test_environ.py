@@ -1,19 +1,26 @@
-"""The typed SGLANG_* flag registry: parsing, defaults, errors naming the variable, listing."""
+"""The typed SGLANG_* flag registry: parsing, defaults, errors naming the variable, listing,
+compatibility-only variables."""
 from __future__ import annotations
+
+import logging
 
 import pytest
 
+from sglang.srt import environ
 from sglang.srt.environ import (
     EnvField,
+    compat_env_fields,
     describe_envs,
     env_snapshot,
     envs,
     get_env_field,
     list_env_fields,
     unknown_sglang_env_vars,
+    warn_compat_envs,
 )
 
-SEED_FLAGS = (
+# Variables of the published upstream launch commands for Ling-3.0-flash.
+UPSTREAM_LAUNCH_FLAGS = (
     "SGLANG_ENABLE_METADATA_GLUE_GRAPH",
     "SGLANG_OPT_FUSED_KDA_VERIFY",
     "SGLANG_ENABLE_FUSED_VERIFY_EXTEND_GRAPH",
@@ -23,7 +30,7 @@ SEED_FLAGS = (
 def test_registry_lists_the_required_flags():
     names = [f.name for f in list_env_fields()]
     assert names == sorted(names)
-    for name in SEED_FLAGS + ("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "SGLANG_IS_IN_CI"):
+    for name in UPSTREAM_LAUNCH_FLAGS + ("SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION", "SGLANG_IS_IN_CI"):
         assert name in names
         assert getattr(envs, name).name == name  # attribute name == variable name
 
@@ -72,11 +79,11 @@ def test_override_restores_previous_value(monkeypatch):
     assert envs.SGLANG_IS_IN_CI.get() is True
 
 
-def test_seed_command_environment(monkeypatch):
-    for name in SEED_FLAGS:
+def test_upstream_command_environment(monkeypatch):
+    for name in UPSTREAM_LAUNCH_FLAGS:
         monkeypatch.setenv(name, "1")
     snap = env_snapshot()
-    assert all(snap[name] is True for name in SEED_FLAGS)
+    assert all(snap[name] is True for name in UPSTREAM_LAUNCH_FLAGS)
 
 
 def test_lookup_and_unknown_detection():
@@ -85,3 +92,57 @@ def test_lookup_and_unknown_detection():
         get_env_field("SGLANG_NOPE")
     env = {"SGLANG_OPT_FUSED_KDA_VERIFY": "1", "SGLANG_OPT_FUSED_KDA_VERIFYY": "1", "PATH": "/"}
     assert unknown_sglang_env_vars(env) == ["SGLANG_OPT_FUSED_KDA_VERIFYY"]
+
+
+# ---------------------------------------------------------------- compatibility-only variables
+COMPAT_NAMES = {"SGLANG_OPT_FUSED_KDA_VERIFY", "SGLANG_ENABLE_FUSED_VERIFY_EXTEND_GRAPH",
+                "SGLANG_IS_IN_CI"}
+
+
+@pytest.fixture
+def fresh_warnings(monkeypatch, caplog):
+    """Forget the warnings already logged in this process and unset every compat variable."""
+    monkeypatch.setattr(environ, "_COMPAT_WARNED", set())
+    for f in compat_env_fields():
+        monkeypatch.delenv(f.name, raising=False)
+    caplog.set_level(logging.WARNING, logger="sglang.srt.environ")
+    return caplog
+
+
+def _warnings_naming(caplog, name):
+    return [r for r in caplog.records if name in r.getMessage() and "no effect" in r.getMessage()]
+
+
+def test_compat_variables_are_listed_with_a_reason():
+    assert {f.name for f in compat_env_fields()} == COMPAT_NAMES
+    assert all(f.compat for f in compat_env_fields())
+    glue = envs.SGLANG_ENABLE_METADATA_GLUE_GRAPH
+    assert glue.compat is None and "no effect" not in glue.doc  # it is an opt-in
+    assert "docs/performance.md" in glue.doc
+    assert describe_envs().count("Accepted for compatibility") == len(COMPAT_NAMES)
+
+
+def test_compat_variable_warns_once_on_first_read(fresh_warnings, monkeypatch):
+    monkeypatch.setenv("SGLANG_IS_IN_CI", "1")
+    assert envs.SGLANG_IS_IN_CI.get() is True
+    assert envs.SGLANG_IS_IN_CI.get() is True
+    assert len(_warnings_naming(fresh_warnings, "SGLANG_IS_IN_CI")) == 1
+
+
+def test_compat_variable_at_its_default_does_not_warn(fresh_warnings, monkeypatch):
+    monkeypatch.setenv("SGLANG_OPT_FUSED_KDA_VERIFY", "0")
+    assert envs.SGLANG_OPT_FUSED_KDA_VERIFY.get() is False
+    assert warn_compat_envs() == []
+    assert not _warnings_naming(fresh_warnings, "SGLANG_OPT_FUSED_KDA_VERIFY")
+
+
+def test_warn_compat_envs_names_each_set_variable_once(fresh_warnings, monkeypatch):
+    monkeypatch.setenv("SGLANG_ENABLE_FUSED_VERIFY_EXTEND_GRAPH", "1")
+    monkeypatch.setenv("SGLANG_OPT_FUSED_KDA_VERIFY", "true")
+    monkeypatch.setenv("SGLANG_ENABLE_METADATA_GLUE_GRAPH", "1")  # opt-in: never warned about
+    expected = ["SGLANG_ENABLE_FUSED_VERIFY_EXTEND_GRAPH", "SGLANG_OPT_FUSED_KDA_VERIFY"]
+    assert warn_compat_envs() == expected
+    assert warn_compat_envs() == expected
+    for name in expected:
+        assert len(_warnings_naming(fresh_warnings, name)) == 1
+    assert not _warnings_naming(fresh_warnings, "SGLANG_ENABLE_METADATA_GLUE_GRAPH")

@@ -1,15 +1,28 @@
-"""ServerArgs: defaults, validation messages that name the flag, CLI parsing (including the seed
-blog's launch commands) and speculative-decoding resolution."""
+"""ServerArgs: defaults, validation messages that name the flag, CLI parsing (including the
+published Ling-3.0-flash launch commands), CUDA-graph batch sizes, compatibility-only flags and
+speculative-decoding resolution."""
 from __future__ import annotations
 
+import argparse
+import logging
 import shlex
 
 import pytest
 import torch
 
-from sglang.srt.server_args import PortArgs, ServerArgs, prepare_server_args
+from sglang.srt import server_args as server_args_module
+from sglang.srt.configs import engine_defaults
+from sglang.srt.environ import envs
+from sglang.srt.server_args import (
+    COMPAT_ONLY_FLAGS,
+    PortArgs,
+    ServerArgs,
+    prepare_server_args,
+    warn_compat_flags,
+)
 
-# The blog's reproduction commands (environment variables and the launcher stripped).
+# Published upstream-SGLang launch commands for Ling-3.0-flash (environment variables and the
+# launcher stripped).
 NEXTN_COMMAND = """
     --model-path inclusionAI/Ling-3.0-flash
     --tp-size 4 --trust-remote-code
@@ -87,6 +100,12 @@ def test_chunked_prefill_minus_one_disables():
         ({"max_running_requests": 0}, "--max-running-requests"),
         ({"max_total_tokens": -5}, "--max-total-tokens"),
         ({"cuda_graph_max_bs": 0}, "--cuda-graph-max-bs"),
+        ({"cuda_graph_bs": [0, 2]}, "--cuda-graph-bs must be a non-empty list of integers >= 1"),
+        ({"cuda_graph_bs": []}, "--cuda-graph-bs"),
+        ({"cuda_graph_bs": [1, 2.5]}, "--cuda-graph-bs"),
+        ({"cuda_graph_bs": 4}, "--cuda-graph-bs"),
+        ({"cuda_graph_bs": [1, 8, 16], "cuda_graph_max_bs": 4},
+         "--cuda-graph-bs 8, 16 exceeds --cuda-graph-max-bs 4"),
         ({"stream_interval": 0}, "--stream-interval"),
         ({"decode_log_interval": 0}, "--decode-log-interval"),
         ({"watchdog_timeout": 0}, "--watchdog-timeout"),
@@ -156,6 +175,10 @@ def test_trtllm_mla_is_served_by_the_default_backend():
         (["--speculative-algorithm", "NGRAM"], "--speculative-algorithm"),
         (["--dtype", "int4"], "--dtype"),  # rejected by argparse choices
         (["--port", "abc"], "--port"),  # rejected by argparse type
+        (["--cuda-graph-bs", "1", "x"], "--cuda-graph-bs"),  # rejected by argparse type
+        (["--cuda-graph-bs"], "--cuda-graph-bs"),  # nargs="+" needs at least one size
+        (["--cuda-graph-bs", "0"], "--cuda-graph-bs"),
+        (["--cuda-graph-bs", "8", "--cuda-graph-max-bs", "4"], "--cuda-graph-bs 8 exceeds"),
     ],
 )
 def test_cli_errors_exit_2_naming_the_flag(argv, flag, capsys):
@@ -189,7 +212,7 @@ def test_cli_parses_common_flags():
     assert a.resolved_tokenizer_path() == "tok"
 
 
-def test_seed_nextn_command_parses_and_validates():
+def test_upstream_nextn_command_parses_and_validates():
     a = prepare_server_args(NEXTN_COMMAND.split())
     assert a.model_path == "inclusionAI/Ling-3.0-flash"
     assert a.tp_size == 4 and a.trust_remote_code
@@ -203,7 +226,7 @@ def test_seed_nextn_command_parses_and_validates():
     assert not a.disable_radix_cache
 
 
-def test_seed_dspark_command_parses_and_validates():
+def test_upstream_dspark_command_parses_and_validates():
     a = prepare_server_args(DSPARK_COMMAND.split())
     assert a.speculative_algorithm == "DSPARK"
     assert a.speculative_draft_model_path == "inclusionAI/Ling-3.0-flash-dspark"
@@ -279,6 +302,163 @@ def test_cli_nextn_chain_mismatch_exits_2(capsys):
                              "--speculative-num-draft-tokens", "4"])
     assert e.value.code == 2
     assert "--speculative-num-draft-tokens" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- one source of defaults
+def test_defaults_and_choices_come_from_engine_defaults():
+    # Re-exported under their old names, as the very same objects.
+    for name in ("DTYPE_CHOICES", "KERNEL_BACKEND_CHOICES", "KDA_PREFILL_IMPL_CHOICES",
+                 "DEFAULT_MEM_FRACTION_STATIC", "DEFAULT_CHUNKED_PREFILL_SIZE", "NEXTN_DEFAULT_SPEC",
+                 "SPECULATIVE_MAX_RUNNING_REQUESTS", "SUBSTITUTED_ATTENTION_BACKENDS",
+                 "KNOWN_UPSTREAM_ATTENTION_BACKENDS", "SPECULATIVE_ALGORITHMS"):
+        assert getattr(server_args_module, name) is getattr(engine_defaults, name), name
+    assert server_args_module.SUPPORTED_ATTENTION_BACKENDS == ("torch_native", "triton")
+    assert engine_defaults.ATTENTION_BACKEND_CHOICES == ("torch_native", "triton")
+    assert engine_defaults.DEFAULT_MEM_FRACTION_STATIC == 0.85  # upstream's value
+    a = ServerArgs()
+    assert a.mem_fraction_static == engine_defaults.DEFAULT_MEM_FRACTION_STATIC
+    assert a.chunked_prefill_size == engine_defaults.DEFAULT_CHUNKED_PREFILL_SIZE
+
+
+@pytest.mark.parametrize("name, dtype", [
+    ("bfloat16", torch.bfloat16), ("bf16", torch.bfloat16), ("float16", torch.float16),
+    ("half", torch.float16), ("fp16", torch.float16), ("float32", torch.float32),
+    ("float", torch.float32), ("fp32", torch.float32),
+])
+def test_dtype_table(name, dtype):
+    assert engine_defaults.torch_dtype(name) is dtype
+
+
+def test_dtype_table_rejects_unknown_names_and_covers_the_cli():
+    for bad in ("auto", "int8", None):
+        with pytest.raises(ValueError, match="unsupported dtype"):
+            engine_defaults.torch_dtype(bad)
+    for name in engine_defaults.DTYPE_CHOICES:
+        if name != "auto":
+            assert ServerArgs(dtype=name).resolved_dtype() == engine_defaults.torch_dtype(name)
+
+
+# ---------------------------------------------------------------- CUDA graphs
+def test_cuda_graph_flags_parse():
+    a = prepare_server_args(["--cuda-graph-bs", "4", "1", "2"])
+    assert a.cuda_graph_bs == [4, 1, 2]
+    assert a.cuda_graph_max_bs == 4  # upstream: the largest listed size when not given
+    assert a.cuda_graph_batch_sizes() == [1, 2, 4]
+    b = prepare_server_args(["--cuda-graph-bs", "1", "2", "--cuda-graph-max-bs", "6"])
+    assert b.cuda_graph_max_bs == 6 and b.cuda_graph_batch_sizes() == [1, 2, 6]
+    assert prepare_server_args([]).cuda_graph_bs is None
+
+
+def test_cuda_graph_default_buckets():
+    a = ServerArgs()
+    assert a.cuda_graph_max_bs == 32
+    assert a.cuda_graph_batch_sizes() == [1, 2, 4, 8, 12, 16, 24, 32]
+    assert ServerArgs(cuda_graph_max_bs=20).cuda_graph_batch_sizes() == [1, 2, 4, 8, 12, 16, 20]
+    assert ServerArgs(cuda_graph_max_bs=1).cuda_graph_batch_sizes() == [1]
+    capped = ServerArgs(max_running_requests=5)
+    assert capped.cuda_graph_max_bs == 5 and capped.cuda_graph_batch_sizes() == [1, 2, 4, 5]
+    spec = ServerArgs(speculative_algorithm="NEXTN")
+    assert spec.cuda_graph_max_bs == 16
+    assert spec.cuda_graph_batch_sizes() == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16]
+    assert ServerArgs(cuda_graph_bs=[3, 1, 3]).cuda_graph_batch_sizes() == [1, 3]
+
+
+def test_default_cuda_graph_batch_sizes_match_upstream_steps():
+    sizes = engine_defaults.default_cuda_graph_batch_sizes(600)
+    assert sizes[:8] == [1, 2, 4, 8, 12, 16, 24, 32]
+    assert 256 in sizes and 264 not in sizes and 272 in sizes and 496 in sizes
+    assert 512 in sizes and 544 in sizes and sizes[-1] == 600
+    spec = engine_defaults.default_cuda_graph_batch_sizes(300, speculative=True)
+    assert spec[:12] == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 14, 16]
+    assert 36 not in spec and 40 in spec and 44 in spec and 68 not in spec and 72 in spec
+    assert 288 in spec and spec[-1] == 300 and spec == sorted(set(spec))
+    with pytest.raises(ValueError, match="cuda graph max batch size"):
+        engine_defaults.default_cuda_graph_batch_sizes(0)
+
+
+@pytest.mark.skipif(ON_CUDA, reason="checks the CPU default")
+def test_cuda_graphs_are_off_without_cuda_whatever_the_flags():
+    a = ServerArgs(cuda_graph_bs=[1, 2])
+    assert a.disable_cuda_graph and a.cuda_graph_batch_sizes() == [1, 2]
+
+
+def _help_of(flag: str) -> str:
+    parser = argparse.ArgumentParser()
+    ServerArgs.add_cli_args(parser)
+    for action in parser._actions:
+        if flag in action.option_strings:
+            return action.help or ""
+    raise AssertionError(f"{flag} is not registered")
+
+
+def test_cuda_graph_and_overlap_help_says_what_the_flags_do():
+    assert "eagerly (no CUDA graph capture)" in _help_of("--disable-cuda-graph")
+    assert "no host run-ahead" in _help_of("--disable-overlap-schedule")
+    assert _help_of("--cuda-graph-max-bs").startswith("Largest batch size captured")
+    assert _help_of("--cuda-graph-bs").startswith("Batch sizes to capture")
+
+
+# ---------------------------------------------------------------- compatibility-only flags
+@pytest.fixture
+def fresh_warnings(monkeypatch, caplog):
+    """Forget which compatibility warnings this process already logged; capture new ones."""
+    from sglang.srt import environ
+
+    monkeypatch.setattr(server_args_module, "_COMPAT_WARNED", set())
+    monkeypatch.setattr(environ, "_COMPAT_WARNED", set())
+    for f in environ.compat_env_fields():
+        monkeypatch.delenv(f.name, raising=False)
+    caplog.set_level(logging.WARNING)
+    return caplog
+
+
+def _compat_records(caplog, name):
+    return [r for r in caplog.records if name in r.getMessage() and "no effect" in r.getMessage()]
+
+
+def test_compat_flags_are_real_flags_with_a_reason():
+    assert set(COMPAT_ONLY_FLAGS) == {"--trust-remote-code", "--flashinfer-allreduce-fusion-backend",
+                                      "--enable-metrics", "--disable-radix-cache"}
+    for flag, why in COMPAT_ONLY_FLAGS.items():
+        assert why and "no effect" in _help_of(flag)
+    for flag in ("--disable-cuda-graph", "--cuda-graph-max-bs", "--cuda-graph-bs",
+                 "--disable-overlap-schedule"):
+        assert flag not in COMPAT_ONLY_FLAGS and "no effect" not in _help_of(flag)
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--trust-remote-code"], "--trust-remote-code"),
+    (["--flashinfer-allreduce-fusion-backend", "auto"], "--flashinfer-allreduce-fusion-backend"),
+    (["--enable-metrics"], "--enable-metrics"),
+    (["--disable-radix-cache"], "--disable-radix-cache"),
+])
+def test_compat_flag_warns_once_per_process(fresh_warnings, argv, flag):
+    a = prepare_server_args(argv)
+    prepare_server_args(argv)
+    assert len(_compat_records(fresh_warnings, flag)) == 1
+    assert warn_compat_flags(a) == [flag]
+    assert len(_compat_records(fresh_warnings, flag)) == 1  # still one
+
+
+def test_default_args_warn_about_nothing(fresh_warnings):
+    a = ServerArgs()
+    assert warn_compat_flags(a) == []
+    assert not [r for r in fresh_warnings.records if "no effect" in r.getMessage()]
+
+
+def test_compat_env_var_warns_once_at_start_up(fresh_warnings, monkeypatch):
+    monkeypatch.setenv("SGLANG_OPT_FUSED_KDA_VERIFY", "1")
+    a = ServerArgs()
+    ServerArgs()
+    envs.SGLANG_OPT_FUSED_KDA_VERIFY.get()  # a later read does not warn again
+    assert len(_compat_records(fresh_warnings, "SGLANG_OPT_FUSED_KDA_VERIFY")) == 1
+    assert warn_compat_flags(a) == ["SGLANG_OPT_FUSED_KDA_VERIFY"]
+
+
+def test_compat_env_var_typo_fails_at_start_up(fresh_warnings, monkeypatch):
+    monkeypatch.setenv("SGLANG_ENABLE_FUSED_VERIFY_EXTEND_GRAPH", "ture")
+    with pytest.raises(ValueError, match="SGLANG_ENABLE_FUSED_VERIFY_EXTEND_GRAPH"):
+        ServerArgs()
 
 
 # ---------------------------------------------------------------- ports

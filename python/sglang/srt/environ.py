@@ -5,13 +5,22 @@ Every flag is declared once, here, with its type, default and meaning, and read 
 ``SGLANG_OPT_FUSED_KDA_VERIFY=ture`` fails loudly (``ValueError`` naming the variable) instead of
 silently meaning "off". Flags are read at call time, not import time, so tests and launchers can
 set them late (``with envs.SGLANG_X.override(True): ...``).
+
+A few variables are declared only so that upstream launch commands run unchanged; their field
+carries ``compat`` (why the variable has no effect here). When one is set to anything but its
+default, the process logs one warning naming it: on its first read, or from
+:func:`warn_compat_envs`, which ``ServerArgs.__post_init__`` calls (through
+``warn_compat_flags``) whenever server arguments are built.
 """
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List, Optional, Type
+from typing import Any, Dict, Iterator, List, Optional, Set, Type
+
+logger = logging.getLogger(__name__)
 
 _TRUE = ("1", "true", "yes")
 _FALSE = ("0", "false", "no")
@@ -32,12 +41,17 @@ def parse_bool(name: str, raw: str) -> bool:
 
 @dataclass(frozen=True)
 class EnvField:
-    """One environment flag: its variable name, value type, default and documentation."""
+    """One environment flag: its variable name, value type, default and documentation.
+
+    ``compat`` is set for variables accepted only for compatibility with upstream SGLang: it says
+    why the variable has no effect in this engine (``None``: the variable has a meaning here).
+    """
 
     name: str
     type: Type
     default: Any
     doc: str
+    compat: Optional[str] = None
 
     def __post_init__(self) -> None:
         if self.type not in (bool, int, float, str):
@@ -52,7 +66,10 @@ class EnvField:
         raw = os.environ.get(self.name)
         if raw is None or not raw.strip():
             return self.default
-        return self.parse(raw)
+        value = self.parse(raw)
+        if self.compat is not None and value != self.default:
+            _warn_compat_once(self)
+        return value
 
     def parse(self, raw: str) -> Any:
         """Convert a raw string to this flag's type; ``ValueError`` names the variable."""
@@ -105,25 +122,26 @@ class Envs:
         "SGLANG_ENABLE_METADATA_GLUE_GRAPH",
         bool,
         False,
-        "Upstream: capture the per-replay attention-metadata preparation of the decode/verify "
-        "CUDA graph into its own small graph. Accepted so upstream launch commands run "
-        "unchanged; no effect here yet (this engine runs eager, without CUDA graphs).",
+        "Opt-in: capture the attention-metadata preparation that precedes each decode / verify "
+        "CUDA-graph replay in a small graph of its own (upstream's meaning of the variable); "
+        "see docs/performance.md.",
     )
     SGLANG_OPT_FUSED_KDA_VERIFY = EnvField(
         "SGLANG_OPT_FUSED_KDA_VERIFY",
         bool,
         False,
         "Upstream: run the KDA chain of a speculative verify (conv update -> gated delta rule "
-        "-> gated RMSNorm) as one fused kernel chain. Accepted so upstream launch commands run "
-        "unchanged; no effect here (the Triton verify kernel is --linear-attn-decode-backend "
-        "triton).",
+        "-> gated RMSNorm) as one fused kernel chain.",
+        compat="the Triton verify recurrence is chosen with --linear-attn-decode-backend triton",
     )
     SGLANG_ENABLE_FUSED_VERIFY_EXTEND_GRAPH = EnvField(
         "SGLANG_ENABLE_FUSED_VERIFY_EXTEND_GRAPH",
         bool,
         False,
-        "NEXTN: capture the target verify and the following draft extend in one CUDA graph. "
-        "Accepted so the seed's launch command runs unchanged; no effect here yet (eager).",
+        "Upstream (NEXTN): capture the target verify and the following draft extend in one CUDA "
+        "graph.",
+        compat="with CUDA graphs on, the whole NEXTN round (draft, verify, draft extend) is "
+               "already one graph here",
     )
     SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION = EnvField(
         "SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION",
@@ -189,7 +207,8 @@ class Envs:
         "SGLANG_IS_IN_CI",
         bool,
         False,
-        "Set by upstream CI runners; accepted, no effect in this engine.",
+        "Set by upstream CI runners.",
+        compat="this engine behaves the same inside and outside CI",
     )
 
 
@@ -209,6 +228,29 @@ def get_env_field(name: str) -> EnvField:
             return f
     known = ", ".join(f.name for f in list_env_fields())
     raise KeyError(f"unknown environment flag {name!r}; known flags: {known}")
+
+
+_COMPAT_WARNED: Set[str] = set()
+
+
+def _warn_compat_once(f: EnvField) -> None:
+    if f.name in _COMPAT_WARNED:
+        return
+    _COMPAT_WARNED.add(f.name)
+    logger.warning("environment variable %s is accepted for compatibility with upstream SGLang "
+                   "and has no effect here: %s", f.name, f.compat)
+
+
+def compat_env_fields() -> List[EnvField]:
+    """The flags declared only for compatibility (``compat`` set), sorted by name."""
+    return [f for f in list_env_fields() if f.compat is not None]
+
+
+def warn_compat_envs() -> List[str]:
+    """Log one warning per process for each compatibility-only variable set to a value other
+    than its default; return their names (warned now or earlier). A malformed value raises
+    ``ValueError`` naming the variable, as any read does."""
+    return [f.name for f in compat_env_fields() if f.is_set() and f.get() != f.default]
 
 
 def require_triton_runtime(what: str, device_type: str) -> None:
@@ -242,4 +284,6 @@ def describe_envs() -> str:
             current = f"<invalid: {e}>"
         lines.append(f"{f.name} ({f.type.__name__}, default {f.default!r}, now {current})")
         lines.append(f"    {f.doc}")
+        if f.compat is not None:
+            lines.append(f"    Accepted for compatibility; no effect here: {f.compat}.")
     return "\n".join(lines)

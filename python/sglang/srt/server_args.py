@@ -20,45 +20,49 @@ import random
 import socket
 import tempfile
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Set
 
+from sglang.srt.configs.engine_defaults import (  # re-exported: scripts and tests import them here
+    ATTENTION_BACKEND_CHOICES,
+    DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_CUDA_GRAPH_MAX_BS,
+    DEFAULT_MEM_FRACTION_STATIC,
+    DEVICE_CHOICES,
+    DTYPE_CHOICES,
+    KDA_PREFILL_IMPL_CHOICES,
+    KERNEL_BACKEND_CHOICES,
+    KNOWN_UPSTREAM_ATTENTION_BACKENDS,
+    LOAD_FORMAT_CHOICES,
+    LOG_LEVEL_CHOICES,
+    NEXTN_DEFAULT_SPEC,
+    SPECULATIVE_ALGORITHMS,
+    SPECULATIVE_ALIASES,
+    SPECULATIVE_CUDA_GRAPH_MAX_BS,
+    SPECULATIVE_MAX_RUNNING_REQUESTS,
+    SUBSTITUTED_ATTENTION_BACKENDS,
+    default_cuda_graph_batch_sizes,
+    torch_dtype,
+)
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, parse_override_args, resolve_model_path
-from sglang.srt.environ import require_triton_runtime
+from sglang.srt.environ import require_triton_runtime, warn_compat_envs
 
 logger = logging.getLogger(__name__)
 
-DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "half", "float")
-DEVICE_CHOICES = ("auto", "cuda", "cpu")
-LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
-LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
-KDA_PREFILL_IMPL_CHOICES = ("auto", "torch", "fla")
-# MoE / KDA-decode kernels: "auto" = torch_native; "triton" is validated on the H200 and 20% faster
-# in NEXTN rounds (docs/performance.md). The default is re-decided with CUDA graphs.
-KERNEL_BACKEND_CHOICES = ("auto", "triton", "torch_native")
+# The name this module has always used for the implemented attention backends.
+SUPPORTED_ATTENTION_BACKENDS = ATTENTION_BACKEND_CHOICES
 FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
 
-# Attention backends implemented in this engine.
-SUPPORTED_ATTENTION_BACKENDS = ("torch_native", "triton")
-# Upstream backends for other hardware that we serve with this device's default backend (triton
-# on CUDA, torch_native on CPU) so that published launch commands work unchanged. trtllm_mla is
-# Blackwell-only upstream (FlashInfer's TRT-LLM MLA kernels); here our own MLA kernels do its work.
-SUBSTITUTED_ATTENTION_BACKENDS = ("trtllm_mla",)
-# Names upstream SGLang accepts but this engine does not implement (clearer error than "unknown").
-KNOWN_UPSTREAM_ATTENTION_BACKENDS = (
-    "flashinfer", "fa3", "fa4", "flashmla", "cutlass_mla", "cutedsl_mla", "trtllm_mha",
-    "flex_attention", "hpc_ops", "aiter", "wave", "dsa", "dsv4", "ascend", "intel_amx",
-)
-
-# Speculative algorithms; EAGLE is accepted as another spelling of NEXTN (upstream maps NEXTN to
-# its EAGLE worker: the MTP layer drafts a chain exactly like an EAGLE head).
-SPECULATIVE_ALGORITHMS = ("NEXTN", "DSPARK")
-SPECULATIVE_ALIASES = {"EAGLE": "NEXTN"}
-# (num_steps, eagle_topk, num_draft_tokens) upstream auto-chooses for Bailing MTP.
-NEXTN_DEFAULT_SPEC = (3, 1, 4)
-# Upstream resets the default running-request cap to this when speculation is on.
-SPECULATIVE_MAX_RUNNING_REQUESTS = 48
-DEFAULT_CHUNKED_PREFILL_SIZE = 8192
-DEFAULT_MEM_FRACTION_STATIC = 0.85
+# Flags accepted only so that upstream SGLang launch commands run unchanged: flag -> why it has no
+# effect here. Setting one to anything but its default logs one warning per process.
+COMPAT_ONLY_FLAGS: Dict[str, str] = {
+    "--trust-remote-code": "the model code is part of this engine; no checkpoint code is run",
+    "--flashinfer-allreduce-fusion-backend": "this engine does not fuse the all-reduce with the "
+                                             "following norm (it uses no FlashInfer)",
+    "--enable-metrics": "there is no Prometheus endpoint; step metrics are in the logs",
+    "--disable-radix-cache": "this engine has no prefix (radix) cache; every prompt is "
+                             "prefilled in full",
+}
+_COMPAT_WARNED: Set[str] = set()
 
 
 def _cuda_available() -> bool:
@@ -96,7 +100,8 @@ class ServerArgs:
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False
-    cuda_graph_max_bs: Optional[int] = None
+    cuda_graph_max_bs: Optional[int] = None  # None: max of cuda_graph_bs, else a small cap
+    cuda_graph_bs: Optional[List[int]] = None  # None: upstream's buckets up to cuda_graph_max_bs
     attention_backend: Optional[str] = None
     flashinfer_allreduce_fusion_backend: Optional[str] = None
     kda_prefill_impl: str = "auto"
@@ -119,6 +124,7 @@ class ServerArgs:
     def __post_init__(self) -> None:
         self._resolve()
         self.check()
+        warn_compat_flags(self)
 
     # ------------------------------------------------------------------ resolution
     def resolved_device(self) -> str:
@@ -129,15 +135,9 @@ class ServerArgs:
 
     def resolved_dtype(self):
         """The torch dtype of weights/activations: ``auto`` is bf16 on CUDA and fp32 on CPU."""
-        import torch
-
-        names = {
-            "bfloat16": torch.bfloat16, "float16": torch.float16, "half": torch.float16,
-            "float32": torch.float32, "float": torch.float32,
-        }
         if self.dtype == "auto":
-            return torch.bfloat16 if self.resolved_device() == "cuda" else torch.float32
-        return names[self.dtype]
+            return torch_dtype("bfloat16" if self.resolved_device() == "cuda" else "float32")
+        return torch_dtype(self.dtype)
 
     def resolved_model_path(self) -> str:
         """The checkpoint folder or preset name; ``None`` becomes the bundled model's folder."""
@@ -150,6 +150,15 @@ class ServerArgs:
     def is_speculative(self) -> bool:
         """True when a speculative algorithm is enabled."""
         return self.speculative_algorithm is not None
+
+    def cuda_graph_batch_sizes(self) -> List[int]:
+        """Batch sizes to capture CUDA graphs for, sorted: ``--cuda-graph-bs`` when given, else
+        upstream's buckets; either way ending with ``--cuda-graph-max-bs`` (the largest captured).
+        The list does not say whether graphs are used: that is ``--disable-cuda-graph``."""
+        max_bs = self.cuda_graph_max_bs
+        if self.cuda_graph_bs is None:
+            return default_cuda_graph_batch_sizes(max_bs, speculative=self.is_speculative())
+        return sorted(set(self.cuda_graph_bs) | {max_bs})
 
     def url(self) -> str:
         """Base URL of the HTTP server."""
@@ -169,10 +178,8 @@ class ServerArgs:
         on_cuda = self.resolved_device() == "cuda"
         default_backend = "triton" if on_cuda else "torch_native"
         if self.attention_backend in SUBSTITUTED_ATTENTION_BACKENDS:
-            logger.warning(
-                "--attention-backend %s is served by this engine's %s backend",
-                self.attention_backend, default_backend,
-            )
+            logger.warning("--attention-backend %s is served by this engine's %s backend",
+                           self.attention_backend, default_backend)
             self.attention_backend = default_backend
         if self.attention_backend is None:
             self.attention_backend = default_backend
@@ -191,11 +198,18 @@ class ServerArgs:
         if self.is_speculative() and self.max_running_requests is None:
             self.max_running_requests = SPECULATIVE_MAX_RUNNING_REQUESTS
         if self.cuda_graph_max_bs is None:
-            # Batch-1 first: a verify graph holds num_draft_tokens rows per request, so fewer bs.
-            cap = 16 if self.is_speculative() else 32
-            if isinstance(self.max_running_requests, int) and self.max_running_requests > 0:
-                cap = min(cap, self.max_running_requests)
-            self.cuda_graph_max_bs = cap
+            self.cuda_graph_max_bs = self._default_cuda_graph_max_bs()
+
+    def _default_cuda_graph_max_bs(self) -> int:
+        """As upstream, the largest of ``--cuda-graph-bs`` when given; otherwise a small cap
+        (batch 1 first), never above ``--max-running-requests``."""
+        bs = self.cuda_graph_bs
+        if isinstance(bs, (list, tuple)) and bs and all(_is_int(b) for b in bs):
+            return max(bs)
+        cap = SPECULATIVE_CUDA_GRAPH_MAX_BS if self.is_speculative() else DEFAULT_CUDA_GRAPH_MAX_BS
+        if _is_int(self.max_running_requests) and self.max_running_requests > 0:
+            cap = min(cap, self.max_running_requests)
+        return cap
 
     def _resolve_nextn(self) -> None:
         """Chain defaults: steps/topk/draft = 3/1/4 when unset; a chain of ``s`` draft steps
@@ -219,11 +233,8 @@ class ServerArgs:
         _choice("--log-level", self.log_level, LOG_LEVEL_CHOICES)
         _choice("--kda-prefill-impl", self.kda_prefill_impl, KDA_PREFILL_IMPL_CHOICES)
         if self.flashinfer_allreduce_fusion_backend is not None:
-            _choice(
-                "--flashinfer-allreduce-fusion-backend",
-                self.flashinfer_allreduce_fusion_backend,
-                FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES,
-            )
+            _choice("--flashinfer-allreduce-fusion-backend", self.flashinfer_allreduce_fusion_backend,
+                    FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES)
         if self.device == "cuda" and not _cuda_available():
             raise ValueError("--device cuda: CUDA is not available on this machine")
         _int_at_least("--tp-size", self.tp_size, 1)
@@ -231,9 +242,8 @@ class ServerArgs:
             import torch
 
             if self.tp_size > torch.cuda.device_count():
-                raise ValueError(
-                    f"--tp-size {self.tp_size} exceeds the {torch.cuda.device_count()} visible GPUs"
-                )
+                raise ValueError(f"--tp-size {self.tp_size} exceeds the "
+                                 f"{torch.cuda.device_count()} visible GPUs")
         _int_at_least("--port", self.port, 1)
         if self.port > 65535:
             raise ValueError(f"--port must be <= 65535, got {self.port}")
@@ -249,6 +259,7 @@ class ServerArgs:
                 _int_at_least(flag, value, 1)
         _int_at_least("--stream-interval", self.stream_interval, 1)
         _int_at_least("--decode-log-interval", self.decode_log_interval, 1)
+        self._check_cuda_graph_bs()
         cps = self.chunked_prefill_size
         if cps is not None and (not _is_int(cps) or (cps != -1 and cps <= 0)):
             raise ValueError(f"--chunked-prefill-size must be -1 or > 0, got {cps!r}")
@@ -269,8 +280,21 @@ class ServerArgs:
                 require_triton_runtime(f"{flag} triton", self.resolved_device())
         self._check_speculative()
 
+    def _check_cuda_graph_bs(self) -> None:
+        bs = self.cuda_graph_bs
+        if bs is None:
+            return
+        if not isinstance(bs, (list, tuple)) or not bs or not all(_is_int(b) and b >= 1 for b in bs):
+            raise ValueError(f"--cuda-graph-bs must be a non-empty list of integers >= 1, got {bs!r}")
+        too_big = [b for b in bs if b > self.cuda_graph_max_bs]
+        if too_big:
+            raise ValueError(f"--cuda-graph-bs {', '.join(map(str, too_big))} exceeds "
+                             f"--cuda-graph-max-bs {self.cuda_graph_max_bs}")
+
     def _check_attention_backend(self) -> None:
         name = self.attention_backend
+        if name == "triton":  # the MLA decode / verify kernel must be able to run
+            require_triton_runtime("--attention-backend triton", self.resolved_device())
         if name is None or name in SUPPORTED_ATTENTION_BACKENDS:
             return
         supported = ", ".join(SUPPORTED_ATTENTION_BACKENDS + SUBSTITUTED_ATTENTION_BACKENDS)
@@ -357,7 +381,7 @@ class ServerArgs:
         a("--model-path", "--model", type=str, default=d["model_path"],
           help="Checkpoint folder or preset name (e.g. ling-3.0-flash); default: bundled model.")
         a("--tokenizer-path", type=str, default=d["tokenizer_path"], help="Default: the model path.")
-        a("--trust-remote-code", action="store_true", help="Accepted for compatibility.")
+        a("--trust-remote-code", action="store_true", help=_compat_help("--trust-remote-code"))
         a("--load-format", choices=LOAD_FORMAT_CHOICES, default=d["load_format"],
           help="dummy: random weights from the config (performance work).")
         a("--json-model-override-args", type=str, default=d["json_model_override_args"],
@@ -379,16 +403,25 @@ class ServerArgs:
         a("--max-total-tokens", type=int, default=d["max_total_tokens"])
         a("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"],
           help=f"Tokens per prefill chunk (default {DEFAULT_CHUNKED_PREFILL_SIZE}); -1 disables.")
-        a("--disable-radix-cache", action="store_true")
-        a("--disable-overlap-schedule", action="store_true")
-        a("--disable-cuda-graph", action="store_true")
-        a("--cuda-graph-max-bs", type=int, default=d["cuda_graph_max_bs"])
+        a("--disable-radix-cache", action="store_true", help=_compat_help("--disable-radix-cache"))
+        a("--disable-overlap-schedule", action="store_true", help="Consume each step's result "
+          "before launching the next (no host run-ahead).")
+        a("--disable-cuda-graph", action="store_true",
+          help="Run every forward eagerly (no CUDA graph capture); always on without CUDA.")
+        a("--cuda-graph-max-bs", type=int, default=d["cuda_graph_max_bs"],
+          help="Largest batch size captured (default: the largest --cuda-graph-bs, else "
+               f"{DEFAULT_CUDA_GRAPH_MAX_BS}, or {SPECULATIVE_CUDA_GRAPH_MAX_BS} with speculative "
+               "decoding, capped by --max-running-requests).")
+        a("--cuda-graph-bs", type=int, nargs="+", default=d["cuda_graph_bs"],
+          help="Batch sizes to capture (default: 1, 2, 4, 8, 12, 16, 24, 32, ... up to "
+               "--cuda-graph-max-bs; finer steps with speculative decoding).")
         a("--attention-backend", type=str, default=d["attention_backend"],
           help=f"One of {', '.join(SUPPORTED_ATTENTION_BACKENDS)} "
                "(trtllm_mla is accepted and served by the default); default triton on CUDA, "
                "torch_native on CPU.")
         a("--flashinfer-allreduce-fusion-backend", choices=FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES,
-          default=d["flashinfer_allreduce_fusion_backend"], help="Accepted for compatibility.")
+          default=d["flashinfer_allreduce_fusion_backend"],
+          help=_compat_help("--flashinfer-allreduce-fusion-backend"))
         a("--kda-prefill-impl", choices=KDA_PREFILL_IMPL_CHOICES, default=d["kda_prefill_impl"],
           help="KDA prefill kernel: torch (reference), fla (fla-core chunk_kda), auto.")
         a("--moe-runner-backend", choices=KERNEL_BACKEND_CHOICES, default=d["moe_runner_backend"],
@@ -407,7 +440,7 @@ class ServerArgs:
         a("--log-level", choices=LOG_LEVEL_CHOICES, default=d["log_level"])
         a("--stream-interval", type=int, default=d["stream_interval"])
         a("--decode-log-interval", type=int, default=d["decode_log_interval"])
-        a("--enable-metrics", action="store_true", help="Accepted; metrics are in the logs.")
+        a("--enable-metrics", action="store_true", help=_compat_help("--enable-metrics"))
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
@@ -417,6 +450,28 @@ class ServerArgs:
 
 
 add_cli_args = ServerArgs.add_cli_args
+
+
+def _compat_help(flag: str) -> str:
+    return f"Accepted for compatibility; no effect: {COMPAT_ONLY_FLAGS[flag]}."
+
+
+def warn_compat_flags(server_args: ServerArgs) -> List[str]:
+    """Log one warning per process for each compatibility-only flag (``COMPAT_ONLY_FLAGS``) and
+    ``SGLANG_*`` variable (``environ.warn_compat_envs``) set to something other than its default.
+    Returns the flags and variable names that are set."""
+    defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
+    flags = []
+    for flag, why in COMPAT_ONLY_FLAGS.items():
+        field = flag[2:].replace("-", "_")
+        if getattr(server_args, field) == defaults[field]:
+            continue
+        flags.append(flag)
+        if flag not in _COMPAT_WARNED:
+            _COMPAT_WARNED.add(flag)
+            logger.warning("%s is accepted for compatibility with upstream SGLang and has no "
+                           "effect here: %s", flag, why)
+    return flags + warn_compat_envs()
 
 
 def prepare_server_args(argv: Sequence[str]) -> ServerArgs:

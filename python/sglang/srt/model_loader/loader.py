@@ -23,6 +23,7 @@ from typing import Dict, List, Tuple
 import torch
 from torch import nn
 
+from sglang.srt.configs.engine_defaults import LOAD_FORMAT_CHOICES
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.model_loader.dummy import init_dummy_weights
 from sglang.srt.model_loader.weight_utils import LazyWeight, same_up_to_unit_dims
@@ -31,7 +32,7 @@ logger = logging.getLogger(__name__)
 
 SAFE_WEIGHTS_NAME = "model.safetensors"
 SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
-LOAD_FORMATS = ("auto", "safetensors", "dummy")
+LOAD_FORMATS = LOAD_FORMAT_CHOICES
 
 
 class CheckpointError(ValueError):

@@ -1,0 +1,136 @@
+"""Engine-wide defaults and choice lists, defined once.
+
+``server_args`` (the CLI), the model runner, the attention registry and the layers all need the
+same numbers and names; each is written here so that two modules can never disagree (one of them
+used to size memory with a different ``mem_fraction_static`` than the CLI announced). This module
+imports nothing from the engine and does not import torch at import time, so any module,
+including a layer, can import it without a cycle and without slowing ``--help`` down.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+__all__ = [
+    "DEFAULT_MEM_FRACTION_STATIC",
+    "DEFAULT_MAX_RUNNING_REQUESTS",
+    "SPECULATIVE_MAX_RUNNING_REQUESTS",
+    "DEFAULT_CHUNKED_PREFILL_SIZE",
+    "CPU_DEFAULT_MAX_TOTAL_TOKENS",
+    "NEXTN_DEFAULT_SPEC",
+    "DEFAULT_CUDA_GRAPH_MAX_BS",
+    "SPECULATIVE_CUDA_GRAPH_MAX_BS",
+    "default_cuda_graph_batch_sizes",
+    "DTYPE_CHOICES",
+    "DTYPE_ALIASES",
+    "torch_dtype",
+    "DEVICE_CHOICES",
+    "LOAD_FORMAT_CHOICES",
+    "LOG_LEVEL_CHOICES",
+    "KERNEL_BACKEND_CHOICES",
+    "KDA_PREFILL_IMPL_CHOICES",
+    "ATTENTION_BACKEND_CHOICES",
+    "SUBSTITUTED_ATTENTION_BACKENDS",
+    "KNOWN_UPSTREAM_ATTENTION_BACKENDS",
+    "SPECULATIVE_ALGORITHMS",
+    "SPECULATIVE_ALIASES",
+]
+
+# ---------------------------------------------------------------------------- memory and batching
+# Fraction of the GPU's memory planned for weights, caches and states (upstream's value).
+DEFAULT_MEM_FRACTION_STATIC = 0.85
+# Request slots when --max-running-requests is not given and speculation is off.
+DEFAULT_MAX_RUNNING_REQUESTS = 16
+# Upstream resets the default running-request cap to this when speculation is on.
+SPECULATIVE_MAX_RUNNING_REQUESTS = 48
+# Tokens per prefill chunk (--chunked-prefill-size; -1 disables chunking).
+DEFAULT_CHUNKED_PREFILL_SIZE = 8192
+# Token slots on CPU without --max-total-tokens: enough for tests and demos, small for host memory.
+CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
+
+# ---------------------------------------------------------------------------- speculative decoding
+# Speculative algorithms; EAGLE is accepted as another spelling of NEXTN (upstream maps NEXTN to
+# its EAGLE worker: the MTP layer drafts a chain exactly like an EAGLE head).
+SPECULATIVE_ALGORITHMS = ("NEXTN", "DSPARK")
+SPECULATIVE_ALIASES: Dict[str, str] = {"EAGLE": "NEXTN"}
+# (num_steps, eagle_topk, num_draft_tokens) upstream auto-chooses for Bailing MTP.
+NEXTN_DEFAULT_SPEC: Tuple[int, int, int] = (3, 1, 4)
+
+# ---------------------------------------------------------------------------- CUDA graphs
+# Largest captured batch when --cuda-graph-max-bs is not given. Batch 1 comes first in this
+# engine, so the caps are small; a verify graph holds num_draft_tokens rows per request, hence
+# the smaller speculative cap. Both are further capped by --max-running-requests.
+DEFAULT_CUDA_GRAPH_MAX_BS = 32
+SPECULATIVE_CUDA_GRAPH_MAX_BS = 16
+
+
+def default_cuda_graph_batch_sizes(max_bs: int, speculative: bool = False) -> List[int]:
+    """Upstream's capture buckets up to ``max_bs``, sorted, always ending with ``max_bs``.
+
+    A batch is replayed on the smallest captured size that holds it, so buckets trade capture
+    time and memory against padding. Without speculation: 1, 2, 4, 8, 12, then every 8 up to
+    256, every 16 up to 512, every 32 beyond. With speculation (each request is several verify
+    rows, so padding costs more): every size up to 8, every 2 up to 32, every 4 up to 64, every
+    8 up to 256, every 16 beyond.
+    """
+    if isinstance(max_bs, bool) or not isinstance(max_bs, int) or max_bs < 1:
+        raise ValueError(f"cuda graph max batch size must be an integer >= 1, got {max_bs!r}")
+    if speculative:
+        steps = ((1, 8, 1), (10, 32, 2), (40, 64, 4), (72, 256, 8), (272, max_bs, 16))
+        sizes = [bs for lo, hi, step in steps for bs in range(lo, hi + 1, step)]
+    else:
+        sizes = [1, 2, 4, 8, 12] + list(range(16, 257, 8)) + list(range(272, 512, 16))
+        sizes += list(range(512, max_bs + 1, 32))
+    return sorted({bs for bs in sizes if bs < max_bs} | {max_bs})
+
+
+# ---------------------------------------------------------------------------- dtypes
+# --dtype choices (upstream's spellings); "auto" is bf16 on CUDA and fp32 on CPU for the server,
+# and the config's torch_dtype where a checkpoint decides.
+DTYPE_CHOICES = ("auto", "bfloat16", "float16", "float32", "half", "float")
+# Every accepted dtype name (CLI spellings, config.json torch_dtype, short forms) -> the name of
+# the torch dtype attribute.
+DTYPE_ALIASES: Dict[str, str] = {
+    "bfloat16": "bfloat16", "bf16": "bfloat16",
+    "float16": "float16", "half": "float16", "fp16": "float16",
+    "float32": "float32", "float": "float32", "fp32": "float32",
+}
+
+
+def torch_dtype(name: str):
+    """The ``torch.dtype`` called ``name`` (any spelling of :data:`DTYPE_ALIASES`).
+
+    ``"auto"`` is not resolved here: what it means depends on the device or the checkpoint.
+    Raises ``ValueError`` listing the accepted names.
+    """
+    canonical = DTYPE_ALIASES.get(name) if isinstance(name, str) else None
+    if canonical is None:
+        raise ValueError(f"unsupported dtype {name!r}; choose one of "
+                         f"{', '.join(sorted(DTYPE_ALIASES))}")
+    import torch  # here, not at import time: this module stays cheap to import
+
+    return getattr(torch, canonical)
+
+
+# ---------------------------------------------------------------------------- other CLI choices
+DEVICE_CHOICES = ("auto", "cuda", "cpu")
+LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
+LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
+
+# ---------------------------------------------------------------------------- backends
+# --moe-runner-backend / --linear-attn-decode-backend: "auto" is torch_native; "triton" runs the
+# project's kernels (sgl-kernel), measured faster with NEXTN (docs/performance.md).
+KERNEL_BACKEND_CHOICES = ("auto", "triton", "torch_native")
+# --kda-prefill-impl: torch = the chunked reference, fla = fla-core's chunk_kda (CUDA), auto.
+KDA_PREFILL_IMPL_CHOICES = ("auto", "torch", "fla")
+# --attention-backend values this engine implements.
+ATTENTION_BACKEND_CHOICES = ("torch_native", "triton")
+# Upstream backends for other hardware that are served by this device's default backend (triton
+# on CUDA, torch_native on CPU) so that published launch commands work unchanged. trtllm_mla is
+# Blackwell-only upstream (FlashInfer's TRT-LLM MLA kernels); here the engine's MLA does its work.
+SUBSTITUTED_ATTENTION_BACKENDS = ("trtllm_mla",)
+# Names upstream SGLang accepts but this engine does not implement (a clearer error than
+# "unknown").
+KNOWN_UPSTREAM_ATTENTION_BACKENDS = (
+    "flashinfer", "fa3", "fa4", "flashmla", "cutlass_mla", "cutedsl_mla", "trtllm_mha",
+    "flex_attention", "hpc_ops", "aiter", "wave", "dsa", "dsv4", "ascend", "intel_amx",
+)
