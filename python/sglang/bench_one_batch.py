@@ -3,10 +3,11 @@
     python -m sglang.bench_one_batch --model-path PATH --batch-size 1 --input-len 8192 \\
         --output-len 8 [server args] [--result-filename results.jsonl]
 
-Builds a :class:`ModelRunner` directly (one process per TP rank when ``--tp-size`` > 1), feeds
-random prompts, times the prefill and each greedy decode step (with a device synchronize around
-every timed region on CUDA), prints SGLang's summary lines and appends one JSON line per
-(batch size, input len, output len) to ``--result-filename``.
+Builds one TP rank's :class:`TpModelWorker` directly (one process per TP rank when
+``--tp-size`` > 1), feeds random prompts, times the prefill and each greedy decode step (with a
+device synchronize around every timed region on CUDA), prints SGLang's summary lines and appends
+one JSON line per (batch size, input len, output len) to ``--result-filename``. Decode steps are
+the server's decode rounds: on CUDA replayed from CUDA graphs unless ``--disable-cuda-graph``.
 """
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ import torch
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, release_kv_cache
-from sglang.srt.model_executor.model_runner import ModelRunner, runner_kwargs_from_server_args
+from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.model_executor.cuda_graph_runner import capture_batch_sizes
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.distributed.parallel_state import free_port
 from sglang.srt.server_args import ServerArgs
@@ -67,22 +71,26 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def build_runner(server_args: ServerArgs, bench_args: BenchArgs, tp_rank: int,
-                 nccl_port: Optional[int]) -> ModelRunner:
-    """A ModelRunner with pools large enough for the largest configuration."""
+def build_worker(server_args: ServerArgs, bench_args: BenchArgs, tp_rank: int,
+                 nccl_port: Optional[int]) -> TpModelWorker:
+    """A TP worker with pools large enough for the largest configuration (and its CUDA graphs,
+    unless disabled)."""
     need = max(bench_args.batch_size) * (max(bench_args.input_len) + max(bench_args.output_len))
     model_config = ModelConfig.from_path(server_args.model_path,
                                          server_args.json_model_override_args)
-    kwargs = runner_kwargs_from_server_args(server_args, tp_rank, nccl_port)
-    kwargs.update(max_running_requests=max(bench_args.batch_size),
-                  max_total_tokens=server_args.max_total_tokens or need)
-    return ModelRunner(model_config, **kwargs)
+    args = dataclasses.replace(server_args, max_running_requests=max(bench_args.batch_size),
+                               max_total_tokens=server_args.max_total_tokens or need + 64)
+    worker = TpModelWorker(args, tp_rank, nccl_port, model_config)
+    if not args.disable_cuda_graph and worker.device.type == "cuda":
+        worker.init_cuda_graphs(capture_batch_sizes(args, max(bench_args.batch_size)))
+    return worker
 
 
-def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: int,
+def run_once(worker: TpModelWorker, batch_size: int, input_len: int, output_len: int,
              seed: int) -> Dict[str, Any]:
     """Prefill ``batch_size`` random prompts of ``input_len`` tokens, then ``output_len - 1``
-    greedy decode steps; returns the timings (seconds)."""
+    greedy decode rounds; returns the timings (seconds)."""
+    runner: ModelRunner = worker.model_runner
     if input_len + output_len > runner.context_len:
         raise ValueError(f"input_len + output_len = {input_len + output_len} exceeds the context "
                          f"length {runner.context_len}")
@@ -94,32 +102,36 @@ def run_once(runner: ModelRunner, batch_size: int, input_len: int, output_len: i
         req = Req(f"bench-{i}", None, ids, SamplingParams(max_new_tokens=output_len))
         req.req_pool_idx = runner.req_to_token_pool.alloc(1)[0]
         req.extend_input_len = input_len
+        req.kv_committed_slots = []
         reqs.append(req)
     if runner.kda_state_pool is not None and runner.kda_state_pool.layer_ids:
         runner.kda_state_pool.clear_slots([r.req_pool_idx for r in reqs])
     batch = ScheduleBatch.init_new(reqs, runner.req_to_token_pool,
                                    runner.token_to_kv_pool_allocator, runner.device)
+    batch.sampling_info = SamplingBatchInfo.from_reqs(
+        [SamplingParams(temperature=0.0)] * batch_size, [[]] * batch_size, vocab, runner.device)
     device = runner.device
-
-    def forward(fb) -> List[int]:
-        return runner.forward(fb).next_token_logits.argmax(dim=-1).tolist()
 
     _sync(device)
     tic = time.perf_counter()
-    next_ids = forward(batch.prepare_for_extend())
+    result = worker.prefill(batch.prepare_for_extend(), batch.sampling_info)
+    next_ids = result.next_token_ids.tolist()
     _sync(device)
     prefill_latency = time.perf_counter() - tic
     batch.commit_forward()
+    for r, t in zip(reqs, next_ids):
+        r.output_ids.append(t)
     decode_latencies = []
     for _ in range(output_len - 1):
-        for r, t in zip(reqs, next_ids):
-            r.output_ids.append(t)
         _sync(device)
         tic = time.perf_counter()
-        next_ids = forward(batch.prepare_for_decode())
-        _sync(device)
+        slots, loc, bound = batch.prepare_for_round(1)
+        out = worker.forward_round(slots, loc, batch.sampling_info, seq_lens_bound=bound).wait()
         decode_latencies.append(time.perf_counter() - tic)
-        batch.commit_forward()
+        for r, toks, loc_row in zip(reqs, out.tokens, out.round_cache_loc):
+            r.output_ids.extend(toks)
+            r.kv_committed_slots.append(loc_row.clone())
+            r.kv_len += 1
     for r in reqs:
         release_kv_cache(r, runner.req_to_token_pool, runner.token_to_kv_pool_allocator)
     return {"prefill_latency": prefill_latency, "decode_latencies": decode_latencies}
@@ -165,18 +177,19 @@ def run_rank(server_args: ServerArgs, bench_args: BenchArgs, tp_rank: int,
              nccl_port: Optional[int]) -> List[Dict[str, Any]]:
     """Run every configuration on one TP rank; rank 0 prints and writes the results."""
     tic = time.perf_counter()
-    runner = build_runner(server_args, bench_args, tp_rank, nccl_port)
+    worker = build_worker(server_args, bench_args, tp_rank, nccl_port)
+    runner = worker.model_runner
     memory = memory_report(runner, time.perf_counter() - tic)
     if tp_rank == 0:
         print(", ".join(f"{k}: {v:.2f}" for k, v in memory.items()))
     results = []
     if not bench_args.skip_warmup:
-        run_once(runner, bench_args.batch_size[0], min(bench_args.input_len[0], 32),
+        run_once(worker, bench_args.batch_size[0], min(bench_args.input_len[0], 32),
                  min(bench_args.output_len[0], 2), bench_args.seed)
     for bs in bench_args.batch_size:
         for il in bench_args.input_len:
             for ol in bench_args.output_len:
-                timing = run_once(runner, bs, il, ol, bench_args.seed)
+                timing = run_once(worker, bs, il, ol, bench_args.seed)
                 result = summarize(bench_args.run_name, bs, il, ol, timing)
                 result.update(memory)
                 if runner.device.type == "cuda":

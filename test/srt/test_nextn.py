@@ -31,7 +31,7 @@ from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
-from sglang.srt.speculative.host_copy import AsyncHostCopy
+from sglang.srt.managers.overlap_utils import AsyncHostCopy
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm, SpecMetricsOutput
 from sglang.srt.speculative.spec_sampling import expand_for_chain
 from sglang.train.data import HELD_OUT_FILES, stdlib_root
@@ -147,7 +147,7 @@ def test_round_never_reads_device_values_on_the_host(prompts, monkeypatch, steps
     """The invariant the CUDA relay rests on: launching a round (draft, verify, acceptance, KDA
     commit, draft extend, the async result copy) never turns a tensor into a host value, so the
     host can run ahead of the device. Every tensor-to-Python conversion raises inside
-    ``forward_spec_round``; greedy and sampled rows. With the native MoE this holds while the
+    ``forward_round``; greedy and sampled rows. With the native MoE this holds while the
     verify routes <= 64 (token, expert) pairs (batch 2 x 4 positions x top-4 here); with
     ``--moe-runner-backend triton`` for any decode-sized batch (4 x 6 x 4 = 96 pairs; on CPU the
     kernels run in Triton's interpreter), here with the Triton KDA recurrence too."""
@@ -156,7 +156,7 @@ def test_round_never_reads_device_values_on_the_host(prompts, monkeypatch, steps
         kernels["linear_attn_decode_backend"] = "triton"
     sched = spec_scheduler(steps, **kernels)
     worker = sched.draft_worker
-    launch = worker.forward_spec_round
+    launch = worker.forward_round
     rounds = []
 
     def guarded(*args, **kwargs):
@@ -169,7 +169,7 @@ def test_round_never_reads_device_values_on_the_host(prompts, monkeypatch, steps
         rounds.append(out)
         return out
 
-    monkeypatch.setattr(worker, "forward_spec_round", guarded)
+    monkeypatch.setattr(worker, "forward_round", guarded)
     n, plen = (24, PROMPT_LEN) if moe == "torch_native" else (10, 8)  # the interpreter is slow
     reqs = [greedy(f"h{i}", prompts[i][:plen], n) if i % 2 == 0 else
             request(f"h{i}", prompts[i][:plen], max_new_tokens=n, temperature=0.8,
@@ -336,7 +336,7 @@ def test_abort_mid_generation(prompts, ref):
     for _ in range(6):
         sched.process_input_requests(sched.recv_requests())
         sched.step()
-    assert sched.pending_spec_round is not None  # a round is in flight when the abort lands
+    assert sched.pending_round is not None  # a round is in flight when the abort lands
     sched.submit(AbortReq(rid="a1"))
     sched.run_until_idle()  # on_idle -> check_memory: every slot came back
     out = Out(sched.outbox)
@@ -363,7 +363,7 @@ def test_metrics(prompts):
     sched.outbox.clear()
     out = run(sched, [greedy(f"m{i}", prompts[i], 50 + 10 * i) for i in range(3)])
     state = sched.get_internal_state()
-    n = sched.spec_num_draft_tokens
+    n = sched.round_worker.round_tokens
     total_ct = total_accept = 0
     for i in range(3):
         ct, correct, proposed = out.spec[f"m{i}"]
@@ -406,7 +406,7 @@ def test_target_runner_spec_sizing():
     n = 4
     runner = ModelRunner(cfg, device="cpu", dtype=torch.float32, max_running_requests=2,
                          max_total_tokens=64, context_length=128, draft_extra_mla_layers=True,
-                         spec_num_draft_tokens=n)
+                         spec_num_draft_tokens=n, position_headroom=2 * n)
     pool = runner.kda_state_pool
     assert pool.has_spec_scratch and pool.spec_num_draft_tokens == n
     assert pool.spec_bytes_per_slot() == n * pool.bytes_per_slot()
@@ -417,7 +417,8 @@ def test_target_runner_spec_sizing():
         ModelRunner(cfg, device="cpu", dtype=torch.float32, spec_num_draft_tokens=-1)
     # At the full context the map (and the RoPE table) reach 2N positions past it.
     full = ModelRunner(cfg, device="cpu", dtype=torch.float32, max_running_requests=1,
-                       max_total_tokens=64, draft_extra_mla_layers=True, spec_num_draft_tokens=n)
+                       max_total_tokens=64, draft_extra_mla_layers=True, spec_num_draft_tokens=n,
+                       position_headroom=2 * n)
     ctx = cfg.context_len
     assert full.req_to_token_pool.max_context_len == ctx + 2 * n
     rope = full.model.model.layers[cfg.hf_config.full_attention_layer_ids[0]].attention.rotary_emb

@@ -15,11 +15,12 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set
+from typing import Any, Dict, List, Optional, Set, Tuple
 
 import torch
 
 from sglang.srt.mem_cache.memory_pool import PoolExhausted, ReqToTokenPool, TokenToKVPoolAllocator
+from sglang.srt.managers.overlap_utils import host_to_device
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -243,6 +244,8 @@ class ScheduleBatch:
     sample_rows: Optional[List[int]] = None
     # KV slots of the last extend (device), for the host mirror of speculative requests.
     out_cache_loc: Optional[torch.Tensor] = None
+    # (host slot ids, their device tensor) of the last round, reused while the requests stay.
+    _device_slots: Optional[Tuple[List[int], torch.Tensor]] = field(default=None, repr=False)
 
     @classmethod
     def init_new(cls, reqs: List[Req], req_to_token_pool: ReqToTokenPool,
@@ -335,25 +338,27 @@ class ScheduleBatch:
                 r.kv_committed_slots.append(loc[start:start + n])
             start += n
 
-    def prepare_for_spec_round(self, num_draft_tokens: int):
-        """A speculative round: ``(req_pool_indices [B], chain_cache_loc [B, N], seq_lens_bound)``.
+    def prepare_for_round(self, round_tokens: int):
+        """A decode round: ``(req_pool_indices [B], round_cache_loc [B, N], seq_lens_bound)``.
 
-        ``N`` KV slots per request are allocated ahead (an upper bound on what the round keeps);
-        where they land in the request->token map depends on the device-side sequence lengths,
-        so the worker records them there. Host values here are only slot indices and
-        ``seq_lens_bound``, a host integer no sequence of the round can exceed: the host knows
-        each request's tokens up to the round before the one in flight, which adds at most ``N``;
-        this round adds at most ``N`` more.
+        ``N = round_tokens`` KV slots per request are allocated ahead (1 for plain decode; a
+        speculative chain's width, an upper bound on what the round keeps); where they land in
+        the request->token map depends on the device-side sequence lengths, so the worker
+        records them there. Host values here are only slot indices and ``seq_lens_bound``, a
+        host integer no sequence of the round can exceed: the host knows each request's tokens
+        up to the round before the one in flight, which adds at most ``N``; this round adds at
+        most ``N`` more. The slot indices reach the device without waiting for the stream and
+        are reused while the batch keeps its requests.
         """
-        self.forward_mode = ForwardMode.TARGET_VERIFY
+        self.forward_mode = ForwardMode.DECODE if round_tokens == 1 else ForwardMode.TARGET_VERIFY
         b = len(self.reqs)
-        loc = self._alloc(b * num_draft_tokens).view(b, num_draft_tokens)
-        slots = torch.tensor([r.req_pool_idx for r in self.reqs], dtype=torch.int64)
-        if self.device.type == "cuda":
-            slots = slots.pin_memory().to(self.device, non_blocking=True)
-        bound = min(max(r.seqlen for r in self.reqs) + 2 * num_draft_tokens,
+        loc = self._alloc(b * round_tokens).view(b, round_tokens)
+        slot_ids = [r.req_pool_idx for r in self.reqs]
+        if self._device_slots is None or self._device_slots[0] != slot_ids:
+            self._device_slots = (slot_ids, host_to_device(slot_ids, self.device))
+        bound = min(max(r.seqlen for r in self.reqs) + 2 * round_tokens,
                     self.req_to_token_pool.max_context_len)
-        return slots.to(self.device), loc, bound
+        return self._device_slots[1], loc, bound
 
     def filter_batch(self, keep_indices: Optional[List[int]] = None) -> None:
         """Keep the given requests (default: the unfinished ones)."""

@@ -34,7 +34,7 @@ from sglang.srt.managers.io_struct import (AbortReq, FlushCacheReqInput, FlushCa
 from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch, release_kv_cache
 from sglang.srt.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
 from sglang.srt.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
-from sglang.srt.managers.scheduler_spec import SchedulerSpecMixin
+from sglang.srt.managers.scheduler_round import SchedulerRoundMixin
 from sglang.srt.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from sglang.srt.managers.utils import (
     configure_child_logging,
@@ -52,7 +52,7 @@ logger = logging.getLogger(__name__)
 IDLE_POLL_MS = 200
 
 
-class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin, SchedulerProfilerMixin):
+class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerProfilerMixin):
     """Request queues, batching, and the event loop of one TP rank."""
 
     def __init__(self, server_args: Any, port_args: Any = None, tp_rank: int = 0):
@@ -62,9 +62,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin, SchedulerProf
         self.model_config = ModelConfig.from_path(server_args.model_path,
                                                   server_args.json_model_override_args)
         nccl_port = port_args.nccl_port if port_args is not None else None
-        self.init_speculative_config()  # validates the draft before the target loads
-        self.tp_worker = TpModelWorker(server_args, tp_rank, nccl_port, self.model_config)
-        self.init_speculative_worker()
+        self.init_round_config()  # validates a speculative draft before the target loads
+        self.tp_worker = TpModelWorker(server_args, tp_rank, nccl_port, self.model_config,
+                                       spec_requirements=self.spec_requirements)
+        self.init_round_worker()
         runner = self.tp_worker.model_runner
         self.device = runner.device
         self.req_to_token_pool = runner.req_to_token_pool
@@ -72,7 +73,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin, SchedulerProf
         self.kda_state_pool = runner.kda_state_pool
         self.max_total_num_tokens = runner.max_total_num_tokens
         self.max_running_requests = self.req_to_token_pool.size
-        # Not the map's width: with NEXTN the map has headroom past the context length.
+        # Not the map's width: with speculation the map has headroom past the context length.
         self.max_req_len = runner.context_len
         self.vocab_size = self.model_config.vocab_size
 
@@ -148,7 +149,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin, SchedulerProf
 
     def has_work(self) -> bool:
         """Any request waiting, being prefilled or decoding, or a launched round unconsumed."""
-        return bool(self.waiting_queue or self.chunked_req or self.pending_spec_round or
+        return bool(self.waiting_queue or self.chunked_req or self.pending_round or
                     (self.running_batch is not None and not self.running_batch.is_empty()))
 
     def recv_requests(self) -> List[Any]:
@@ -214,18 +215,18 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin, SchedulerProf
             return (f"the prompt ({n} tokens) plus max_new_tokens ({sp.max_new_tokens}) exceeds "
                     f"the context length ({self.max_req_len} tokens)")
         if self._tokens_needed(req) > self.max_total_num_tokens:
-            spec = (f" + {self.spec_token_headroom} speculative headroom"
-                    if self.spec_token_headroom else "")
+            spec = (f" + {self.token_headroom} run-ahead headroom"
+                    if self.token_headroom else "")
             return (f"the request needs {self._tokens_needed(req)} KV cache slots (prompt {n} + "
                     f"max_new_tokens {sp.max_new_tokens}{spec}) but the pool holds only "
                     f"{self.max_total_num_tokens}; lower max_new_tokens or raise --max-total-tokens")
         return None
 
     def _tokens_needed(self, req: Req) -> int:
-        # The last sampled token is never fed back, so it never gets a KV slot. Speculative
-        # rounds allocate ahead and run past the finish point: see nextn_token_headroom.
+        # The last sampled token is never fed back, so it never gets a KV slot. Rounds are
+        # allocated ahead and the host learns a finish one round late: the worker's headroom.
         return (len(req.origin_input_ids) + max(req.sampling_params.max_new_tokens - 1, 0)
-                + self.spec_token_headroom)
+                + self.token_headroom)
 
     def abort_request(self, recv: AbortReq) -> None:
         """Abort by rid (or all): free its slots and report FINISH_ABORT to the client."""
@@ -290,8 +291,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin, SchedulerProf
                 break
             self.waiting_queue.pop(0)
             r.req_pool_idx, r.reserved_tokens, r.kv_len = row[0], need, 0
-            if self.spec_enabled:
-                r.kv_committed_slots = []  # host mirror: releasing never reads the device map
+            r.kv_committed_slots = []  # host mirror: releasing never reads the device map
             if self.kda_state_pool is not None and self.kda_state_pool.layer_ids:
                 self.kda_state_pool.clear_slots(row)  # every sequence starts from zero state
             r.extend_input_len = int(min(len(r.origin_input_ids), budget))
@@ -328,47 +328,32 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin, SchedulerProf
         return None
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
-        """Build the ForwardBatch and run forward + sampling on the worker."""
+        """Prefill (or a chunk) of ``batch`` on the round worker: forward, sampling of the rows
+        whose prompt completes, and the worker's prompt work (its future map, a draft)."""
         self.forward_ct += 1
-        if batch is self.running_batch:
-            forward_batch = batch.prepare_for_decode()
-            rows = None
-        else:
-            forward_batch = batch.prepare_for_extend()
-            rows = batch.sample_rows
-            if rows is not None and len(rows) == len(batch.reqs):
-                rows = None  # every request gets a token: no row selection needed
+        forward_batch = batch.prepare_for_extend()
+        rows = batch.sample_rows
+        if rows is not None and len(rows) == len(batch.reqs):
+            rows = None  # every request gets a token: no row selection needed
         sampled = batch.reqs if rows is None else [batch.reqs[i] for i in rows]
-        kwargs = dict(sample_rows=rows, return_logprob=any(r.return_logprob for r in sampled),
-                      top_logprobs_nums=[r.top_logprobs_num for r in sampled])
-        if self.spec_enabled:
-            # The draft extend pairs each token's hidden state with the token after it: for a
-            # chunk that ends inside the prompt that is the next prompt token.
-            kwargs["draft_next_tokens"] = [
-                r.origin_input_ids[p + n] if p + n < len(r.origin_input_ids) else -1
-                for r, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)]
-            return self.draft_worker.forward_batch_generation(
-                forward_batch, batch.sampling_info, **kwargs)
-        return self.tp_worker.forward_batch_generation(forward_batch, batch.sampling_info,
-                                                       **kwargs)
+        # A speculative drafter pairs each token's hidden state with the token after it: for a
+        # chunk that ends inside the prompt that is the next prompt token.
+        next_prompt_tokens = [
+            r.origin_input_ids[p + n] if p + n < len(r.origin_input_ids) else -1
+            for r, p, n in zip(batch.reqs, batch.prefix_lens, batch.extend_lens)]
+        return self.round_worker.prefill(
+            forward_batch, batch.sampling_info, sample_rows=rows,
+            return_logprob=any(r.return_logprob for r in sampled),
+            top_logprobs_nums=[r.top_logprobs_num for r in sampled],
+            next_prompt_tokens=next_prompt_tokens)
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
-        """Apply a forward's result (decode or extend)."""
-        if batch.forward_mode.is_decode():
-            self.process_batch_result_decode(batch, result)
-            self._log_decode_stats()
-        else:
-            self.process_batch_result_prefill(batch, result)
+        """Apply a prefill's result (decode rounds go through ``process_round``)."""
+        self.process_batch_result_prefill(batch, result)
 
     def step(self) -> bool:
         """One scheduling iteration without I/O waits; False when there was nothing to run."""
-        batch = self.get_next_batch_to_run()
-        if self.spec_enabled:
-            busy = self.spec_step(batch)  # launch, then consume the previous round
-        else:
-            busy = batch is not None
-            if busy:
-                self.process_batch_result(batch, self.run_batch(batch))
+        busy = self.round_step(self.get_next_batch_to_run())
         if busy:
             self.profile_tick()
         return busy
@@ -432,7 +417,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerSpecMixin, SchedulerProf
             running = 0 if self.running_batch is None else self.running_batch.batch_size()
             spec = ""
             if self.spec_enabled:
-                drafts = self.spec_num_verify_reqs * (self.spec_num_draft_tokens - 1)
+                drafts = self.spec_num_verify_reqs * self.round_worker.proposed_per_round
                 spec = (f"accept len: {self.avg_spec_accept_length():.2f}, accept rate: "
                         f"{self.spec_num_correct_drafts / max(drafts, 1):.2f}, ")
             logger.info(

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
 
 
 class SchedulerOutputProcessorMixin:
-    """Turns a :class:`GenerationBatchResult` into request state changes and outputs."""
+    """Turns a prefill's :class:`GenerationBatchResult` into request state changes and outputs
+    (decode rounds: :class:`~sglang.srt.managers.scheduler_round.SchedulerRoundMixin`)."""
 
     # ------------------------------------------------------------------ prefill
     def process_batch_result_prefill(self, batch: ScheduleBatch,
@@ -36,10 +37,8 @@ class SchedulerOutputProcessorMixin:
             self._add_input_logprobs(batch, chunk_starts, result.logits_output.next_token_logits)
 
         rows = batch.sample_rows or []
-        if rows:
+        if rows:  # (the round worker's prefill advanced the sampling state on the device)
             self._append_tokens([batch.reqs[i] for i in rows], result)
-            if not self.spec_enabled:  # the speculative worker advanced it on the device
-                batch.sampling_info.append_tokens(result.next_token_ids)
         for r in batch.reqs:
             if r.prefill_done and r.sampling_params.max_new_tokens == 0:
                 r.finished_reason = FINISH_LENGTH(length=0)  # prefill-only (e.g. input logprobs)
@@ -81,22 +80,10 @@ class SchedulerOutputProcessorMixin:
                     r.input_top_logprobs_val.append([v for v, _ in entry] if entry else [])
                     r.input_top_logprobs_idx.append([i for _, i in entry] if entry else [])
 
-    # ------------------------------------------------------------------ decode
-    def process_batch_result_decode(self, batch: ScheduleBatch,
-                                    result: "GenerationBatchResult") -> None:
-        """After a decode step: append tokens, finish, stream, drop finished requests."""
-        batch.commit_forward()
-        self._append_tokens(batch.reqs, result)
-        batch.sampling_info.append_tokens(result.next_token_ids)
-        self._finish_and_stream(batch.reqs)
-        batch.filter_batch()
-        if batch.is_empty():
-            self.running_batch = None
-
     # ------------------------------------------------------------------ shared
     def _append_tokens(self, reqs: List[Req], result: "GenerationBatchResult") -> None:
         out = result.sampler_output
-        next_ids = out.next_token_ids.tolist()  # the one host sync of the step
+        next_ids = out.next_token_ids.tolist()  # a prefill is consumed at once: a host sync
         want_lp = out.next_token_logprobs is not None
         lp_vals = out.next_token_logprobs.tolist() if want_lp else None
         top_vals = out.top_logprobs_val.tolist() if out.top_logprobs_val is not None else None

@@ -1,25 +1,29 @@
-"""Scheduler half for speculative decoding: launching NEXTN rounds and consuming them one late.
+"""Scheduler half that launches decode rounds and consumes them one round late (host run-ahead).
 
-The loop (:meth:`SchedulerSpecMixin.spec_step`) launches round ``k + 1`` of the running batch
-before it consumes round ``k``: the host never waits for the device to finish a round before
-enqueueing the next one, and learns accept counts only through the round's copy-done event.
-Consequences the bookkeeping handles:
+Every decode step is a *round* of the round worker: the target :class:`TpModelWorker` (plain
+decoding, one token per request) or a speculative worker looked up by ``--speculative-algorithm``
+in :mod:`sglang.srt.speculative.registry` (a chain of ``N`` tokens per request). The loop
+(:meth:`SchedulerRoundMixin.round_step`) launches round ``k + 1`` of the running batch before it
+consumes round ``k`` (overlap schedule): the host never waits for the device to finish a round
+before enqueueing the next one, and learns the tokens only through the round's copy-done event.
+With ``--disable-overlap-schedule`` each round is consumed right after it is launched; both
+orders produce the same tokens. Consequences the bookkeeping handles:
 
 * A request that finishes in round ``k`` (EOS, stop string, ``max_new_tokens``, detected while
-  appending its tokens one by one exactly as plain decoding would) has already been given round
-  ``k + 1``; that round's tokens are discarded and all of its ``N`` KV slots freed when it is
-  consumed. Tokens of round ``k`` past the finish point are dropped the same way.
+  appending its tokens one by one) has already been given round ``k + 1``; that round's tokens
+  are discarded and all of its KV slots freed when it is consumed. Tokens of round ``k`` past the
+  finish point are dropped the same way.
 * KV slots: each round allocates ``N`` per request ahead (an upper bound); the ``N - accept_len``
   surplus ones are freed when the round is consumed. Admission reserves
-  ``prompt + max_new_tokens + nextn_token_headroom(N)`` so this never runs dry.
+  ``prompt + max_new_tokens - 1 + token_headroom`` so this never runs dry.
 * The host mirrors each request's committed KV slots (``Req.kv_committed_slots``, CPU tensors)
   so that releasing a request never reads the device's request->token map.
 * A prefill (or chunk) is launched like a round but consumed right away (its first token is
   needed to admit the request into the running batch).
 
-Metrics (as upstream): per request ``spec_verify_ct`` and accepted drafts, sent with the finishing
-output; server-wide ``avg_spec_accept_length`` = committed tokens / (requests x rounds), reset by
-``flush_cache``.
+Speculative metrics (as upstream): per request ``spec_verify_ct`` and accepted drafts, sent with
+the finishing output; server-wide ``avg_spec_accept_length`` = committed tokens / (requests x
+rounds), reset by ``flush_cache``.
 """
 from __future__ import annotations
 
@@ -28,64 +32,60 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
+from sglang.srt.managers.overlap_utils import PendingRound
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.speculative.spec_info import (
-    SpeculativeAlgorithm,
-    SpecMetricsOutput,
-    nextn_token_headroom,
-)
+from sglang.srt.model_executor.cuda_graph_runner import capture_batch_sizes
+from sglang.srt.speculative.registry import get_spec_worker_class
+from sglang.srt.speculative.spec_info import SpecMetricsOutput
 
 if TYPE_CHECKING:
-    from sglang.srt.speculative.nextn_worker import NEXTNWorker, SpecRoundResult
+    from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
 
 @dataclass
-class PendingSpecRound:
+class LaunchedRound:
     """A launched round and the requests it ran for (the running batch may change after)."""
 
     reqs: List[Req]
-    result: "SpecRoundResult"
+    result: PendingRound
 
 
-class SchedulerSpecMixin:
-    """Speculative-decoding parts of :class:`~sglang.srt.managers.scheduler.Scheduler`."""
+class SchedulerRoundMixin:
+    """Decode-round parts of :class:`~sglang.srt.managers.scheduler.Scheduler`."""
 
     # ------------------------------------------------------------------ setup
-    def init_speculative_config(self) -> None:
-        """Before the target is built: parse the algorithm and validate the draft checkpoint
-        (a target without an MTP layer fails here, before any weights are loaded)."""
+    def init_round_config(self) -> None:
+        """Before the target is built: find the speculative worker class and let it validate
+        the draft and size what the target must reserve (a target without an MTP layer fails
+        here, before any weights are loaded)."""
         args = self.server_args
-        self.spec_algorithm = SpeculativeAlgorithm.from_string(args.speculative_algorithm)
-        self.draft_worker: Optional["NEXTNWorker"] = None
-        self.pending_spec_round: Optional[PendingSpecRound] = None
-        self.spec_num_draft_tokens = 0
-        self.spec_token_headroom = 0
-        self._spec_draft_config = None
+        self.spec_worker_class = get_spec_worker_class(args.speculative_algorithm)
+        self.spec_requirements = None if self.spec_worker_class is None else \
+            self.spec_worker_class.requirements(args, self.model_config)
+        self.draft_worker: Optional["BaseSpecWorker"] = None
+        self.pending_round: Optional[LaunchedRound] = None
+        self.enable_overlap = not args.disable_overlap_schedule
         self.reset_spec_metrics()
-        if self.spec_algorithm.is_none():
-            return
-        if self.spec_algorithm.is_dspark():
-            raise ValueError("--speculative-algorithm DSPARK: this engine does not have the DSpark "
-                             "worker yet; use --speculative-algorithm NEXTN")
-        from sglang.srt.speculative.nextn_worker import nextn_draft_model_config
 
-        self._spec_draft_config = nextn_draft_model_config(args, self.model_config)
-        self.spec_num_draft_tokens = int(args.speculative_num_draft_tokens)
-        self.spec_token_headroom = nextn_token_headroom(self.spec_num_draft_tokens)
-
-    def init_speculative_worker(self) -> None:
-        """After the target worker exists: build the draft runner over its pools."""
-        if self.spec_algorithm.is_none():
-            return
-        from sglang.srt.speculative.nextn_worker import NEXTNWorker
-
-        self.draft_worker = NEXTNWorker(self.server_args, self.tp_worker,
-                                        self._spec_draft_config)
+    def init_round_worker(self) -> None:
+        """After the target worker exists: the speculative worker over its pools (if any), and
+        the KV headroom a request needs beyond its tokens (one round in flight past its end)."""
+        if self.spec_worker_class is not None:
+            self.draft_worker = self.spec_worker_class(self.server_args, self.tp_worker,
+                                                       self.spec_requirements)
+        self.round_worker = self.draft_worker or self.tp_worker
+        args = self.server_args
+        if not args.disable_cuda_graph and self.tp_worker.device.type == "cuda":
+            self.round_worker.init_cuda_graphs(capture_batch_sizes(
+                args, self.tp_worker.model_runner.req_to_token_pool.size))
+        self.token_headroom = (self.spec_requirements.token_headroom
+                               if self.spec_requirements is not None
+                               else self.round_worker.round_tokens)
 
     @property
     def spec_enabled(self) -> bool:
-        """A speculative worker runs the decode steps."""
-        return self.draft_worker is not None
+        """A speculative worker runs the decode rounds."""
+        return self.round_worker.is_speculative
 
     def reset_spec_metrics(self) -> None:
         """Zero the server-wide acceptance counters (``flush_cache``)."""
@@ -100,49 +100,52 @@ class SchedulerSpecMixin:
         return self.spec_num_accept_tokens / self.spec_num_verify_reqs
 
     # ------------------------------------------------------------------ loop
-    def spec_step(self, batch: Optional[ScheduleBatch]) -> bool:
+    def round_step(self, batch: Optional[ScheduleBatch]) -> bool:
         """One iteration: launch ``batch`` (a round of the running batch, or a prefill), then
-        consume the previously launched round; a prefill is consumed at once."""
+        consume the previously launched round (overlap; without it the round just launched);
+        a prefill is consumed at once. False when there was nothing to do."""
         if batch is None:
-            if self.pending_spec_round is None:
+            if self.pending_round is None:
                 return False
             self._consume_pending_round()
             return True
         if batch is self.running_batch:
-            launched = self.launch_spec_round(batch)
+            launched = self.launch_round(batch)
             self._consume_pending_round()
-            self.pending_spec_round = launched
+            self.pending_round = launched
+            if not self.enable_overlap:
+                self._consume_pending_round()
             return True
         result = self.run_batch(batch)
         self._consume_pending_round()
         self.process_batch_result(batch, result)
         return True
 
-    def launch_spec_round(self, batch: ScheduleBatch) -> PendingSpecRound:
-        """Allocate the chain slots and enqueue one draft/verify/extend round."""
+    def launch_round(self, batch: ScheduleBatch) -> LaunchedRound:
+        """Allocate the round's KV slots and enqueue it on the round worker."""
         self.forward_ct += 1
-        slots, chain_cache_loc, bound = batch.prepare_for_spec_round(self.spec_num_draft_tokens)
+        slots, round_cache_loc, bound = batch.prepare_for_round(self.round_worker.round_tokens)
         want_lp = [r for r in batch.reqs if r.return_logprob]
-        result = self.draft_worker.forward_spec_round(
-            slots, chain_cache_loc, batch.sampling_info, seq_lens_bound=bound,
+        result = self.round_worker.forward_round(
+            slots, round_cache_loc, batch.sampling_info, seq_lens_bound=bound,
             return_logprob=bool(want_lp),
             top_logprobs_num=max([r.top_logprobs_num for r in want_lp], default=0))
-        return PendingSpecRound(list(batch.reqs), result)
+        return LaunchedRound(list(batch.reqs), result)
 
     def _consume_pending_round(self) -> None:
-        if self.pending_spec_round is not None:
-            pending, self.pending_spec_round = self.pending_spec_round, None
-            self.process_spec_round(pending)
+        if self.pending_round is not None:
+            pending, self.pending_round = self.pending_round, None
+            self.process_round(pending)
 
     # ------------------------------------------------------------------ results
-    def process_spec_round(self, pending: PendingSpecRound) -> None:
+    def process_round(self, pending: LaunchedRound) -> None:
         """Apply a round's outcome (waits for its copy-done event): commit slots, append tokens
         one at a time with the finish checks, free surplus slots, stream, drop finished."""
         out = pending.result.wait()
         to_free: List[torch.Tensor] = []
         active: List[Req] = []
         for b, r in enumerate(pending.reqs):
-            loc = out.chain_cache_loc[b]
+            loc = out.round_cache_loc[b]
             if r.finished() or r.req_pool_idx is None:
                 to_free.append(loc)  # finished (or aborted) before this round: all surplus
                 continue
@@ -152,11 +155,12 @@ class SchedulerSpecMixin:
             r.kv_committed_slots.append(loc[:a].clone())
             to_free.append(loc[a:])
             r.kv_len += a
-            r.spec_verify_ct += 1
-            r.spec_num_correct_drafts += a - 1
-            self.spec_num_accept_tokens += a
-            self.spec_num_verify_reqs += 1
-            self.spec_num_correct_drafts += a - 1
+            if self.spec_enabled:
+                r.spec_verify_ct += 1
+                r.spec_num_correct_drafts += a - 1
+                self.spec_num_accept_tokens += a
+                self.spec_num_verify_reqs += 1
+                self.spec_num_correct_drafts += a - 1
             self._append_round_tokens(r, out, b)
             active.append(r)
         self.token_to_kv_pool_allocator.free(torch.cat(to_free))
@@ -187,7 +191,7 @@ class SchedulerSpecMixin:
         done = [r for r in reqs if r.finished() and r.spec_verify_ct > 0]
         if not self.spec_enabled or not done:
             return None
-        per_round = self.spec_num_draft_tokens - 1
+        per_round = self.round_worker.proposed_per_round
         return SpecMetricsOutput(
             rids=[r.rid for r in done],
             spec_verify_ct=[r.spec_verify_ct for r in done],
@@ -203,5 +207,5 @@ class SchedulerSpecMixin:
             "spec_num_verify_reqs": self.spec_num_verify_reqs,
             "spec_num_accept_tokens": self.spec_num_accept_tokens,
             "speculative_num_steps": self.server_args.speculative_num_steps,
-            "speculative_num_draft_tokens": self.spec_num_draft_tokens,
+            "speculative_num_draft_tokens": self.server_args.speculative_num_draft_tokens,
         }

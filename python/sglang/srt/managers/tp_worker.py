@@ -4,20 +4,31 @@ The scheduler hands it a :class:`ForwardBatch` and the sampling state of the row
 token; it runs the forward and samples. Every TP rank runs the same forward and the same
 sampling (identical logits after the vocab all-gather and identically seeded generators), so the
 ranks' schedulers stay in lockstep without exchanging tokens.
+
+Plain decoding runs as one-token "rounds" with the same interface as a speculative worker
+(:meth:`TpModelWorker.prefill`, :meth:`TpModelWorker.forward_round`): each step reads its input
+token and position from the worker's :class:`~sglang.srt.managers.overlap_utils.FutureMap` on the
+device and writes its sampled token back there, so the scheduler can launch step ``k + 1``
+before it has read step ``k``'s token.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput, last_token_indices
 from sglang.srt.layers.sampler import Sampler, SamplerOutput
+from sglang.srt.managers.overlap_utils import FutureMap, PendingRound, host_to_device
+from sglang.srt.model_executor.cuda_graph_runner import GraphedRoundMixin
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.model_runner import ModelRunner, runner_kwargs_from_server_args
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+
+if TYPE_CHECKING:
+    from sglang.srt.speculative.base_spec_worker import SpecRequirements
 
 
 @dataclass
@@ -35,33 +46,37 @@ class GenerationBatchResult:
         return None if self.sampler_output is None else self.sampler_output.next_token_ids
 
 
-class TpModelWorker:
-    """Owns the :class:`ModelRunner` of one TP rank (built from the server args)."""
+class TpModelWorker(GraphedRoundMixin):
+    """Owns the :class:`ModelRunner` of one TP rank (built from the server args).
+
+    ``spec_requirements`` (from a speculative worker class) sizes the runner's pools for the
+    draft that will share them (its caches, KDA scratch, position headroom, later weights).
+    """
+
+    # Plain decoding: one KV slot and one token per request per round, no proposals.
+    is_speculative = False
+    round_tokens = 1
+    proposed_per_round = 0
 
     def __init__(self, server_args: Any, tp_rank: int = 0, nccl_port: Any = None,
-                 model_config: Optional[ModelConfig] = None):
+                 model_config: Optional[ModelConfig] = None,
+                 spec_requirements: Optional["SpecRequirements"] = None):
         self.server_args = server_args
         self.tp_rank = tp_rank
         self.model_config = model_config or ModelConfig.from_path(
             server_args.model_path, server_args.json_model_override_args
         )
         kwargs = runner_kwargs_from_server_args(server_args, tp_rank, nccl_port)
-        if getattr(server_args, "speculative_algorithm", None) == "NEXTN":
-            # The NEXTN draft shares this runner's pools: reserve the MTP layer's latent cache
-            # and the KDA stage-then-commit scratch for one chain.
-            kwargs["draft_extra_mla_layers"] = True
-            kwargs["spec_num_draft_tokens"] = int(server_args.speculative_num_draft_tokens)
-            # The draft's own layers (~6 GB for Ling-3.0-flash's MTP layer) load after the pools:
-            # the memory plan keeps room for them.
-            from sglang.srt.speculative.nextn_worker import nextn_draft_model_config
-
-            kwargs["draft_model_config"] = nextn_draft_model_config(server_args, self.model_config)
+        if spec_requirements is not None:
+            kwargs.update(spec_requirements.runner_kwargs())
         self.model_runner = ModelRunner(self.model_config, **kwargs)
         self.device = self.model_runner.device
         self.vocab_size = self.model_config.vocab_size
         # Unseeded rows draw from the global generator, seeded by ModelRunner with random_seed on
         # every rank, so all ranks draw the same numbers.
         self.sampler = Sampler()
+        # Plain decode's relay: the next input token and the committed length per slot.
+        self.future_map = FutureMap(self.model_runner.req_to_token_pool.size, self.device)
 
     # Pool handles (the scheduler does the slot bookkeeping).
     @property
@@ -101,3 +116,86 @@ class TpModelWorker:
                            top_logprobs_nums=top_logprobs_nums)
         rows = None if sample_rows is None else list(sample_rows)
         return GenerationBatchResult(logits_output, rows, out)
+
+    # ------------------------------------------------------------------ plain decode rounds
+    def prefill(self, forward_batch: ForwardBatch, sampling_info: Optional[SamplingBatchInfo],
+                sample_rows: Optional[Sequence[int]] = None, return_logprob: bool = False,
+                top_logprobs_nums: Optional[Sequence[int]] = None,
+                next_prompt_tokens: Optional[Sequence[int]] = None) -> GenerationBatchResult:
+        """:meth:`forward_batch_generation`, then the sampled rows' first token and length into
+        the future map (``next_prompt_tokens`` is for speculative drafters; unused here)."""
+        result = self.forward_batch_generation(forward_batch, sampling_info, sample_rows,
+                                               return_logprob, top_logprobs_nums)
+        next_ids = result.next_token_ids
+        if next_ids is not None and next_ids.numel():
+            slots, lens = forward_batch.req_pool_indices, forward_batch.seq_lens
+            if sample_rows is not None:
+                sel = host_to_device(list(sample_rows), self.device)
+                slots, lens = slots[sel], lens[sel]
+            self.future_map.scatter(slots, tokens=next_ids, seq_lens=lens)
+            if sampling_info is not None:
+                sampling_info.append_tokens(next_ids)
+        return result
+
+    def forward_round(self, req_pool_indices: torch.Tensor, round_cache_loc: torch.Tensor,
+                      sampling_info: SamplingBatchInfo, seq_lens_bound: Optional[int] = None,
+                      return_logprob: bool = False, top_logprobs_num: int = 0) -> PendingRound:
+        """One decode step for the requests in ``req_pool_indices [B]`` (device), writing KV at
+        ``round_cache_loc [B, 1]``; the :class:`PendingRound` gives the tokens one step later.
+        ``seq_lens_bound``: a host integer no sequence of the step exceeds (sizes padded cache
+        gathers; ``None`` reads it from the device, a host sync, for tests)."""
+        b = int(req_pool_indices.shape[0])
+        if b < 1 or tuple(round_cache_loc.shape) != (b, 1):
+            raise ValueError(f"forward_round: round_cache_loc must be [B={b}, 1] with B >= 1, "
+                             f"got {tuple(round_cache_loc.shape)}")
+        if sampling_info.batch_size != b:
+            raise ValueError(f"forward_round: sampling_info has {sampling_info.batch_size} rows "
+                             f"for {b} requests")
+        slots = req_pool_indices.to(device=self.device, dtype=torch.int64)
+        loc = round_cache_loc.to(device=self.device, dtype=torch.int64)
+        if seq_lens_bound is None:
+            seq_lens_bound = int(self.future_map.seq_lens[slots].max()) + 1
+        return self.run_round(slots, loc, sampling_info, seq_lens_bound, return_logprob,
+                              top_logprobs_num)
+
+    def graph_setup(self) -> dict:
+        """A decode step: one token and one KV slot per request, the target's backend."""
+        return dict(round_tokens=1, tokens_per_request=1,
+                    backends=[self.model_runner.attn_backend], runners=[self.model_runner])
+
+    def round_body(self, slots: torch.Tensor, loc: torch.Tensor, sampling_info: SamplingBatchInfo,
+                   seq_lens_bound: int, return_logprob: bool = False) -> Dict[str, torch.Tensor]:
+        """The device work of one decode step (fixed shapes, no host reads: a CUDA graph
+        captures it): input token and position from the future map, the KV slot into the
+        request->token map, forward, sampling, the new token and length back into the map.
+        Returns ``accept_len [B]`` (ones), ``tokens [B, 1]`` and, for logprobs, the sampler's
+        ``logprobs [B, V]`` (of the logits before this step's tokens enter the penalties)."""
+        tokens, prefix = self.future_map.gather(slots, "tokens", "seq_lens")
+        req_to_token = self.model_runner.req_to_token_pool.req_to_token
+        req_to_token[slots, prefix] = loc[:, 0].to(req_to_token.dtype)
+        batch = ForwardBatch.for_decode(tokens, slots, prefix + 1, loc[:, 0],
+                                        seq_lens_upper_bound=seq_lens_bound)
+        logits = self.model_runner.forward(batch).next_token_logits
+        sampled = self.sampler(logits, sampling_info, return_logprob=return_logprob)
+        next_ids = sampled.next_token_ids
+        sampling_info.append_tokens(next_ids)
+        self.future_map.scatter(slots, tokens=next_ids, seq_lens=prefix + 1)
+        out = {"accept_len": torch.ones_like(next_ids), "tokens": next_ids.unsqueeze(1)}
+        if return_logprob:
+            out["logprobs"] = sampled.logprobs
+        return out
+
+    def pending_round(self, out: Dict[str, torch.Tensor], loc: torch.Tensor,
+                      return_logprob: bool, top_logprobs_num: int,
+                      on_current_stream: bool = False) -> PendingRound:
+        """Start the host copies of a step's outputs; the chosen tokens' logprobs and the top
+        ones are picked here from the body's ``logprobs`` (after a graph replay, too)."""
+        copies = {"accept_len": out["accept_len"], "tokens": out["tokens"], "loc": loc}
+        if return_logprob:
+            lp = out["logprobs"]
+            copies["logprobs"] = lp.gather(1, out["tokens"])
+            if top_logprobs_num > 0:
+                k = min(top_logprobs_num, self.vocab_size)
+                val, idx = lp.topk(k, dim=-1)
+                copies["top_val"], copies["top_idx"] = val.unsqueeze(1), idx.unsqueeze(1)
+        return PendingRound(copies, out, on_current_stream=on_current_stream)

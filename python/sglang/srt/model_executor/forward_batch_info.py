@@ -53,8 +53,10 @@ class ForwardMode(IntEnum):
         return self == ForwardMode.DRAFT_EXTEND
 
     def is_cuda_graph(self) -> bool:
-        """Modes a decode CUDA graph may replay."""
-        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.IDLE)
+        """Modes a captured decode round may contain (a speculative round: the draft's decodes,
+        the target's verify and the draft extend)."""
+        return self in (ForwardMode.DECODE, ForwardMode.TARGET_VERIFY, ForwardMode.DRAFT_EXTEND,
+                        ForwardMode.IDLE)
 
 
 class CaptureHiddenMode(IntEnum):

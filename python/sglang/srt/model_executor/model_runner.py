@@ -28,6 +28,12 @@ from typing import TYPE_CHECKING, Any, List, Optional, Union
 
 import torch
 
+from sglang.srt.configs.engine_defaults import (
+    CPU_DEFAULT_MAX_TOTAL_TOKENS,
+    DEFAULT_MAX_RUNNING_REQUESTS,
+    DEFAULT_MEM_FRACTION_STATIC,
+    torch_dtype,
+)
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import parallel_state as ps
 from sglang.srt.environ import envs
@@ -43,7 +49,6 @@ from sglang.srt.mem_cache.memory_pool import (
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.loader import get_model, model_weight_bytes
-from sglang.srt.speculative.spec_info import nextn_token_headroom
 
 if TYPE_CHECKING:
     from sglang.srt.configs.bailing_moe_v3 import BailingMoeV3Config
@@ -51,26 +56,11 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_MAX_RUNNING_REQUESTS = 16
-DEFAULT_MEM_FRACTION_STATIC = 0.88
-# Without --max-total-tokens on CPU: enough for tests and demos, small enough for host memory.
-CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
-
-_DTYPES = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
-    "float16": torch.float16, "half": torch.float16, "fp16": torch.float16,
-    "float32": torch.float32, "float": torch.float32, "fp32": torch.float32,
-}
-
-
 def resolve_dtype(dtype: Union[str, torch.dtype], hf_config: "BailingMoeV3Config") -> torch.dtype:
     """``--dtype``: a torch dtype or its name; ``"auto"`` takes ``torch_dtype`` of the config."""
     if isinstance(dtype, torch.dtype):
         return dtype
-    name = hf_config.torch_dtype if dtype == "auto" else dtype
-    if name not in _DTYPES:
-        raise ValueError(f"unsupported dtype {dtype!r}; choose auto, {', '.join(sorted(_DTYPES))}")
-    return _DTYPES[name]
+    return torch_dtype(hf_config.torch_dtype if dtype == "auto" else dtype)
 
 
 def mla_pool_layer_ids(config: "BailingMoeV3Config", is_draft: bool,
@@ -166,7 +156,7 @@ def runner_kwargs_from_server_args(server_args: Any, tp_rank: int = 0,
 class ModelRunner:
     """Holds one TP rank's model, pools and attention backend; runs forwards eagerly.
 
-    Pool sizing: on CUDA, ``mem_fraction_static`` (default 0.88) of the device's total memory is
+    Pool sizing: on CUDA, ``mem_fraction_static`` (default :data:`DEFAULT_MEM_FRACTION_STATIC`) of the device's total memory is
     the budget for everything allocated statically (weights, request map, KDA state slots, MLA
     KV slots); what the weights leave is split into ``max_running_requests`` state slots and as
     many KV slots as fit, capped by ``max_total_tokens`` if given, else by
@@ -178,12 +168,14 @@ class ModelRunner:
     must then have been built with ``draft_extra_mla_layers=True`` so its MLA pool covers the
     MTP layer.
 
-    NEXTN target (``spec_num_draft_tokens = N > 0``): the KDA pool gets the stage-then-commit
-    scratch for ``N`` chain positions (counted in the CUDA memory plan, as are the weights of
-    ``draft_model_config``'s draft, which loads after the pools), and the request->token
-    map and the RoPE tables get :func:`nextn_token_headroom` positions beyond the context
-    length, because the device may run one round past a request's finish before the host
-    notices (the scheduler's admission still limits requests to the context length).
+    Speculative target (sized from the worker's
+    :class:`~sglang.srt.speculative.base_spec_worker.SpecRequirements`): with
+    ``spec_num_draft_tokens = N > 0`` the KDA pool gets the stage-then-commit scratch for ``N``
+    chain positions (counted in the CUDA memory plan, as are the weights of
+    ``draft_model_config``'s draft, which loads after the pools), and the request->token map and
+    the RoPE tables get ``position_headroom`` positions beyond the context length, because the
+    device may run one round past a request's finish before the host notices (the scheduler's
+    admission still limits requests to the context length).
     """
 
     def __init__(
@@ -212,6 +204,7 @@ class ModelRunner:
         token_to_kv_pool: Optional[MLATokenToKVPool] = None,
         kda_state_pool: Optional[KDAStatePool] = None,
         spec_num_draft_tokens: int = 0,
+        position_headroom: int = 0,
         draft_model_config: Optional[ModelConfig] = None,
     ):
         if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= tp_rank < tp_size):
@@ -227,7 +220,10 @@ class ModelRunner:
             raise ValueError(f"spec_num_draft_tokens must be an int >= 0, got {spec_num_draft_tokens!r}")
         if spec_num_draft_tokens and is_draft:
             raise ValueError("spec_num_draft_tokens belongs to the target runner, not the draft")
+        if not isinstance(position_headroom, int) or position_headroom < 0:
+            raise ValueError(f"position_headroom must be an int >= 0, got {position_headroom!r}")
         self.spec_num_draft_tokens = spec_num_draft_tokens
+        self.position_headroom = position_headroom
         self.model_config = model_config
         self.hf_config = model_config.hf_config
         self.tp_rank, self.tp_size = tp_rank, tp_size
@@ -375,18 +371,21 @@ class ModelRunner:
                            self.context_len)
         return tokens
 
-    @property
-    def position_headroom(self) -> int:
-        """Positions beyond ``context_len`` a NEXTN round may touch (0 without speculation)."""
-        return nextn_token_headroom(self.spec_num_draft_tokens) if self.spec_num_draft_tokens else 0
-
     def _grow_rope_tables(self) -> None:
         """RoPE tables cover ``max_position_embeddings``; on CUDA positions are not checked per
-        step, so tables that must reach into the NEXTN headroom are grown once here."""
+        step, so tables that must reach into the speculative headroom are grown once here."""
         need = self.req_to_token_pool.max_context_len  # the largest position any forward sees + 1
         for module in self.model.modules():
             if isinstance(module, RotaryEmbedding) and need > module.max_position_embeddings:
                 module.cos_sin_cache(self.device, need)
+
+    def max_cuda_graph_tokens(self) -> Optional[int]:
+        """The most tokens a captured forward may hold: the smallest limit any module declares
+        through a ``max_cuda_graph_tokens()`` method (a MoE block whose expert path reads
+        counts on the host above some batch), None when none does."""
+        limits = [m.max_cuda_graph_tokens() for m in self.model.modules()
+                  if m is not self.model and callable(getattr(m, "max_cuda_graph_tokens", None))]
+        return min(limits) if limits else None
 
     # ------------------------------------------------------------------ running
     def forward(self, forward_batch: ForwardBatch, **model_kwargs: Any) -> "LogitsProcessorOutput":

@@ -22,9 +22,15 @@ over a batch of requests:
    draft hidden state.
 
 Every accept-dependent value (lengths, seeds, the KDA commit index, positions, req->token writes)
-stays a device tensor, read through the per-slot :class:`~sglang.srt.speculative.spec_info.NextNRelay`.
-The host gets the accept lengths, committed tokens and the round's KV slots through an
-:class:`~sglang.srt.speculative.host_copy.AsyncHostCopy` that it waits on one round later.
+stays a device tensor, relayed from round to round by the worker's
+:class:`~sglang.srt.managers.overlap_utils.FutureMap` (``tokens`` = the seed, ``seq_lens`` = the
+committed length, and the payload ``draft_token`` / ``hidden`` / ``draft_probs``: the first draft
+of the next chain, the draft hidden state that continues it, and the distribution that draft was
+sampled from). The host gets the accept lengths, committed tokens and the round's KV slots through
+a :class:`~sglang.srt.managers.overlap_utils.PendingRound` that it waits on one round later.
+
+The round itself (:meth:`NEXTNWorker.round_body`) is fixed-shape device work over its inputs, so a
+CUDA graph can capture it whole.
 
 After a prefill (or any prefill chunk) the MTP layer runs over the chunk with the pairs
 ``(h_t, x_{t+1})``; the last pair of a completed prompt uses the sampled first token, and its
@@ -34,24 +40,24 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.environ import envs
 from sglang.srt.layers.logits_processor import last_token_indices
+from sglang.srt.managers.overlap_utils import FutureMap, PendingRound, host_to_device
 from sglang.srt.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
     ForwardBatch,
     ForwardMode,
 )
+from sglang.srt.model_executor.cuda_graph_runner import GraphedRoundMixin
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-from sglang.srt.speculative.host_copy import AsyncHostCopy
-from sglang.srt.speculative.spec_info import NextNRelay
+from sglang.srt.speculative.base_spec_worker import BaseSpecWorker, SpecRequirements
 from sglang.srt.speculative.spec_sampling import (
     chain_uniforms,
     draft_lane,
@@ -72,7 +78,18 @@ from sglang.srt.speculative.spec_utils import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NEXTNWorker", "SpecRoundResult", "SpecRoundOutput", "nextn_draft_model_config"]
+__all__ = ["NEXTNWorker", "nextn_draft_model_config", "nextn_token_headroom"]
+
+
+def nextn_token_headroom(num_draft_tokens: int) -> int:
+    """Tokens a NEXTN request may hold beyond ``prompt + max_new_tokens``: two chains.
+
+    The host learns a round's outcome one round late, so when it sees a request finish, the
+    device has already committed up to ``N - 1`` tokens past the finish point and launched one
+    more round of ``N`` chain slots. KV-slot reservations and the request->token map's width
+    (and so the largest position RoPE sees) carry this much slack.
+    """
+    return 2 * int(num_draft_tokens)
 
 
 def nextn_draft_model_config(server_args: Any, target_config: ModelConfig) -> ModelConfig:
@@ -99,46 +116,22 @@ def nextn_draft_model_config(server_args: Any, target_config: ModelConfig) -> Mo
     return cfg
 
 
-@dataclass
-class SpecRoundOutput:
-    """A round's outcome on the host (one entry per request of the round)."""
-
-    accept_lens: List[int]  # committed tokens per request (accepted drafts + 1)
-    tokens: List[List[int]]  # the accept_lens[b] committed tokens
-    chain_cache_loc: torch.Tensor  # [B, N] int64 CPU: the round's KV slots
-    token_logprobs: Optional[List[List[float]]] = None  # per committed token
-    top_logprobs_val: Optional[List[List[List[float]]]] = None
-    top_logprobs_idx: Optional[List[List[List[int]]]] = None
-
-
-class SpecRoundResult:
-    """A launched round; :meth:`wait` (normally one round later) gives its :class:`SpecRoundOutput`."""
-
-    def __init__(self, host_copy: AsyncHostCopy, verdict: ChainVerifyResult):
-        self.host_copy = host_copy
-        self.verdict = verdict  # device tensors (tests and debugging)
-
-    def wait(self) -> SpecRoundOutput:
-        """Block on the round's copy-done event and convert to host lists."""
-        host = self.host_copy.wait()
-        lens = host["accept_len"].tolist()
-        rows = host["tokens"].tolist()
-        out = SpecRoundOutput(lens, [row[:a] for row, a in zip(rows, lens)], host["loc"])
-        if "logprobs" in host:
-            lp = host["logprobs"].tolist()
-            out.token_logprobs = [row[:a] for row, a in zip(lp, lens)]
-        if "top_val" in host:
-            vals, idx = host["top_val"].tolist(), host["top_idx"].tolist()
-            out.top_logprobs_val = [row[:a] for row, a in zip(vals, lens)]
-            out.top_logprobs_idx = [row[:a] for row, a in zip(idx, lens)]
-        return out
-
-
-class NEXTNWorker:
+class NEXTNWorker(GraphedRoundMixin, BaseSpecWorker):
     """Owns the draft runner (the MTP layer over the target's pools) and runs NEXTN rounds."""
 
+    @classmethod
+    def requirements(cls, server_args: Any, target_config: ModelConfig) -> SpecRequirements:
+        """The chain's KV slots and KDA scratch (``N`` positions), two chains of headroom (see
+        :func:`nextn_token_headroom`), the MTP layer's latent cache in the target's MLA pool and
+        its weights loading after the pools."""
+        n = int(server_args.speculative_num_draft_tokens)
+        return SpecRequirements(
+            round_tokens=n, kda_scratch_depth=n, position_headroom=nextn_token_headroom(n),
+            token_headroom=nextn_token_headroom(n), draft_extra_mla_layers=True,
+            draft_model_config=nextn_draft_model_config(server_args, target_config))
+
     def __init__(self, server_args: Any, target_worker: TpModelWorker,
-                 draft_model_config: Optional[ModelConfig] = None):
+                 requirements: Optional[SpecRequirements] = None):
         n = server_args.speculative_num_draft_tokens
         if server_args.speculative_eagle_topk != 1 or n != server_args.speculative_num_steps + 1:
             raise ValueError("NEXTNWorker drafts a chain: needs --speculative-eagle-topk 1 and "
@@ -152,7 +145,8 @@ class NEXTNWorker:
         self.num_draft_tokens = n
         self.device = self.target_runner.device
         self.vocab_size = self.target_runner.model_config.vocab_size
-        cfg = draft_model_config or nextn_draft_model_config(server_args, target_worker.model_config)
+        cfg = requirements.draft_model_config if requirements is not None else None
+        cfg = cfg or nextn_draft_model_config(server_args, target_worker.model_config)
         t = self.target_runner
         self.draft_runner = ModelRunner(
             cfg, device=t.device, dtype=t.dtype, tp_rank=t.tp_rank, tp_size=t.tp_size,
@@ -165,36 +159,52 @@ class NEXTNWorker:
             token_to_kv_pool=t.token_to_kv_pool)
         self.draft_runner.model.set_embed_and_head(*t.model.get_embed_and_head())
         max_bs = t.req_to_token_pool.size
-        self.relay = NextNRelay(max_bs, cfg.hf_config.hidden_size, self.vocab_size, t.dtype,
-                                self.device)
+        # The relay: tokens = the seed, seq_lens = committed tokens; draft_probs (sampled rows
+        # only) starts uniform so that even a never-written slot holds a valid distribution.
+        self.future_map = FutureMap(
+            max_bs, self.device,
+            payload={"draft_token": ((), torch.int64),
+                     "hidden": ((cfg.hf_config.hidden_size,), t.dtype),
+                     "draft_probs": ((self.vocab_size,), torch.float32)},
+            lazy={"draft_probs": 1.0 / self.vocab_size})
         # Persistent chain buffer (fixed width N; a round of B requests uses rows 0..B-1).
         self._chain_tokens = torch.zeros(max_bs, n, dtype=torch.int64, device=self.device)
         logger.info("NEXTN: draft = MTP layer %d of %s, %d steps, %d draft tokens",
                     cfg.hf_config.mtp_layer_id, cfg.model_path, self.num_steps, n)
 
+    @property
+    def round_tokens(self) -> int:
+        """The chain width ``N``: every request of a round gets ``N`` KV slots."""
+        return self.num_draft_tokens
+
+    @property
+    def proposed_per_round(self) -> int:
+        """``N - 1`` drafts per request per round."""
+        return self.num_draft_tokens - 1
+
     # ------------------------------------------------------------------ prefill
-    def forward_batch_generation(
+    def prefill(
         self,
         forward_batch: ForwardBatch,
         sampling_info: Optional[SamplingBatchInfo],
         sample_rows: Optional[Sequence[int]] = None,
         return_logprob: bool = False,
         top_logprobs_nums: Optional[Sequence[int]] = None,
-        draft_next_tokens: Optional[Sequence[int]] = None,
+        next_prompt_tokens: Optional[Sequence[int]] = None,
     ) -> GenerationBatchResult:
         """Target prefill (or chunk) + sampling, then the draft extend over the same tokens.
 
-        ``draft_next_tokens[b]``: the prompt token after request ``b``'s chunk, or ``-1`` when
+        ``next_prompt_tokens[b]``: the prompt token after request ``b``'s chunk, or ``-1`` when
         the chunk completes the prompt (then the sampled first token follows). Sampled rows get
-        their first draft in the relay. The sampling history of the sampled rows is advanced on
-        the device here (in speculative mode the worker owns it).
+        their first draft in the future map. The sampling history of the sampled rows is advanced
+        on the device here (in speculative mode the worker owns it).
         """
         if forward_batch.forward_mode != ForwardMode.EXTEND:
-            raise ValueError(f"NEXTNWorker.forward_batch_generation runs prefills; got "
+            raise ValueError(f"NEXTNWorker.prefill runs prefills; got "
                              f"{forward_batch.forward_mode.name}")
         b = forward_batch.batch_size
-        if draft_next_tokens is None or len(draft_next_tokens) != b:
-            raise ValueError(f"draft_next_tokens needs one entry per request ({b})")
+        if next_prompt_tokens is None or len(next_prompt_tokens) != b:
+            raise ValueError(f"next_prompt_tokens needs one entry per request ({b})")
         forward_batch.capture_hidden_mode = CaptureHiddenMode.FULL
         result = self.target_worker.forward_batch_generation(
             forward_batch, sampling_info, sample_rows, return_logprob, top_logprobs_nums)
@@ -207,9 +217,9 @@ class NEXTNWorker:
         ids = forward_batch.input_ids
         shifted = torch.empty_like(ids)
         shifted[:-1] = ids[1:]
-        tail = torch.tensor([max(int(t), 0) for t in draft_next_tokens], dtype=ids.dtype)
-        tail = tail.to(self.device)
-        sel = torch.tensor(rows, dtype=torch.int64).to(self.device)
+        tail = host_to_device([max(int(t), 0) for t in next_prompt_tokens], self.device,
+                              ids.dtype)
+        sel = host_to_device(rows, self.device)
         if next_ids is not None and rows:
             tail[sel] = next_ids.to(tail.dtype)
         shifted[last_token_indices(forward_batch)] = tail
@@ -222,43 +232,64 @@ class NEXTNWorker:
         if next_ids is None or not rows:
             return result
         draft, probs = self._pick_draft(out.next_token_logits[sel], sampling_info, None, 0)
-        slots = forward_batch.req_pool_indices[sel]
-        self.relay.scatter(slots, seq_lens=forward_batch.seq_lens[sel], seed=next_ids,
-                           draft_token=draft, hidden=out.hidden_states[sel], draft_probs=probs)
+        self.future_map.scatter(forward_batch.req_pool_indices[sel],
+                                seq_lens=forward_batch.seq_lens[sel], tokens=next_ids,
+                                draft_token=draft, hidden=out.hidden_states[sel],
+                                draft_probs=probs)
         return result
 
     # ------------------------------------------------------------------ decode round
-    def forward_spec_round(self, req_pool_indices: torch.Tensor, chain_cache_loc: torch.Tensor,
-                           sampling_info: SamplingBatchInfo,
-                           seq_lens_bound: Optional[int] = None, return_logprob: bool = False,
-                           top_logprobs_num: int = 0) -> SpecRoundResult:
+    def forward_round(self, req_pool_indices: torch.Tensor, round_cache_loc: torch.Tensor,
+                      sampling_info: SamplingBatchInfo,
+                      seq_lens_bound: Optional[int] = None, return_logprob: bool = False,
+                      top_logprobs_num: int = 0) -> PendingRound:
         """Draft, verify and draft-extend one round for the requests in ``req_pool_indices [B]``
-        (device), writing the chain's KV into ``chain_cache_loc [B, N]`` (allocated by the
+        (device), writing the chain's KV into ``round_cache_loc [B, N]`` (allocated by the
         caller; surplus slots are the caller's to free once it has the accept lengths).
 
         ``seq_lens_bound``: a host integer no sequence of this round exceeds (the scheduler's,
-        see ``ScheduleBatch.prepare_for_spec_round``); attention backends size their padded
-        gathers with it instead of reading device lengths. ``None`` (tests) reads it from the
-        device once, a host sync."""
+        see ``ScheduleBatch.prepare_for_round``); attention backends size their padded gathers
+        with it instead of reading device lengths. ``None`` (tests) reads it from the device
+        once, a host sync."""
         n = self.num_draft_tokens
         b = int(req_pool_indices.shape[0])
-        if b < 1 or tuple(chain_cache_loc.shape) != (b, n):
-            raise ValueError(f"forward_spec_round: chain_cache_loc must be [B={b}, N={n}] with "
-                             f"B >= 1, got {tuple(chain_cache_loc.shape)}")
+        if b < 1 or tuple(round_cache_loc.shape) != (b, n):
+            raise ValueError(f"forward_round: round_cache_loc must be [B={b}, N={n}] with "
+                             f"B >= 1, got {tuple(round_cache_loc.shape)}")
         if sampling_info.batch_size != b:
-            raise ValueError(f"forward_spec_round: sampling_info has {sampling_info.batch_size} "
+            raise ValueError(f"forward_round: sampling_info has {sampling_info.batch_size} "
                              f"rows for {b} requests")
-        sampled = not sampling_info.is_all_greedy
         slots = req_pool_indices.to(device=self.device, dtype=torch.int64)
-        loc = chain_cache_loc.to(device=self.device, dtype=torch.int64)
-        inp = self.relay.gather(slots, with_probs=sampled)
-        prefix = inp.seq_lens
+        loc = round_cache_loc.to(device=self.device, dtype=torch.int64)
         if seq_lens_bound is None:
-            seq_lens_bound = int(prefix.max()) + n
+            seq_lens_bound = int(self.future_map.seq_lens[slots].max()) + n
+        return self.run_round(slots, loc, sampling_info, seq_lens_bound, return_logprob,
+                              top_logprobs_num)
+
+    def graph_setup(self) -> dict:
+        """The whole round in one graph: the draft's decodes, the target's ``N``-token verify
+        with acceptance and KDA commit, and the draft extend."""
+        n = self.num_draft_tokens
+        return dict(round_tokens=n, tokens_per_request=n,
+                    backends=[self.target_runner.attn_backend, self.draft_runner.attn_backend],
+                    runners=[self.target_runner, self.draft_runner])
+
+    def round_body(self, slots: torch.Tensor, loc: torch.Tensor, sampling_info: SamplingBatchInfo,
+                   seq_lens_bound: int, return_logprob: bool = False) -> Dict[str, torch.Tensor]:
+        """The device work of one round (no host reads, fixed shapes: a CUDA graph captures it).
+        Returns ``accept_len [B]``, ``tokens [B, N]`` (committed, then -1) and, when
+        ``return_logprob``, the log-softmax source ``lp_source [B * N, V]``."""
+        n, b = self.num_draft_tokens, int(slots.shape[0])
+        sampled = not sampling_info.is_all_greedy
+        fm = self.future_map
+        names = ("seq_lens", "tokens", "draft_token", "hidden") + (("draft_probs",) if sampled else ())
+        prefix, seed, first_draft, hidden, *probs = fm.gather(slots, *names)
         assign_chain_req_to_token(self.target_runner.req_to_token_pool.req_to_token, slots,
                                   prefix, loc)
 
-        tokens, draft_probs = self._draft(slots, loc, inp, sampling_info, seq_lens_bound)
+        tokens, draft_probs = self._draft(slots, loc, prefix, seed, first_draft, hidden,
+                                          probs[0] if probs else None, sampling_info,
+                                          seq_lens_bound)
         verify_batch = build_verify_forward_batch(tokens, slots, prefix, loc,
                                                   seq_lens_upper_bound=seq_lens_bound)
         target_out = self.target_runner.forward(verify_batch)
@@ -269,43 +300,52 @@ class NEXTNWorker:
         kda_pool = self.target_runner.kda_state_pool
         if kda_pool is not None and kda_pool.layer_ids:
             kda_pool.commit_after_verify(slots, layout.last_accepted_index)
-        self.relay.scatter(slots, seq_lens=layout.new_seq_lens, seed=verdict.next_seed)
+        fm.scatter(slots, seq_lens=layout.new_seq_lens, tokens=verdict.next_seed)
         committed = verdict.accepted_tokens.clamp(min=0)  # pad (-1) -> a valid id
         sampling_info.append_tokens(committed, valid=layout.keep_mask)
 
         self._draft_extend(verify_batch, committed, target_out.hidden_states,
                            layout.last_accepted_row, slots, sampling_info)
-
-        copies = {"accept_len": verdict.accept_len, "tokens": verdict.accepted_tokens,
-                  "loc": loc}
+        out = {"accept_len": verdict.accept_len, "tokens": verdict.accepted_tokens}
         if return_logprob:
             # As the sampler: the penalised logits over the temperature at each position (raw
             # logits with SGLANG_RETURN_ORIGINAL_LOGPROB).
-            vocab = self.vocab_size
             if envs.SGLANG_RETURN_ORIGINAL_LOGPROB.get():
-                source = target_out.next_token_logits[:, :vocab].float()
+                out["lp_source"] = target_out.next_token_logits[:, :self.vocab_size].float()
             else:
-                source = processed / rows_info.temperatures.unsqueeze(1)
-            lp = torch.log_softmax(source, dim=-1).view(b, n, vocab)
+                out["lp_source"] = processed / rows_info.temperatures.unsqueeze(1)
+        return out
+
+    def pending_round(self, out: Dict[str, torch.Tensor], loc: torch.Tensor,
+                      return_logprob: bool, top_logprobs_num: int,
+                      on_current_stream: bool = False) -> PendingRound:
+        """Start the host copies of a round's outputs (logprobs computed here, after the body)."""
+        b, n = loc.shape
+        copies = {"accept_len": out["accept_len"], "tokens": out["tokens"], "loc": loc}
+        if return_logprob:
+            lp = torch.log_softmax(out["lp_source"], dim=-1).view(b, n, -1)
+            committed = out["tokens"].clamp(min=0)
             copies["logprobs"] = lp.gather(2, committed.unsqueeze(-1)).squeeze(-1)
             if top_logprobs_num > 0:
-                copies["top_val"], copies["top_idx"] = lp.topk(min(top_logprobs_num, vocab), -1)
-        return SpecRoundResult(AsyncHostCopy(copies), verdict)
+                k = min(top_logprobs_num, self.vocab_size)
+                copies["top_val"], copies["top_idx"] = lp.topk(k, -1)
+        return PendingRound(copies, out, on_current_stream=on_current_stream)
 
-    def _draft(self, slots: torch.Tensor, loc: torch.Tensor, inp, info: SamplingBatchInfo,
+    def _draft(self, slots: torch.Tensor, loc: torch.Tensor, prefix: torch.Tensor,
+               seed: torch.Tensor, first_draft: torch.Tensor, hidden: torch.Tensor,
+               first_probs: Optional[torch.Tensor], info: SamplingBatchInfo,
                seq_lens_bound: int) -> Tuple[torch.Tensor, List[torch.Tensor]]:
         """The chain ``[B, N]`` and the distributions drafts 1..N-1 were drawn from (sampled
         batches only)."""
         n, b = self.num_draft_tokens, int(slots.shape[0])
         tokens = self._chain_tokens[:b]
-        tokens[:, 0] = inp.seed
-        tokens[:, 1] = inp.draft_token
-        draft_probs = [inp.draft_probs] if inp.draft_probs is not None else []
-        hidden = inp.hidden
+        tokens[:, 0] = seed
+        tokens[:, 1] = first_draft
+        draft_probs = [first_probs] if first_probs is not None else []
         for pos in range(1, n - 1):
             # MTP at sequence position P + pos - 1 (chain slot pos - 1) reads d_pos.
             fb = ForwardBatch.for_decode(tokens[:, pos].contiguous(), slots,
-                                         inp.seq_lens + pos, loc[:, pos - 1],
+                                         prefix + pos, loc[:, pos - 1],
                                          capture_hidden_mode=CaptureHiddenMode.LAST,
                                          seq_lens_upper_bound=seq_lens_bound)
             out = self.draft_runner.forward(fb, hidden_states=hidden)
@@ -327,8 +367,8 @@ class NEXTNWorker:
         out = self.draft_runner.forward(extend_batch, hidden_states=target_hidden)
         # info already holds the committed tokens, so this is chain position 0 of next round.
         draft, probs = self._pick_draft(out.next_token_logits[last_row], info, None, 0)
-        self.relay.scatter(slots, draft_token=draft, hidden=out.hidden_states[last_row],
-                           draft_probs=probs)
+        self.future_map.scatter(slots, draft_token=draft, hidden=out.hidden_states[last_row],
+                                draft_probs=probs)
 
     # ------------------------------------------------------------------ token choices
     def _pick_draft(self, logits: torch.Tensor, info: SamplingBatchInfo,

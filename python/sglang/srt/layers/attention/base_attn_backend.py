@@ -53,27 +53,39 @@ class AttentionBackend(ABC):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor:
         """One new token per request."""
 
-    # ---- CUDA-graph hooks (SGLang's names). Backends that can be captured override all four;
-    # ---- the model runner only captures graphs when the backend reports support.
+    # ---- CUDA graphs (SGLang's hook names). The graph runner captures a whole decode round,
+    # ---- metadata included: ``init_forward_metadata`` runs inside the capture, so metadata
+    # ---- computed on the device from the static input buffers is recomputed at every replay,
+    # ---- and host values (a gather width) are baked in, hence ``width_independent``.
     supports_cuda_graph: bool = False
+    # Whether the captured work depends on ForwardBatch.seq_lens_upper_bound (a host integer):
+    # if not, one graph per batch size serves every length; if so, graphs are keyed by a
+    # bucket of that bound as well.
+    width_independent: bool = False
 
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
-        """Allocate the static metadata buffers a captured graph reads."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
+        """Allocate what captured graphs share (scratch buffers) for batches of up to
+        ``max_bs`` requests and ``max_num_tokens`` tokens."""
+        if not self.supports_cuda_graph:
+            raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
 
     def init_forward_metadata_capture_cuda_graph(
         self, bs: int, num_tokens: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
         forward_mode: "ForwardMode", spec_info: Any = None,
     ) -> None:
-        """Point the metadata at the static buffers before capturing a graph of batch size ``bs``."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
+        """Before capturing a graph of batch size ``bs``: check that the backend can capture it
+        (raise ``ValueError`` if not) and drop cached per-batch metadata."""
+        if not self.supports_cuda_graph:
+            raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
 
     def init_forward_metadata_replay_cuda_graph(
         self, bs: int, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
         forward_mode: "ForwardMode", spec_info: Any = None,
     ) -> None:
-        """Refill the static buffers from live tensors before a replay (device ops only)."""
-        raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
+        """Before a replay: refill whatever the graph reads that the runner's static inputs do
+        not cover (device ops only). Nothing, for backends whose metadata lives in the graph."""
+        if not self.supports_cuda_graph:
+            raise NotImplementedError(f"{type(self).__name__} cannot be captured in a CUDA graph")
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         """Sequence length written into padded rows of a captured batch."""

@@ -26,6 +26,8 @@ class HybridLinearAttnBackend(AttentionBackend):
         self.linear_attn_backend = linear_attn_backend
         self.attn_backend_list = [full_attn_backend, linear_attn_backend]
         self.supports_cuda_graph = all(b.supports_cuda_graph for b in self.attn_backend_list)
+        # Only the full-attention side gathers by a host width (KDA reads per-slot states).
+        self.width_independent = full_attn_backend.width_independent
 
     def _route(self, layer: Any) -> AttentionBackend:
         kind = getattr(layer, "kind", None)

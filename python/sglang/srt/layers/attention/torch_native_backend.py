@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 
+from sglang.srt.configs.engine_defaults import KDA_PREFILL_IMPL_CHOICES
 from sglang.srt.layers.attention import fla_kda
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.kda_ops import (
@@ -35,7 +36,7 @@ from sglang.srt.layers.attention.mla_ops import mla_absorbed_attention, mla_deco
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-KDA_PREFILL_IMPLS = ("auto", "torch", "fla")
+KDA_PREFILL_IMPLS = KDA_PREFILL_IMPL_CHOICES
 # The decode / target-verify recurrence: "torch" (kda_step, the reference) or "triton"
 # (sgl_kernel.kda_recurrent: state read from and written to the pools by one kernel per layer).
 KDA_RECURRENT_IMPLS = ("torch", "triton")
@@ -124,8 +125,20 @@ class TorchNativeMLABackend(AttentionBackend):
     chain-shaped draft extend are batched over requests."""
 
     needs_cpu_seq_lens = False
+    # Captured with the rest of a decode round: the metadata is the host gather width (the
+    # graph runner keys graphs by a bucket of it) and the request-major row count.
+    supports_cuda_graph = True
+    width_independent = False
 
     def __init__(self):
+        self._cache = _MetadataCache()
+
+    def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices,
+                                                 seq_lens, forward_mode, spec_info=None) -> None:
+        """Fixed-shape batches only; the capture's batch object builds fresh metadata."""
+        if not forward_mode.is_cuda_graph():
+            raise ValueError(f"{type(self).__name__} captures decode-round modes, got "
+                             f"{forward_mode.name}")
         self._cache = _MetadataCache()
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
@@ -237,6 +250,9 @@ class TorchNativeKDABackend(AttentionBackend):
     """
 
     needs_cpu_seq_lens = False
+    # Decode and verify read per-slot states by device indices: a graph captures them as is.
+    supports_cuda_graph = True
+    width_independent = True
 
     def __init__(self, kda_prefill_impl: str = "auto", recurrent_impl: str = "torch"):
         if kda_prefill_impl not in KDA_PREFILL_IMPLS:

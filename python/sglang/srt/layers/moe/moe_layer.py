@@ -2,7 +2,7 @@
 
 Under TP every rank holds every expert, sliced along the intermediate dim (as the dense MLP
 is), computes the routed and shared partial sums for all tokens and adds them; a single
-all-reduce then completes both (model.md §5.1 step 7: the shared expert is not scaled).
+all-reduce then completes both (docs/model.md §5.1 step 7: the shared expert is not scaled).
 """
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
+from sglang.srt.configs.engine_defaults import KERNEL_BACKEND_CHOICES
 from sglang.srt.distributed import (
     divide,
     get_tensor_model_parallel_rank,
@@ -25,11 +26,10 @@ from sglang.srt.layers.linear import (
     copy_checked,
     normal_dummy_init,
 )
-from sglang.srt.layers.moe.fused_moe_native import fused_moe
+from sglang.srt.layers.moe.fused_moe_native import GATHER_MAX_PAIRS, fused_moe
 from sglang.srt.layers.moe.fused_moe_triton import SMALL_M_MAX_PAIRS, fused_moe_small_m
 from sglang.srt.layers.moe.topk import MoEGate
 from sglang.srt.model_loader.weight_utils import LazyWeight
-from sglang.srt.server_args import KERNEL_BACKEND_CHOICES
 
 __all__ = ["BailingMLP", "FusedMoE", "BailingMoE", "set_moe_runner_backend"]
 
@@ -149,6 +149,13 @@ class BailingMoE(nn.Module):
                        reduce_results=False, params_dtype=params_dtype)
             if shared_intermediate_size > 0 else None
         )
+
+    def max_cuda_graph_tokens(self) -> int:
+        """Tokens per forward this block can run inside a CUDA graph: beyond the (token, expert)
+        pairs of its small-batch path (Triton: :data:`SMALL_M_MAX_PAIRS`; torch:
+        ``GATHER_MAX_PAIRS``) the torch expert loop reads expert counts on the host."""
+        pairs = SMALL_M_MAX_PAIRS if self.experts.runner_backend == "triton" else GATHER_MAX_PAIRS
+        return max(pairs // self.gate.top_k, 0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, H] -> [T, H]``: routed + shared experts, complete after the one all-reduce."""

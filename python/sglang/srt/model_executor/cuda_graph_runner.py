@@ -1,0 +1,326 @@
+"""CUDA graphs of whole decode rounds: capture once per batch-size bucket, replay every step.
+
+A round worker (plain decode in :class:`~sglang.srt.managers.tp_worker.TpModelWorker`, a
+speculative worker) exposes its round as a *body*: ``body(slots, loc, sampling_info, bound,
+return_logprob) -> {name: tensor}``, fixed-shape device work over its arguments that never reads
+a device value on the host (inputs come from the worker's future map by slot). The runner
+captures that body over static input buffers and replays it:
+
+* **Buckets.** Graphs exist for the batch sizes of ``--cuda-graph-bs`` (or the defaults up to
+  ``--cuda-graph-max-bs``) that the model can capture (the torch-native MoE reads expert counts
+  on the host above a few dozen (token, expert) pairs, so its graphs stop there). A batch of
+  ``bs`` requests replays the smallest bucket that holds it; the extra rows point at pool slot 0,
+  the padding slot of every pool, and their outputs are dropped.
+* **Keys.** Besides the bucket, a graph is keyed by the sampling variant (greedy, or sampled
+  with every filter on: neutral parameters make each filter a no-op, so one sampled graph serves
+  every temperature / top-k / top-p / min-p / seed mix), by whether logprobs are returned, and
+  for attention backends whose work depends on the host gather width
+  (``AttentionBackend.width_independent`` False: the torch-native MLA) by a bucket of
+  ``seq_lens_bound``. Batches with dense penalty state (frequency / presence / repetition
+  penalties, logit bias, min-new-tokens) run eagerly.
+* **Refill.** Before a replay the live slot indices, KV slots and the sampling rows the variant
+  reads are copied into the static buffers (device copies, no host sync); after it the
+  sampling step counters the body advanced are copied back to the live batch.
+* **Capture.** Warm-up runs of the body (Triton JIT, allocator) come first, outside the capture.
+  Every graph shares one memory pool; the largest bucket is captured first. A capture that fails
+  leaves that key to eager execution with a warning, never a crash. Greedy graphs of
+  width-independent backends are captured at start-up, the other keys when first needed.
+
+Off CUDA the same logic runs with :class:`EmulatedGraph` (capture = run the body once, replay =
+run it again over the static buffers and copy into the captured outputs), so the CPU tests check
+buckets, padding, refill and fallback against eager execution.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+from dataclasses import dataclass
+from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
+
+import torch
+
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.sampling.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CudaGraphRunner", "GraphKey", "EmulatedGraph", "WIDTH_BUCKET", "graph_variant"]
+
+RoundBody = Callable[[torch.Tensor, torch.Tensor, SamplingBatchInfo, int, bool],
+                     Dict[str, torch.Tensor]]
+
+# Gather-width granularity of graphs for width-dependent attention backends (cache rows).
+WIDTH_BUCKET = 512
+# Sampling rows a sampled graph reads (refilled before each replay). Greedy graphs read only
+# ``steps`` (advanced by the body, copied back) and, for logprobs, the temperatures.
+_SAMPLED_FIELDS = ("temperatures", "top_ps", "top_ks", "min_ps", "greedy_mask", "seeds",
+                   "has_seed", "steps")
+
+
+class GraphKey(NamedTuple):
+    """What a captured graph is specialised for."""
+
+    bs: int  # bucket (captured batch size)
+    width: Optional[int]  # gather-width bucket (None: the backend does not depend on it)
+    variant: str  # "greedy" or "sampled"
+    return_logprob: bool
+
+
+def graph_variant(info: SamplingBatchInfo) -> Optional[str]:
+    """``"greedy"``, ``"sampled"``, or ``None`` when the batch needs eager execution (dense
+    penalty state, whose tensors are per batch and vocabulary-sized)."""
+    if (info.has_frequency_presence or info.has_repetition or info.has_logit_bias
+            or info.has_min_new_tokens):
+        return None
+    return "greedy" if info.is_all_greedy else "sampled"
+
+
+class EmulatedGraph:
+    """Stands in for ``torch.cuda.CUDAGraph`` off CUDA: :meth:`capture` runs ``fn`` once and
+    keeps its outputs; :meth:`replay` runs it again (over the same static inputs) and copies the
+    results into those outputs, as a real replay overwrites them."""
+
+    def __init__(self, pool: object = None):
+        self._fn: Optional[Callable[[], Dict[str, torch.Tensor]]] = None
+        self._out: Dict[str, torch.Tensor] = {}
+
+    def capture(self, fn: Callable[[], Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        """Run ``fn`` and return its outputs (the graph's static outputs)."""
+        self._fn, self._out = fn, fn()
+        return self._out
+
+    def replay(self) -> None:
+        """Re-run the captured function into the captured outputs."""
+        for name, value in self._fn().items():
+            self._out[name].copy_(value)
+
+
+class _CudaGraph:
+    """``torch.cuda.CUDAGraph`` behind :class:`EmulatedGraph`'s two methods."""
+
+    def __init__(self, pool: object):
+        self._graph = torch.cuda.CUDAGraph()
+        self._pool = pool
+
+    def capture(self, fn: Callable[[], Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
+        with torch.cuda.graph(self._graph, pool=self._pool):
+            return fn()
+
+    def replay(self) -> None:
+        self._graph.replay()
+
+
+@dataclass
+class _Captured:
+    graph: object
+    outputs: Dict[str, torch.Tensor]
+
+
+class CudaGraphRunner:
+    """Captures and replays a round worker's body; see the module docstring.
+
+    ``round_tokens``: KV slots per request per round (the static ``loc`` is ``[bs, N]``).
+    ``tokens_per_request``: the most tokens one forward of the round holds per request (a
+    verify's chain width), for the capture limit ``max_graph_tokens``. ``backends``: every
+    attention backend the body runs (their capture hooks validate each capture).
+    ``max_width``: the request->token map's width (the largest gather a bound may ask for).
+    """
+
+    def __init__(self, body: RoundBody, *, device: torch.device, vocab_size: int,
+                 round_tokens: int, tokens_per_request: int, batch_sizes: Sequence[int],
+                 max_width: int, backends: Sequence[object] = (),
+                 max_graph_tokens: Optional[int] = None, width_independent: bool = True,
+                 emulate: Optional[bool] = None, capture_now: bool = True):
+        self.body = body
+        self.device = torch.device(device)
+        self.round_tokens = round_tokens
+        self.max_width = max_width
+        self.width_independent = width_independent
+        self.emulate = self.device.type != "cuda" if emulate is None else emulate
+        if not self.emulate and self.device.type != "cuda":
+            raise ValueError("CudaGraphRunner: real CUDA graphs need a CUDA device")
+        limit = max_graph_tokens if max_graph_tokens is not None else float("inf")
+        sizes = sorted({int(b) for b in batch_sizes if b >= 1})
+        self.batch_sizes = [b for b in sizes if b * tokens_per_request <= limit]
+        if sizes and not self.batch_sizes:
+            logger.warning("CUDA graphs: no batch size fits the %s-token capture limit; "
+                           "decode runs eagerly", max_graph_tokens)
+        dropped = sorted(set(sizes) - set(self.batch_sizes))
+        if dropped:
+            logger.info("CUDA graphs: batch sizes %s exceed the %s-token capture limit (eager)",
+                        dropped, max_graph_tokens)
+        self.graphs: Dict[GraphKey, _Captured] = {}
+        self.failed: Dict[GraphKey, str] = {}
+        self.num_replays = 0
+        self._pool = None if self.emulate else torch.cuda.graph_pool_handle()
+        self._backends = list(backends)
+        if not self.batch_sizes:
+            return
+        max_bs = self.batch_sizes[-1]
+        for backend in self._backends:
+            backend.init_cuda_graph_state(max_bs, max_bs * tokens_per_request)
+        self.slots = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
+        self.loc = torch.zeros(max_bs, round_tokens, dtype=torch.int64, device=self.device)
+        # Neutral sampling rows (temperature 1, no filters, unseeded) as the static base.
+        params = [SamplingParams()] * max_bs
+        self._info = SamplingBatchInfo.from_reqs(params, [[]] * max_bs, vocab_size, self.device)
+        if capture_now and width_independent:
+            for bs in reversed(self.batch_sizes):  # largest first: smaller ones reuse its pool
+                self._capture(GraphKey(bs, None, "greedy", False))
+
+    # ------------------------------------------------------------------ keys
+    def bucket(self, bs: int) -> Optional[int]:
+        """The smallest captured batch size >= ``bs`` (None: larger than every bucket)."""
+        i = bisect.bisect_left(self.batch_sizes, bs)
+        return self.batch_sizes[i] if i < len(self.batch_sizes) else None
+
+    def width_bucket(self, bound: int) -> int:
+        """``bound`` rounded up to :data:`WIDTH_BUCKET`, at most the map's width."""
+        return min(-(-max(bound, 1) // WIDTH_BUCKET) * WIDTH_BUCKET, self.max_width)
+
+    def key(self, bs: int, info: SamplingBatchInfo, return_logprob: bool,
+            bound: int) -> Optional[GraphKey]:
+        """The graph a batch would replay, or None when it runs eagerly."""
+        bucket = self.bucket(bs)
+        variant = graph_variant(info)
+        if bucket is None or variant is None:
+            return None
+        width = None if self.width_independent else self.width_bucket(bound)
+        key = GraphKey(bucket, width, variant, bool(return_logprob))
+        return None if key in self.failed else key
+
+    # ------------------------------------------------------------------ capture
+    def _static_info(self, key: GraphKey) -> SamplingBatchInfo:
+        sampled = key.variant == "sampled"
+        views = {f: getattr(self._info, f)[:key.bs]
+                 for f in ("temperatures", "top_ps", "top_ks", "min_ps", "greedy_mask", "seeds",
+                           "has_seed", "steps", "frequency_penalties", "presence_penalties",
+                           "repetition_penalties", "min_new_tokens")}
+        return dataclasses.replace(
+            self._info, **views, is_all_greedy=not sampled, need_top_k=sampled,
+            need_top_p=sampled, need_min_p=sampled, any_seeded=sampled)
+
+    def _run_static(self, key: GraphKey, info: SamplingBatchInfo) -> Dict[str, torch.Tensor]:
+        width = self.max_width if key.width is None else key.width
+        return self.body(self.slots[:key.bs], self.loc[:key.bs], info, width,
+                         key.return_logprob)
+
+    def _capture(self, key: GraphKey) -> Optional[_Captured]:
+        """Warm up and capture ``key``; on failure remember why and return None."""
+        info = self._static_info(key)
+        self.slots.zero_()
+        self.loc.zero_()
+        try:
+            for backend in self._backends:
+                backend.init_forward_metadata_capture_cuda_graph(
+                    key.bs, key.bs * self.round_tokens, self.slots[:key.bs],
+                    self.slots[:key.bs], _capture_mode(self.round_tokens))
+            for _ in range(2):  # warm-up outside the capture: JIT compiles, allocator grows
+                self._run_static(key, info)
+            if not self.emulate:
+                torch.cuda.synchronize(self.device)
+            graph = EmulatedGraph() if self.emulate else _CudaGraph(self._pool)
+            outputs = graph.capture(lambda: self._run_static(key, info))
+            if not self.emulate:
+                torch.cuda.synchronize(self.device)
+        except Exception as e:  # a capture problem must never take the server down
+            self.failed[key] = f"{type(e).__name__}: {e}"
+            logger.warning("CUDA graph capture of %s failed (%s); that batch shape runs eagerly",
+                           key, self.failed[key])
+            if not self.emulate:
+                torch.cuda.synchronize(self.device)
+            return None
+        captured = _Captured(graph, outputs)
+        self.graphs[key] = captured
+        return captured
+
+    # ------------------------------------------------------------------ replay
+    def replay(self, key: GraphKey, slots: torch.Tensor, loc: torch.Tensor,
+               info: SamplingBatchInfo) -> Optional[Dict[str, torch.Tensor]]:
+        """Refill the static inputs from the live batch, replay ``key`` (capturing it first if
+        needed) and return its outputs for the live rows (views of static buffers that the next
+        replay overwrites). None if the key cannot be captured (run the body eagerly)."""
+        captured = self.graphs.get(key) or self._capture(key)
+        if captured is None:
+            return None
+        bs = int(slots.shape[0])
+        self.slots[:bs].copy_(slots)
+        self.loc[:bs].copy_(loc)
+        if bs < key.bs:
+            self.slots[bs:key.bs].zero_()
+            self.loc[bs:key.bs].zero_()
+        if key.variant == "sampled":
+            fields = _SAMPLED_FIELDS
+        else:
+            fields = ("steps", "temperatures") if key.return_logprob else ("steps",)
+        for name in fields:
+            getattr(self._info, name)[:bs].copy_(getattr(info, name))
+        for backend in self._backends:
+            backend.init_forward_metadata_replay_cuda_graph(
+                key.bs, self.slots[:key.bs], self.slots[:key.bs], _capture_mode(self.round_tokens))
+        captured.graph.replay()
+        self.num_replays += 1
+        info.steps.copy_(self._info.steps[:bs])  # the body advanced the sampling counters
+        return {name: value[:bs] for name, value in captured.outputs.items()}
+
+
+def _capture_mode(round_tokens: int):
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+    return ForwardMode.DECODE if round_tokens == 1 else ForwardMode.TARGET_VERIFY
+
+
+def capture_batch_sizes(server_args: object, max_running_requests: int) -> List[int]:
+    """Batch sizes to capture: ``ServerArgs.cuda_graph_batch_sizes()`` within the request pool
+    (no batch can hold more requests than it has slots)."""
+    sizes = server_args.cuda_graph_batch_sizes()
+    return [b for b in sizes if b <= max_running_requests] or [max_running_requests]
+
+
+class GraphedRoundMixin:
+    """For round workers: run a round through the worker's :class:`CudaGraphRunner` when its
+    batch has a graph, else eagerly. The worker provides ``round_body`` (see the module
+    docstring), ``pending_round(out, loc, return_logprob, top_logprobs_num, on_current_stream)``
+    and :meth:`graph_setup` (what its body needs captured)."""
+
+    graph_runner: Optional[CudaGraphRunner] = None
+
+    def graph_setup(self) -> dict:
+        """Keyword arguments of :class:`CudaGraphRunner` particular to this worker's body:
+        ``round_tokens``, ``tokens_per_request``, ``backends``, ``runners`` (model runners whose
+        capture limits and width dependence apply)."""
+        raise NotImplementedError
+
+    def init_cuda_graphs(self, batch_sizes: Sequence[int], emulate: Optional[bool] = None,
+                         capture_now: bool = True) -> CudaGraphRunner:
+        """Build the graph runner for ``batch_sizes`` (capturing the start-up graphs now)."""
+        setup = self.graph_setup()
+        runners = setup.pop("runners")
+        limits = [r.max_cuda_graph_tokens() for r in runners]
+        limits = [x for x in limits if x is not None]
+        first = runners[0]
+        self.graph_runner = CudaGraphRunner(
+            self.round_body, device=first.device, vocab_size=first.model_config.vocab_size,
+            batch_sizes=batch_sizes, max_width=first.req_to_token_pool.req_to_token.shape[1],
+            max_graph_tokens=min(limits) if limits else None,
+            width_independent=all(b.width_independent for b in setup["backends"]),
+            emulate=emulate, capture_now=capture_now, **setup)
+        return self.graph_runner
+
+    def run_round(self, slots: torch.Tensor, loc: torch.Tensor, info: SamplingBatchInfo,
+                  bound: int, return_logprob: bool, top_logprobs_num: int):
+        """The round's :class:`~sglang.srt.managers.overlap_utils.PendingRound`: replayed when
+        a graph fits the batch (its static outputs are copied to the host on the current
+        stream, ahead of the next replay), else run eagerly."""
+        out = None
+        runner = self.graph_runner
+        if runner is not None:
+            key = runner.key(int(slots.shape[0]), info, return_logprob, bound)
+            if key is not None:
+                out = runner.replay(key, slots, loc, info)
+        if out is not None:
+            return self.pending_round(out, loc, return_logprob, top_logprobs_num,
+                                      on_current_stream=True)
+        out = self.round_body(slots, loc, info, bound, return_logprob)
+        return self.pending_round(out, loc, return_logprob, top_logprobs_num)

@@ -1,0 +1,66 @@
+#!/usr/bin/env bash
+# CUDA graphs and host run-ahead on one H200; one stage per run (each within 10 minutes), logs and
+# JSONL under $OUT.
+#   STAGE=gates   the gpu-marked gates: graph == eager greedy (plain, NEXTN 1/3/5; batch 1 and 4;
+#                 state pollution; seeded sampling) with both kernel sets, the Triton MLA kernel,
+#                 NEXTN bf16 losslessness
+#   STAGE=ab      benchmark/batch1/graph_ab.py: eager vs graphs x overlap on/off in one process,
+#                 back-to-back replay time and the GPU idle share of the graphed loop, on the
+#                 12-layer dummy Ling-3.0-flash (no spec, NEXTN 3/4/5) and the bundled model;
+#                 then the weight floor and the Triton MLA microbenchmark
+#   STAGE=served  bench_serving random-ids 1024/256 at concurrency 1 against a server with graphs
+#                 (default) and with --disable-cuda-graph, 12-layer dummy Flash and bundled model
+# KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages.
+set -uo pipefail
+source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names
+FLASH12="--model-path ling-3.0-flash --load-format dummy --json-model-override-args '{\"num_hidden_layers\": 12}'"
+K=${KERNELS:-triton}
+KARGS="--moe-runner-backend $K --linear-attn-decode-backend $K --attention-backend $([ $K = triton ] && echo triton || echo torch_native)"
+date -u; git log --oneline -1
+
+case "${STAGE:-gates}" in
+gates)
+  timeout 420 python3 -m pytest -v -s -m gpu test/srt/test_cuda_graph_runner.py test/kernels/test_mla_decode.py \
+    -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/gates.log" \
+    | grep -E "PASS|FAIL|first differing|Error|error|passed|failed" | cut -c1-400
+  ;;
+ab)
+  for spec in "" "--speculative-algorithm NEXTN --speculative-num-steps 3" \
+              "--speculative-algorithm NEXTN --speculative-num-steps 4" \
+              "--speculative-algorithm NEXTN --speculative-num-steps 5"; do
+    echo "== graph_ab flash12 $K: ${spec:-no spec}"
+    trace=$([ -z "$spec" ] && echo "--trace-dir $OUT" || echo "")
+    eval "timeout 150 python3 benchmark/batch1/graph_ab.py $FLASH12 $KARGS $spec --prompt-len 1024 --steps 48 --label 'flash12 $K ${spec:+nextn}${spec: -1}' --result-filename $OUT/graph_ab.jsonl $trace" 2>&1 \
+      | grep -v Warn | tail -8
+  done
+  for spec in "" "--speculative-algorithm NEXTN --speculative-num-steps 3"; do
+    echo "== graph_ab bundled $K: ${spec:-no spec}"
+    eval "timeout 90 python3 benchmark/batch1/graph_ab.py $KARGS $spec --prompt-len 1024 --steps 48 --label 'bundled $K ${spec:+nextn3}' --result-filename $OUT/graph_ab.jsonl" 2>&1 | grep -v Warn | tail -8
+  done
+  for ctx in 1024 1280; do
+    timeout 60 python3 benchmark/batch1/weight_floor.py --model-path ling-3.0-flash \
+      --json-model-override-args '{"num_hidden_layers": 12}' --context $ctx --measure 2>&1 | tail -4
+  done
+  timeout 60 python3 benchmark/kernels/bench_mla_decode.py 2>&1 | tail -12
+  ;;
+served)
+  port=30600
+  for model in flash12 bundled; do
+    margs=$([ $model = flash12 ] && echo "$FLASH12" || echo "")
+    for graphs in "" "--disable-cuda-graph"; do
+      for spec in "" "--speculative-algorithm NEXTN --speculative-num-steps 3"; do
+        port=$((port + 1))
+        eval "python3 -m sglang.launch_server $margs $KARGS $graphs $spec --port $port" > "$OUT/server-$port.log" 2>&1 &
+        pid=$!
+        for i in $(seq 1 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 1; done
+        echo "== served $model ${graphs:-graphs} ${spec:-no spec}"
+        timeout 120 python3 -m sglang.bench_serving --backend sglang --port $port --dataset-name random-ids \
+          --random-input-len 1024 --random-output-len 256 --random-range-ratio 1.0 --num-prompts 3 \
+          --max-concurrency 1 --disable-tqdm 2>&1 | grep -E "Mean TPOT|Median TPOT|Accept length|Output token throughput"
+        kill $pid; wait $pid 2>/dev/null
+      done
+    done
+  done
+  ;;
+esac
+cd "$OUT" && ls
