@@ -8,9 +8,9 @@ from sglang.srt.layers.attention.torch_native_backend import (
     TorchNativeKDABackend,
     TorchNativeMLABackend,
 )
-from sglang.srt.server_args import KERNEL_BACKEND_CHOICES
+from sglang.srt.configs.engine_defaults import ATTENTION_BACKEND_CHOICES, KERNEL_BACKEND_CHOICES
 
-ATTENTION_BACKENDS = ("torch_native", "triton")
+ATTENTION_BACKENDS = ATTENTION_BACKEND_CHOICES
 
 
 def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto",
@@ -19,9 +19,11 @@ def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto",
 
     * ``"torch_native"``: plain PyTorch for both MLA and KDA, the reference. Here ``"auto"`` means
       the pure torch KDA prefill; pass ``kda_prefill_impl="fla"`` to use fla-core's ``chunk_kda``.
-    * ``"triton"``: until the project's Triton kernels exist this builds the same torch-native
-      hybrid, but with ``"auto"`` the KDA prefill goes through fla-core's ``chunk_kda`` whenever
-      CUDA and fla are available (torch otherwise). ``"torch"`` / ``"fla"`` are honoured as given.
+    * ``"triton"``: MLA decode, target verify and draft extend through the Triton kernel of
+      :class:`~sglang.srt.layers.attention.triton_backend.TritonMLABackend` (lengths read on the
+      device: one CUDA graph per batch size serves every length; prefill stays torch), and with
+      ``"auto"`` the KDA prefill through fla-core's ``chunk_kda`` whenever CUDA and fla are
+      available (torch otherwise). ``"torch"`` / ``"fla"`` are honoured as given.
 
     ``linear_attn_decode_backend`` picks the KDA decode / verify recurrence: ``"triton"``
     (``sgl_kernel.kda_recurrent``; CUDA, or Triton's interpreter on CPU) or the torch step
@@ -37,6 +39,9 @@ def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto",
         raise ValueError(f"kda_prefill_impl must be one of {KDA_PREFILL_IMPLS}, got {kda_prefill_impl!r}")
     if name == "torch_native" and kda_prefill_impl == "auto":
         kda_prefill_impl = "torch"
-    return HybridLinearAttnBackend(TorchNativeMLABackend(),
-                                   TorchNativeKDABackend(kda_prefill_impl=kda_prefill_impl,
-                                                         recurrent_impl=recurrent))
+    kda = TorchNativeKDABackend(kda_prefill_impl=kda_prefill_impl, recurrent_impl=recurrent)
+    if name == "triton":
+        from sglang.srt.layers.attention.triton_backend import TritonMLABackend  # imports triton
+
+        return HybridLinearAttnBackend(TritonMLABackend(), kda)
+    return HybridLinearAttnBackend(TorchNativeMLABackend(), kda)
