@@ -30,12 +30,12 @@ ab)
               "--speculative-algorithm NEXTN --speculative-num-steps 5"; do
     echo "== graph_ab flash12 $K: ${spec:-no spec}"
     trace=$([ -z "$spec" ] && echo "--trace-dir $OUT" || echo "")
-    eval "timeout 150 python3 benchmark/batch1/graph_ab.py $FLASH12 $KARGS $spec --prompt-len 1024 --steps 48 --label 'flash12 $K ${spec:+nextn}${spec: -1}' --result-filename $OUT/graph_ab.jsonl $trace" 2>&1 \
+    eval "timeout 150 python3 benchmark/batch1/graph_ab.py $FLASH12 $KARGS --cuda-graph-max-bs 4 $spec --prompt-len 1024 --steps 48 --label 'flash12 $K ${spec:+nextn}${spec: -1}' --result-filename $OUT/graph_ab.jsonl $trace" 2>&1 \
       | grep -v Warn | tail -8
   done
   for spec in "" "--speculative-algorithm NEXTN --speculative-num-steps 3"; do
     echo "== graph_ab bundled $K: ${spec:-no spec}"
-    eval "timeout 90 python3 benchmark/batch1/graph_ab.py $KARGS $spec --prompt-len 1024 --steps 48 --label 'bundled $K ${spec:+nextn3}' --result-filename $OUT/graph_ab.jsonl" 2>&1 | grep -v Warn | tail -8
+    eval "timeout 90 python3 benchmark/batch1/graph_ab.py $KARGS --cuda-graph-max-bs 4 $spec --prompt-len 1024 --steps 48 --label 'bundled $K ${spec:+nextn3}' --result-filename $OUT/graph_ab.jsonl" 2>&1 | grep -v Warn | tail -8
   done
   for ctx in 1024 1280; do
     timeout 60 python3 benchmark/batch1/weight_floor.py --model-path ling-3.0-flash \
