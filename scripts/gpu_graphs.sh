@@ -10,11 +10,15 @@
 #                 then the weight floor and the Triton MLA microbenchmark
 #   STAGE=served  bench_serving random-ids 1024/256 at concurrency 1 against a server with graphs
 #                 (default) and with --disable-cuda-graph, 12-layer dummy Flash and bundled model
-# KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages.
+# KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
+# FUSED=1 also sets SGLANG_TRITON_RMSNORM=1 SGLANG_TRITON_ROUTER=1; SPECS (default "0 3 4 5")
+# the NEXTN steps of the 12-layer A/B rows (0: no speculation); BUNDLED=0 skips the bundled rows.
 set -uo pipefail
 source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names
 FLASH12="--model-path ling-3.0-flash --load-format dummy --json-model-override-args '{\"num_hidden_layers\": 12}'"
 K=${KERNELS:-triton}
+[ "${FUSED:-0}" = 1 ] && export SGLANG_TRITON_RMSNORM=1 SGLANG_TRITON_ROUTER=1
+TAG="$K$([ "${FUSED:-0}" = 1 ] && echo +fused)"
 KARGS="--moe-runner-backend $K --linear-attn-decode-backend $K --attention-backend $([ $K = triton ] && echo triton || echo torch_native)"
 date -u; git log --oneline -1
 
@@ -25,18 +29,19 @@ gates)
     | grep -E "PASS|FAIL|first differing|Error|error|passed|failed" | cut -c1-400
   ;;
 ab)
-  for spec in "" "--speculative-algorithm NEXTN --speculative-num-steps 3" \
-              "--speculative-algorithm NEXTN --speculative-num-steps 4" \
-              "--speculative-algorithm NEXTN --speculative-num-steps 5"; do
-    echo "== graph_ab flash12 $K: ${spec:-no spec}"
-    trace=$([ -z "$spec" ] && echo "--trace-dir $OUT" || echo "")
-    eval "timeout 150 python3 benchmark/batch1/graph_ab.py $FLASH12 $KARGS --cuda-graph-max-bs 4 $spec --prompt-len 1024 --steps 48 --label 'flash12 $K ${spec:+nextn}${spec: -1}' --result-filename $OUT/graph_ab.jsonl $trace" 2>&1 \
+  for steps in ${SPECS:-0 3 4 5}; do
+    spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
+    trace=$([ "$steps" = 0 ] && echo "--trace-dir $OUT" || echo "")
+    echo "== graph_ab flash12 $TAG: nextn $steps"
+    eval "timeout 150 python3 benchmark/batch1/graph_ab.py $FLASH12 $KARGS --cuda-graph-max-bs 4 $spec --prompt-len 1024 --steps 48 --label 'flash12 $TAG nextn$steps' --result-filename $OUT/graph_ab.jsonl $trace" 2>&1 \
       | grep -v Warn | tail -8
   done
-  for spec in "" "--speculative-algorithm NEXTN --speculative-num-steps 3"; do
-    echo "== graph_ab bundled $K: ${spec:-no spec}"
-    eval "timeout 90 python3 benchmark/batch1/graph_ab.py $KARGS --cuda-graph-max-bs 4 $spec --prompt-len 1024 --steps 48 --label 'bundled $K ${spec:+nextn3}' --result-filename $OUT/graph_ab.jsonl" 2>&1 | grep -v Warn | tail -8
+  [ "${BUNDLED:-1}" = 1 ] && for steps in 0 3; do
+    spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
+    echo "== graph_ab bundled $TAG: nextn $steps"
+    eval "timeout 90 python3 benchmark/batch1/graph_ab.py $KARGS --cuda-graph-max-bs 4 $spec --prompt-len 1024 --steps 48 --label 'bundled $TAG nextn$steps' --result-filename $OUT/graph_ab.jsonl" 2>&1 | grep -v Warn | tail -8
   done
+  [ "${FLOOR:-1}" = 1 ] || exit 0
   for ctx in 1024 1280; do
     timeout 60 python3 benchmark/batch1/weight_floor.py --model-path ling-3.0-flash \
       --json-model-override-args '{"num_hidden_layers": 12}' --context $ctx --measure 2>&1 | tail -4
@@ -44,22 +49,22 @@ ab)
   timeout 60 python3 benchmark/kernels/bench_mla_decode.py 2>&1 | tail -12
   ;;
 served)
+  # CONFIGS: "model:graphs:steps" triples (model flash12|bundled, graphs 1|0, NEXTN steps, 0 = none).
   port=30600
-  for model in flash12 bundled; do
+  for cfg in ${CONFIGS:-flash12:1:0 flash12:1:3 flash12:0:0 bundled:1:0 bundled:1:3}; do
+    IFS=: read -r model graphs steps <<< "$cfg"
     margs=$([ $model = flash12 ] && echo "$FLASH12" || echo "")
-    for graphs in "" "--disable-cuda-graph"; do
-      for spec in "" "--speculative-algorithm NEXTN --speculative-num-steps 3"; do
-        port=$((port + 1))
-        eval "python3 -m sglang.launch_server $margs $KARGS $graphs $spec --port $port" > "$OUT/server-$port.log" 2>&1 &
-        pid=$!
-        for i in $(seq 1 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 1; done
-        echo "== served $model ${graphs:-graphs} ${spec:-no spec}"
-        timeout 120 python3 -m sglang.bench_serving --backend sglang --port $port --dataset-name random-ids \
-          --random-input-len 1024 --random-output-len 256 --random-range-ratio 1.0 --num-prompts 3 \
-          --max-concurrency 1 --disable-tqdm 2>&1 | grep -E "Mean TPOT|Median TPOT|Accept length|Output token throughput"
-        kill $pid; wait $pid 2>/dev/null
-      done
-    done
+    gargs=$([ $graphs = 1 ] && echo "" || echo "--disable-cuda-graph")
+    spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
+    port=$((port + 1))
+    eval "python3 -m sglang.launch_server $margs $KARGS $gargs $spec --port $port" > "$OUT/server-$port.log" 2>&1 &
+    pid=$!
+    for i in $(seq 1 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 1; done
+    echo "== served $model $TAG graphs=$graphs nextn=$steps"
+    timeout 120 python3 -m sglang.bench_serving --backend sglang --port $port --dataset-name random-ids \
+      --random-input-len 1024 --random-output-len 256 --random-range-ratio 1.0 --num-prompts 3 \
+      --max-concurrency 1 --disable-tqdm 2>&1 | grep -E "Mean TPOT|Median TPOT|Accept length|Output token throughput"
+    kill $pid; wait $pid 2>/dev/null
   done
   ;;
 esac
