@@ -57,14 +57,24 @@ served)
     gargs=$([ $graphs = 1 ] && echo "" || echo "--disable-cuda-graph")
     spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
     port=$((port + 1))
-    eval "python3 -m sglang.launch_server $margs $KARGS $gargs $spec --port $port" > "$OUT/server-$port.log" 2>&1 &
+    # Own process group: killing it ends the scheduler children too, so the next server finds the
+    # GPU memory free.
+    eval "setsid python3 -m sglang.launch_server $margs $KARGS $gargs $spec --port $port" > "$OUT/server-$port.log" 2>&1 &
     pid=$!
-    for i in $(seq 1 240); do curl -sf localhost:$port/health > /dev/null && break; sleep 1; done
+    for i in $(seq 1 240); do
+      curl -sf localhost:$port/health > /dev/null && break
+      kill -0 $pid 2>/dev/null || { echo "server $cfg exited:"; tail -3 "$OUT/server-$port.log"; break; }
+      sleep 1
+    done
     echo "== served $model $TAG graphs=$graphs nextn=$steps"
     timeout 120 python3 -m sglang.bench_serving --backend sglang --port $port --dataset-name random-ids \
       --random-input-len 1024 --random-output-len 256 --random-range-ratio 1.0 --num-prompts 3 \
       --max-concurrency 1 --disable-tqdm 2>&1 | grep -E "Mean TPOT|Median TPOT|Accept length|Output token throughput"
-    kill $pid; wait $pid 2>/dev/null
+    kill -- -$pid 2>/dev/null; wait $pid 2>/dev/null
+    for i in $(seq 1 60); do  # until the GPU memory is back
+      used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
+      [ "${used:-0}" -lt 2000 ] && break; sleep 1
+    done
   done
   ;;
 esac

@@ -425,9 +425,11 @@ class ServerArgs:
         a("--kda-prefill-impl", choices=KDA_PREFILL_IMPL_CHOICES, default=d["kda_prefill_impl"],
           help="KDA prefill kernel: torch (reference), fla (fla-core chunk_kda), auto.")
         a("--moe-runner-backend", choices=KERNEL_BACKEND_CHOICES, default=d["moe_runner_backend"],
-          help="Decode/verify routed experts: triton = grouped mat-vec, experts read in place.")
+          help="Decode/verify routed experts: triton = grouped mat-vec, experts read in place; "
+               "auto = triton on CUDA, torch_native elsewhere.")
         a("--linear-attn-decode-backend", choices=KERNEL_BACKEND_CHOICES, help="KDA decode/verify "
-          "recurrence: triton = one kernel per layer.", default=d["linear_attn_decode_backend"])
+          "recurrence: triton = one kernel per layer; auto = triton on CUDA, torch_native elsewhere.",
+          default=d["linear_attn_decode_backend"])
         a("--watchdog-timeout", type=float, default=d["watchdog_timeout"])
         a("--speculative-algorithm", type=str, default=d["speculative_algorithm"],
           help="NEXTN (alias EAGLE) or DSPARK.")

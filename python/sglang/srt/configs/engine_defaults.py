@@ -27,6 +27,7 @@ __all__ = [
     "LOAD_FORMAT_CHOICES",
     "LOG_LEVEL_CHOICES",
     "KERNEL_BACKEND_CHOICES",
+    "resolve_kernel_backend",
     "KDA_PREFILL_IMPL_CHOICES",
     "ATTENTION_BACKEND_CHOICES",
     "SUBSTITUTED_ATTENTION_BACKENDS",
@@ -117,9 +118,22 @@ LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 
 # ---------------------------------------------------------------------------- backends
-# --moe-runner-backend / --linear-attn-decode-backend: "auto" is torch_native; "triton" runs the
-# project's kernels (sgl-kernel), measured faster with NEXTN (docs/performance.md).
+# --moe-runner-backend / --linear-attn-decode-backend: "triton" runs the project's kernels
+# (sgl-kernel), "torch_native" the reference, "auto" see resolve_kernel_backend.
 KERNEL_BACKEND_CHOICES = ("auto", "triton", "torch_native")
+
+
+def resolve_kernel_backend(choice: str, device_type: str) -> str:
+    """``--moe-runner-backend`` / ``--linear-attn-decode-backend``: ``auto`` is ``triton`` on
+    CUDA (the grouped-GEMV MoE and the KDA recurrence: faster in CUDA graphs and passing the
+    graph == eager and NEXTN-lossless gates, docs/performance.md) and ``torch_native`` elsewhere
+    (the reference; Triton would run in its interpreter)."""
+    if choice not in KERNEL_BACKEND_CHOICES:
+        raise ValueError(f"kernel backend must be one of {', '.join(KERNEL_BACKEND_CHOICES)}, "
+                         f"got {choice!r}")
+    if choice != "auto":
+        return choice
+    return "triton" if device_type == "cuda" else "torch_native"
 # --kda-prefill-impl: torch = the chunked reference, fla = fla-core's chunk_kda (CUDA), auto.
 KDA_PREFILL_IMPL_CHOICES = ("auto", "torch", "fla")
 # --attention-backend values this engine implements.

@@ -32,6 +32,7 @@ from sglang.srt.configs.engine_defaults import (
     CPU_DEFAULT_MAX_TOTAL_TOKENS,
     DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_MEM_FRACTION_STATIC,
+    resolve_kernel_backend,
     torch_dtype,
 )
 from sglang.srt.configs.model_config import ModelConfig
@@ -241,6 +242,9 @@ class ModelRunner:
             draft_model_config, dtype=self.dtype, is_draft=True)
         self.model = get_model(model_config, load_format=load_format, dtype=self.dtype,
                                device=self.device, is_draft=is_draft, seed=random_seed)
+        moe_runner_backend = resolve_kernel_backend(moe_runner_backend, self.device.type)
+        linear_attn_decode_backend = resolve_kernel_backend(linear_attn_decode_backend,
+                                                            self.device.type)
         self.moe_runner_backend = set_moe_runner_backend(self.model, moe_runner_backend,
                                                          self.device)
         self.triton_norms = set_norm_backend(self.model, envs.SGLANG_TRITON_RMSNORM.get(),

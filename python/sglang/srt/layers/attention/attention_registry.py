@@ -27,7 +27,8 @@ def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto",
 
     ``linear_attn_decode_backend`` picks the KDA decode / verify recurrence: ``"triton"``
     (``sgl_kernel.kda_recurrent``; CUDA, or Triton's interpreter on CPU) or the torch step
-    (``"torch_native"``, and ``"auto"`` for now).
+    (``"torch_native"``; the model runner resolves ``"auto"`` by device first, and an unresolved
+    ``"auto"`` here means the torch step).
     """
     if linear_attn_decode_backend not in KERNEL_BACKEND_CHOICES:
         raise ValueError(f"linear_attn_decode_backend must be one of {KERNEL_BACKEND_CHOICES}, "

@@ -11,7 +11,7 @@ from typing import Optional
 import torch
 from torch import nn
 
-from sglang.srt.configs.engine_defaults import KERNEL_BACKEND_CHOICES
+from sglang.srt.configs.engine_defaults import KERNEL_BACKEND_CHOICES, resolve_kernel_backend
 from sglang.srt.distributed import (
     divide,
     get_tensor_model_parallel_rank,
@@ -169,8 +169,7 @@ class BailingMoE(nn.Module):
 def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device) -> str:
     """Point every :class:`FusedMoE` of ``model`` at ``backend`` and return the one chosen.
 
-    ``auto`` is ``torch_native`` until the Triton path has been validated and measured on the
-    GPU host (docs/performance.md). ``triton`` needs CUDA, or ``TRITON_INTERPRET=1`` on CPU
+    ``auto`` is resolved by ``engine_defaults.resolve_kernel_backend`` (Triton on CUDA). ``triton`` needs CUDA, or ``TRITON_INTERPRET=1`` on CPU
     (tests); batches above ``SMALL_M_MAX_PAIRS`` (token, expert) pairs still take the native path,
     whose large batches use grouped GEMMs when ``SGLANG_MOE_GROUPED_MM`` is set. With
     ``SGLANG_TRITON_ROUTER`` the routers run their selection as one kernel. Both are read here,
@@ -179,7 +178,7 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device)
     if backend not in KERNEL_BACKEND_CHOICES:
         raise ValueError(f"moe runner backend must be one of {KERNEL_BACKEND_CHOICES}, got "
                          f"{backend!r}")
-    chosen = "torch_native" if backend == "auto" else backend
+    chosen = resolve_kernel_backend(backend, device.type)
     if chosen == "triton":
         require_triton_runtime("--moe-runner-backend triton", device.type)
     grouped_mm, triton_router = envs.SGLANG_MOE_GROUPED_MM.get(), envs.SGLANG_TRITON_ROUTER.get()
