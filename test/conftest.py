@@ -30,3 +30,15 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip_gpu)
+
+
+@pytest.fixture(scope="module")
+def two_torch_threads():
+    """At most two intra-op threads for the module (engine tests on the CI machine's 2 cores),
+    restored afterwards."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(min(2, os.cpu_count() or 1))
+    yield
+    torch.set_num_threads(n)

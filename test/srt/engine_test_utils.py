@@ -105,3 +105,26 @@ def reference_greedy(model: Any, prompt: List[int], n: int) -> Tuple[List[int], 
             ids = torch.cat([ids, torch.tensor([[nxt]])], dim=1)
         logits, _ = model(ids)
     return out, logits[0]
+
+
+# Tensor methods that turn a tensor into a host value (each one a device sync on CUDA).
+HOST_READS = ("tolist", "item", "numpy", "__int__", "__float__", "__bool__", "__index__")
+
+
+def refuse_host_reads(monkeypatch: Any, obj: Any, name: str, calls: List[Any]) -> None:
+    """Wrap ``obj.name`` so that every Tensor-to-Python conversion raises inside it (the
+    run-ahead invariant: launching a round never reads a device value); results go to
+    ``calls``."""
+    inner = getattr(obj, name)
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        with monkeypatch.context() as m:
+            for method in HOST_READS:
+                def refuse(self, *a, _name=method, **k):
+                    raise AssertionError(f"host read Tensor.{_name} inside {name}")
+                m.setattr(torch.Tensor, method, refuse)
+            out = inner(*args, **kwargs)
+        calls.append(out)
+        return out
+
+    monkeypatch.setattr(obj, name, guarded)

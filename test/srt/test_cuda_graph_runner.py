@@ -6,7 +6,6 @@ On the GPU host the same comparisons run with real graphs (``test_graph_equals_e
 """
 from __future__ import annotations
 
-import os
 from typing import Dict, List
 
 import pytest
@@ -29,12 +28,7 @@ VOCAB = ModelConfig.from_path(MODEL).vocab_size
 KW = dict(max_total_tokens=4096, max_running_requests=8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
 
 def _info(n: int, **params) -> SamplingBatchInfo:

@@ -12,13 +12,12 @@ Statistical exactness of the rejection sampler is tested in ``test_spec_utils.py
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List, Tuple
 
 import pytest
 import torch
 
-from engine_test_utils import make_scheduler, sampling, write_checkpoint
+from engine_test_utils import make_scheduler, refuse_host_reads, sampling, write_checkpoint
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
 from sglang.srt.layers.sampler import apply_penalties
 from sglang.srt.managers.io_struct import (
@@ -48,12 +47,7 @@ def request(rid: str, ids: List[int], **kw: Any) -> TokenizedGenerateReqInput:
     return TokenizedGenerateReqInput(rid, None, list(ids), sampling(VOCAB, **kw))
 
 
-@pytest.fixture(scope="module", autouse=True)
-def threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
 
 class Out:
@@ -139,8 +133,6 @@ def ref(plain, prompts) -> List[List[int]]:
 
 
 # ------------------------------------------------------------------------------- no host reads
-_HOST_READS = ("tolist", "item", "numpy", "__int__", "__float__", "__bool__", "__index__")
-
 
 @pytest.mark.parametrize("steps,batch,moe", [(3, 2, "torch_native"), (5, 4, "triton")])
 def test_round_never_reads_device_values_on_the_host(prompts, monkeypatch, steps, batch, moe):
@@ -155,21 +147,8 @@ def test_round_never_reads_device_values_on_the_host(prompts, monkeypatch, steps
     if moe == "triton":  # and the Triton KDA decode / verify recurrence
         kernels["linear_attn_decode_backend"] = "triton"
     sched = spec_scheduler(steps, **kernels)
-    worker = sched.draft_worker
-    launch = worker.forward_round
-    rounds = []
-
-    def guarded(*args, **kwargs):
-        with monkeypatch.context() as m:
-            for name in _HOST_READS:
-                def refuse(self, *a, _name=name, **k):
-                    raise AssertionError(f"host read Tensor.{_name} inside a NEXTN round")
-                m.setattr(torch.Tensor, name, refuse)
-            out = launch(*args, **kwargs)
-        rounds.append(out)
-        return out
-
-    monkeypatch.setattr(worker, "forward_round", guarded)
+    rounds: List[Any] = []
+    refuse_host_reads(monkeypatch, sched.draft_worker, "forward_round", rounds)
     n, plen = (24, PROMPT_LEN) if moe == "torch_native" else (10, 8)  # the interpreter is slow
     reqs = [greedy(f"h{i}", prompts[i][:plen], n) if i % 2 == 0 else
             request(f"h{i}", prompts[i][:plen], max_new_tokens=n, temperature=0.8,
@@ -387,7 +366,7 @@ def test_checkpoint_without_mtp_layer_fails_at_startup(tmp_path):
     path = write_checkpoint(str(tmp_path), num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match="no MTP layer"):
         make_scheduler(path, speculative_algorithm="NEXTN")
-    with pytest.raises(ValueError, match="DSpark worker"):
+    with pytest.raises(ValueError, match="no DSPARK worker"):
         make_scheduler(path, speculative_algorithm="DSPARK",
                        speculative_draft_model_path=path)
 

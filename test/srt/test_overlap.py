@@ -8,13 +8,12 @@ whose KV slots are freed. Greedy and seeded requests must produce the same bytes
 """
 from __future__ import annotations
 
-import os
 from typing import Any, Dict, List
 
 import pytest
 import torch
 
-from engine_test_utils import make_scheduler, sampling
+from engine_test_utils import make_scheduler, refuse_host_reads, sampling
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
 from sglang.srt.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
 from sglang.srt.managers.overlap_utils import FutureMap, PendingRound, host_to_device
@@ -26,12 +25,7 @@ VOCAB = ModelConfig.from_path(MODEL).vocab_size
 KW = dict(max_total_tokens=4096, max_running_requests=8)
 
 
-@pytest.fixture(scope="module", autouse=True)
-def threads():
-    n = torch.get_num_threads()
-    torch.set_num_threads(min(2, os.cpu_count() or 1))
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("two_torch_threads")
 
 
 def _request(rid: str, ids: List[int], **kw: Any) -> TokenizedGenerateReqInput:
@@ -97,28 +91,12 @@ def test_overlap_on_equals_off(spec):
     assert len(got_on["ids"]["l3"]) == 12 and len(got_on["logprobs"]["l3"]) == 12
 
 
-_HOST_READS = ("tolist", "item", "numpy", "__int__", "__float__", "__bool__", "__index__")
-
-
 def test_plain_decode_round_never_reads_device_values(monkeypatch):
     """Launching a plain decode round (future-map gather, req->token write, forward, sampling,
     future-map scatter, the async result copy) converts no tensor into a host value."""
     sched = make_scheduler(MODEL, **KW)
-    worker = sched.round_worker
-    launch = worker.forward_round
-    rounds = []
-
-    def guarded(*args, **kwargs):
-        with monkeypatch.context() as m:
-            for name in _HOST_READS:
-                def refuse(self, *a, _name=name, **k):
-                    raise AssertionError(f"host read Tensor.{_name} inside a decode round")
-                m.setattr(torch.Tensor, name, refuse)
-            out = launch(*args, **kwargs)
-        rounds.append(out)
-        return out
-
-    monkeypatch.setattr(worker, "forward_round", guarded)
+    rounds: List[Any] = []
+    refuse_host_reads(monkeypatch, sched.round_worker, "forward_round", rounds)
     prompt = sched.tokenizer.encode("def main():\n")
     reqs = [_request("a", prompt, max_new_tokens=8, temperature=0, ignore_eos=True),
             _request("b", prompt, max_new_tokens=8, temperature=0.8, sampling_seed=1,

@@ -137,27 +137,6 @@ class TpModelWorker(GraphedRoundMixin):
                 sampling_info.append_tokens(next_ids)
         return result
 
-    def forward_round(self, req_pool_indices: torch.Tensor, round_cache_loc: torch.Tensor,
-                      sampling_info: SamplingBatchInfo, seq_lens_bound: Optional[int] = None,
-                      return_logprob: bool = False, top_logprobs_num: int = 0) -> PendingRound:
-        """One decode step for the requests in ``req_pool_indices [B]`` (device), writing KV at
-        ``round_cache_loc [B, 1]``; the :class:`PendingRound` gives the tokens one step later.
-        ``seq_lens_bound``: a host integer no sequence of the step exceeds (sizes padded cache
-        gathers; ``None`` reads it from the device, a host sync, for tests)."""
-        b = int(req_pool_indices.shape[0])
-        if b < 1 or tuple(round_cache_loc.shape) != (b, 1):
-            raise ValueError(f"forward_round: round_cache_loc must be [B={b}, 1] with B >= 1, "
-                             f"got {tuple(round_cache_loc.shape)}")
-        if sampling_info.batch_size != b:
-            raise ValueError(f"forward_round: sampling_info has {sampling_info.batch_size} rows "
-                             f"for {b} requests")
-        slots = req_pool_indices.to(device=self.device, dtype=torch.int64)
-        loc = round_cache_loc.to(device=self.device, dtype=torch.int64)
-        if seq_lens_bound is None:
-            seq_lens_bound = int(self.future_map.seq_lens[slots].max()) + 1
-        return self.run_round(slots, loc, sampling_info, seq_lens_bound, return_logprob,
-                              top_logprobs_num)
-
     def graph_setup(self) -> dict:
         """A decode step: one token and one KV slot per request, the target's backend."""
         return dict(round_tokens=1, tokens_per_request=1,

@@ -279,12 +279,38 @@ def capture_batch_sizes(server_args: object, max_running_requests: int) -> List[
 
 
 class GraphedRoundMixin:
-    """For round workers: run a round through the worker's :class:`CudaGraphRunner` when its
-    batch has a graph, else eagerly. The worker provides ``round_body`` (see the module
-    docstring), ``pending_round(out, loc, return_logprob, top_logprobs_num, on_current_stream)``
-    and :meth:`graph_setup` (what its body needs captured)."""
+    """``forward_round`` of round workers: checks, then the round through the worker's
+    :class:`CudaGraphRunner` when its batch has a graph, else eagerly. The worker provides
+    ``device``, ``round_tokens``, ``future_map`` (its ``seq_lens`` are the committed lengths),
+    ``round_body`` (see the module docstring), ``pending_round(out, loc, return_logprob,
+    top_logprobs_num, on_current_stream)`` and :meth:`graph_setup`."""
 
     graph_runner: Optional[CudaGraphRunner] = None
+
+    def forward_round(self, req_pool_indices: torch.Tensor, round_cache_loc: torch.Tensor,
+                      sampling_info: SamplingBatchInfo, seq_lens_bound: Optional[int] = None,
+                      return_logprob: bool = False, top_logprobs_num: int = 0):
+        """Launch one round for the requests in ``req_pool_indices [B]`` (device), writing KV
+        into ``round_cache_loc [B, round_tokens]`` (allocated by the caller, which frees the
+        unkept slots once it has the accept lengths); the returned
+        :class:`~sglang.srt.managers.overlap_utils.PendingRound` gives the tokens a round later.
+        ``seq_lens_bound``: a host integer no sequence of the round exceeds (the scheduler's,
+        ``ScheduleBatch.prepare_for_round``); attention backends size padded gathers with it
+        instead of reading device lengths. ``None`` (tests) reads it from the device, a sync."""
+        n = self.round_tokens
+        b = int(req_pool_indices.shape[0])
+        if b < 1 or tuple(round_cache_loc.shape) != (b, n):
+            raise ValueError(f"forward_round: round_cache_loc must be [B={b}, N={n}] with B >= 1, "
+                             f"got {tuple(round_cache_loc.shape)}")
+        if sampling_info.batch_size != b:
+            raise ValueError(f"forward_round: sampling_info has {sampling_info.batch_size} rows "
+                             f"for {b} requests")
+        slots = req_pool_indices.to(device=self.device, dtype=torch.int64)
+        loc = round_cache_loc.to(device=self.device, dtype=torch.int64)
+        if seq_lens_bound is None:
+            seq_lens_bound = int(self.future_map.seq_lens[slots].max()) + n
+        return self.run_round(slots, loc, sampling_info, seq_lens_bound, return_logprob,
+                              top_logprobs_num)
 
     def graph_setup(self) -> dict:
         """Keyword arguments of :class:`CudaGraphRunner` particular to this worker's body:

@@ -239,33 +239,6 @@ class NEXTNWorker(GraphedRoundMixin, BaseSpecWorker):
         return result
 
     # ------------------------------------------------------------------ decode round
-    def forward_round(self, req_pool_indices: torch.Tensor, round_cache_loc: torch.Tensor,
-                      sampling_info: SamplingBatchInfo,
-                      seq_lens_bound: Optional[int] = None, return_logprob: bool = False,
-                      top_logprobs_num: int = 0) -> PendingRound:
-        """Draft, verify and draft-extend one round for the requests in ``req_pool_indices [B]``
-        (device), writing the chain's KV into ``round_cache_loc [B, N]`` (allocated by the
-        caller; surplus slots are the caller's to free once it has the accept lengths).
-
-        ``seq_lens_bound``: a host integer no sequence of this round exceeds (the scheduler's,
-        see ``ScheduleBatch.prepare_for_round``); attention backends size their padded gathers
-        with it instead of reading device lengths. ``None`` (tests) reads it from the device
-        once, a host sync."""
-        n = self.num_draft_tokens
-        b = int(req_pool_indices.shape[0])
-        if b < 1 or tuple(round_cache_loc.shape) != (b, n):
-            raise ValueError(f"forward_round: round_cache_loc must be [B={b}, N={n}] with "
-                             f"B >= 1, got {tuple(round_cache_loc.shape)}")
-        if sampling_info.batch_size != b:
-            raise ValueError(f"forward_round: sampling_info has {sampling_info.batch_size} "
-                             f"rows for {b} requests")
-        slots = req_pool_indices.to(device=self.device, dtype=torch.int64)
-        loc = round_cache_loc.to(device=self.device, dtype=torch.int64)
-        if seq_lens_bound is None:
-            seq_lens_bound = int(self.future_map.seq_lens[slots].max()) + n
-        return self.run_round(slots, loc, sampling_info, seq_lens_bound, return_logprob,
-                              top_logprobs_num)
-
     def graph_setup(self) -> dict:
         """The whole round in one graph: the draft's decodes, the target's ``N``-token verify
         with acceptance and KDA commit, and the draft extend."""
@@ -279,7 +252,6 @@ class NEXTNWorker(GraphedRoundMixin, BaseSpecWorker):
         """The device work of one round (no host reads, fixed shapes: a CUDA graph captures it).
         Returns ``accept_len [B]``, ``tokens [B, N]`` (committed, then -1) and, when
         ``return_logprob``, the log-softmax source ``lp_source [B * N, V]``."""
-        n, b = self.num_draft_tokens, int(slots.shape[0])
         sampled = not sampling_info.is_all_greedy
         fm = self.future_map
         names = ("seq_lens", "tokens", "draft_token", "hidden") + (("draft_probs",) if sampled else ())
