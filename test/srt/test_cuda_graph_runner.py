@@ -127,6 +127,41 @@ def test_failed_capture_falls_back_to_eager(caplog):
                          info)["x"].tolist() == [5]
 
 
+def test_graph_count_is_capped(monkeypatch):
+    import sglang.srt.model_executor.cuda_graph_runner as cgr
+
+    monkeypatch.setattr(cgr, "MAX_GRAPHS", 5)
+    runner = _toy_runner(width_independent=False, capture_now=False, max_width=1 << 20)
+    info = _info(1, temperature=0)
+    keys = [runner.key(1, info, False, w * WIDTH_BUCKET) for w in range(1, 8)]
+    for key in keys[:5]:
+        runner.replay(key, torch.tensor([1]), torch.tensor([[1, 2]]), info)
+    assert len(runner.graphs) == 5
+    assert runner.key(1, info, False, 6 * WIDTH_BUCKET) is None  # a sixth shape runs eagerly
+    assert runner.key(1, info, False, WIDTH_BUCKET) == keys[0]  # captured ones still replay
+
+
+def test_moe_capture_limit_follows_the_expert_path(monkeypatch):
+    """The torch MoE's loop reads expert counts on the host above GATHER_MAX_PAIRS pairs, so its
+    graphs stop there; the Triton path reaches SMALL_M_MAX_PAIRS; with SGLANG_MOE_GROUPED_MM and
+    weights torch's grouped GEMM takes, nothing limits them."""
+    from sglang.srt.layers.moe.fused_moe_native import GATHER_MAX_PAIRS
+    from sglang.srt.layers.moe.fused_moe_triton import SMALL_M_MAX_PAIRS
+    from sglang.srt.layers.moe.moe_layer import BailingMoE
+
+    sched = make_scheduler(MODEL, **KW)
+    runner = sched.tp_worker.model_runner
+    blocks = [m for m in runner.model.modules() if isinstance(m, BailingMoE)]
+    top_k = blocks[0].gate.top_k
+    assert runner.max_cuda_graph_tokens() == GATHER_MAX_PAIRS // top_k
+    for m in blocks:
+        m.experts.runner_backend = "triton"
+    assert runner.max_cuda_graph_tokens() == SMALL_M_MAX_PAIRS // top_k
+    for m in blocks:
+        m.experts.grouped_mm = True  # fp32 on CPU: torch's grouped GEMM takes it
+    assert runner.max_cuda_graph_tokens() is None
+
+
 # ------------------------------------------------------------------------------ through the engine
 def _request(rid: str, ids: List[int], **kw) -> TokenizedGenerateReqInput:
     return TokenizedGenerateReqInput(rid, None, list(ids), sampling(VOCAB, **kw))

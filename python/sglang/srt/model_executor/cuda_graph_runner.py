@@ -45,13 +45,17 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CudaGraphRunner", "GraphKey", "EmulatedGraph", "WIDTH_BUCKET", "graph_variant"]
+__all__ = ["CudaGraphRunner", "GraphKey", "EmulatedGraph", "WIDTH_BUCKET", "MAX_GRAPHS",
+           "graph_variant"]
 
 RoundBody = Callable[[torch.Tensor, torch.Tensor, SamplingBatchInfo, int, bool],
                      Dict[str, torch.Tensor]]
 
 # Gather-width granularity of graphs for width-dependent attention backends (cache rows).
 WIDTH_BUCKET = 512
+# Graphs one runner keeps (each holds its activations in the shared pool): keys first needed
+# after that many run eagerly (width buckets of long contexts x batch sizes x variants add up).
+MAX_GRAPHS = 96
 # Sampling rows a sampled graph reads (refilled before each replay). Greedy graphs read only
 # ``steps`` (advanced by the body, copied back) and, for logprobs, the temperatures.
 _SAMPLED_FIELDS = ("temperatures", "top_ps", "top_ks", "min_ps", "greedy_mask", "seeds",
@@ -188,7 +192,9 @@ class CudaGraphRunner:
             return None
         width = None if self.width_independent else self.width_bucket(bound)
         key = GraphKey(bucket, width, variant, bool(return_logprob))
-        return None if key in self.failed else key
+        if key in self.failed or (key not in self.graphs and len(self.graphs) >= MAX_GRAPHS):
+            return None
+        return key
 
     # ------------------------------------------------------------------ capture
     def _static_info(self, key: GraphKey) -> SamplingBatchInfo:

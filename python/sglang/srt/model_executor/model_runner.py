@@ -389,6 +389,7 @@ class ModelRunner:
         counts on the host above some batch), None when none does."""
         limits = [m.max_cuda_graph_tokens() for m in self.model.modules()
                   if m is not self.model and callable(getattr(m, "max_cuda_graph_tokens", None))]
+        limits = [x for x in limits if x is not None]  # None: no limit
         return min(limits) if limits else None
 
     # ------------------------------------------------------------------ running

@@ -26,7 +26,11 @@ from sglang.srt.layers.linear import (
     copy_checked,
     normal_dummy_init,
 )
-from sglang.srt.layers.moe.fused_moe_native import GATHER_MAX_PAIRS, fused_moe
+from sglang.srt.layers.moe.fused_moe_native import (
+    GATHER_MAX_PAIRS,
+    fused_moe,
+    grouped_mm_supported,
+)
 from sglang.srt.layers.moe.fused_moe_triton import SMALL_M_MAX_PAIRS, fused_moe_small_m
 from sglang.srt.layers.moe.topk import MoEGate
 from sglang.srt.model_loader.weight_utils import LazyWeight
@@ -150,11 +154,18 @@ class BailingMoE(nn.Module):
             if shared_intermediate_size > 0 else None
         )
 
-    def max_cuda_graph_tokens(self) -> int:
-        """Tokens per forward this block can run inside a CUDA graph: beyond the (token, expert)
-        pairs of its small-batch path (Triton: :data:`SMALL_M_MAX_PAIRS`; torch:
-        ``GATHER_MAX_PAIRS``) the torch expert loop reads expert counts on the host."""
-        pairs = SMALL_M_MAX_PAIRS if self.experts.runner_backend == "triton" else GATHER_MAX_PAIRS
+    def max_cuda_graph_tokens(self) -> Optional[int]:
+        """Tokens per forward this block can run inside a CUDA graph (None: any number). Beyond
+        the (token, expert) pairs of its small-batch path (Triton: :data:`SMALL_M_MAX_PAIRS`;
+        torch: ``GATHER_MAX_PAIRS``) the torch expert loop reads expert counts on the host,
+        unless ``SGLANG_MOE_GROUPED_MM`` routes those batches to the grouped GEMMs (device-side
+        offsets) and torch's kernel takes these weights."""
+        experts = self.experts
+        if experts.grouped_mm:
+            probe = experts.w13_weight.new_empty(0, experts.w13_weight.shape[2])
+            if grouped_mm_supported(probe, experts.w13_weight, experts.w2_weight):
+                return None
+        pairs = SMALL_M_MAX_PAIRS if experts.runner_backend == "triton" else GATHER_MAX_PAIRS
         return max(pairs // self.gate.top_k, 0)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
