@@ -164,7 +164,8 @@ def test_moe_capture_limit_follows_the_expert_path(monkeypatch):
 
 # ------------------------------------------------------------------------------ through the engine
 def _request(rid: str, ids: List[int], **kw) -> TokenizedGenerateReqInput:
-    return TokenizedGenerateReqInput(rid, None, list(ids), sampling(VOCAB, **kw))
+    lp = {k: kw.pop(k) for k in ("return_logprob", "top_logprobs_num") if k in kw}
+    return TokenizedGenerateReqInput(rid, None, list(ids), sampling(VOCAB, **kw), **lp)
 
 
 def _run(sched, reqs, stagger: int = 0) -> Dict[str, List[int]]:
@@ -179,6 +180,9 @@ def _run(sched, reqs, stagger: int = 0) -> Dict[str, List[int]]:
         for i, rid in enumerate(getattr(msg, "rids", [])):
             if hasattr(msg, "decode_ids"):
                 ids.setdefault(rid, []).extend(msg.decode_ids[i])
+                ids.setdefault(rid + ":lp", []).extend(
+                    round(v, 4) for v in msg.output_token_logprobs_val[i])
+                ids.setdefault(rid + ":top", []).extend(msg.output_top_logprobs_idx[i])
     sched.outbox.clear()
     return ids
 
@@ -190,26 +194,32 @@ def _requests(prompt_tok) -> List[TokenizedGenerateReqInput]:
         _request("s1", base[:-2], max_new_tokens=33, temperature=0.8, top_k=20, sampling_seed=3,
                  ignore_eos=True),
         _request("g2", base[:-4], max_new_tokens=25, temperature=0, ignore_eos=True),
-        _request("p3", base[:-1], max_new_tokens=20, temperature=0.7, frequency_penalty=0.3,
+        _request("p3", base[:-1], max_new_tokens=6, temperature=0.7, frequency_penalty=0.3,
                  sampling_seed=4, ignore_eos=True),  # dense penalties: eager rounds
+        _request("l4", base[:-3], max_new_tokens=30, temperature=0, ignore_eos=True,
+                 return_logprob=True, top_logprobs_num=2),
     ]
 
 
-@pytest.mark.parametrize("spec", [{}, dict(speculative_algorithm="NEXTN", speculative_num_steps=3)],
-                         ids=["plain", "nextn3"])
-def test_emulated_graphs_equal_eager_through_the_scheduler(spec):
+@pytest.mark.parametrize("spec,per_phase", [
+    ({}, False), (dict(speculative_algorithm="NEXTN", speculative_num_steps=3), False),
+    (dict(speculative_algorithm="NEXTN", speculative_num_steps=3), True)],
+    ids=["plain", "nextn3", "nextn3-per-phase"])
+def test_emulated_graphs_equal_eager_through_the_scheduler(spec, per_phase):
     """Staggered arrivals make batches of 1..4 requests replay buckets 1, 2 and 4 with padding
-    rows; greedy and seeded rows must come out exactly as in eager execution."""
+    rows; greedy and seeded rows (and logprobs) must come out exactly as in eager execution,
+    with the round as one graph or (NEXTN) as one graph per phase."""
     eager = make_scheduler(MODEL, **KW, **spec)
     want = _run(eager, _requests(eager.tokenizer), stagger=3)
     graphed = make_scheduler(MODEL, **KW, **spec)
-    graphed.round_worker.init_cuda_graphs([1, 2, 4], emulate=True)
+    graphed.round_worker.init_cuda_graphs([1, 2, 4], emulate=True, per_phase=per_phase)
     runner = graphed.round_worker.graph_runner
     got = _run(graphed, _requests(graphed.tokenizer), stagger=3)
     assert got == want
     assert runner.num_replays > 0
     used = {k.bs for k in runner.graphs}
     assert {1, 2, 4} <= used and any(k.variant == "sampled" for k in runner.graphs)
+    assert any(k.return_logprob for k in runner.graphs) and len(got["l4:lp"]) == 30
 
 
 # ------------------------------------------------------------------------------ GPU (real graphs)

@@ -368,7 +368,10 @@ class ScheduleBatch:
             return
         self.reqs = [self.reqs[i] for i in keep_indices]
         if self.sampling_info is not None:
-            self.sampling_info = self.sampling_info.filter(keep_indices) if keep_indices else None
+            # Exact flags again (filter keeps the parent's): once the last penalised or sampled
+            # request has left, the batch takes the lighter paths and CUDA graphs again.
+            self.sampling_info = self.sampling_info.filter(keep_indices).refresh_flags(
+                [r.sampling_params for r in self.reqs]) if keep_indices else None
         self.prefix_lens, self.extend_lens = [], []
 
     def merge_batch(self, other: "ScheduleBatch") -> None:

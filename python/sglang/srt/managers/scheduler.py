@@ -248,6 +248,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
             r.finished_reason = FINISH_ABORT("the request was aborted", err_type="Aborted")
             release_kv_cache(r, self.req_to_token_pool, self.token_to_kv_pool_allocator)
         self.stream_output(aborted)
+        if self.running_batch is None:
+            # Nothing left to run ahead of: settle the round in flight now (its slots come back),
+            # so that a state query in the same batch of messages sees the pools as they are.
+            self._consume_pending_round()
 
     # ------------------------------------------------------------------ batching
     def _admitted_reqs(self) -> List[Req]:

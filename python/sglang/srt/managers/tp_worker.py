@@ -142,8 +142,13 @@ class TpModelWorker(GraphedRoundMixin):
         return dict(round_tokens=1, tokens_per_request=1,
                     backends=[self.model_runner.attn_backend], runners=[self.model_runner])
 
-    def round_body(self, slots: torch.Tensor, loc: torch.Tensor, sampling_info: SamplingBatchInfo,
-                   seq_lens_bound: int, return_logprob: bool = False) -> Dict[str, torch.Tensor]:
+    def round_phases(self) -> List[Any]:
+        """A decode step is one phase (:meth:`_decode_phase`)."""
+        return [self._decode_phase]
+
+    def _decode_phase(self, prev: Dict[str, torch.Tensor], slots: torch.Tensor,
+                      loc: torch.Tensor, sampling_info: SamplingBatchInfo, seq_lens_bound: int,
+                      return_logprob: bool = False) -> Dict[str, torch.Tensor]:
         """The device work of one decode step (fixed shapes, no host reads: a CUDA graph
         captures it): input token and position from the future map, the KV slot into the
         request->token map, forward, sampling, the new token and length back into the map.

@@ -40,16 +40,30 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
+from sglang.srt.environ import envs
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 __all__ = ["CudaGraphRunner", "GraphKey", "EmulatedGraph", "WIDTH_BUCKET", "MAX_GRAPHS",
-           "graph_variant"]
+           "graph_variant", "run_phases"]
 
 RoundBody = Callable[[torch.Tensor, torch.Tensor, SamplingBatchInfo, int, bool],
                      Dict[str, torch.Tensor]]
+# A phase of a round: (outputs of the earlier phases, slots, loc, info, bound, return_logprob)
+# -> its own outputs.
+RoundPhase = Callable[[Dict[str, torch.Tensor], torch.Tensor, torch.Tensor, SamplingBatchInfo,
+                       int, bool], Dict[str, torch.Tensor]]
+
+
+def run_phases(phases: Sequence[RoundPhase], slots: torch.Tensor, loc: torch.Tensor,
+               info: SamplingBatchInfo, bound: int, return_logprob: bool) -> Dict[str, torch.Tensor]:
+    """Run a round's phases in order; the merged outputs (a later phase's names win)."""
+    out: Dict[str, torch.Tensor] = {}
+    for phase in phases:
+        out.update(phase(dict(out), slots, loc, info, bound, return_logprob))
+    return out
 
 # Gather-width granularity of graphs for width-dependent attention backends (cache rows).
 WIDTH_BUCKET = 512
@@ -100,6 +114,17 @@ class EmulatedGraph:
             self._out[name].copy_(value)
 
 
+class _GraphChain:
+    """Graphs replayed one after the other (a round captured one graph per phase)."""
+
+    def __init__(self, graphs: List[object]):
+        self.graphs = graphs
+
+    def replay(self) -> None:
+        for graph in self.graphs:
+            graph.replay()
+
+
 class _CudaGraph:
     """``torch.cuda.CUDAGraph`` behind :class:`EmulatedGraph`'s two methods."""
 
@@ -129,14 +154,21 @@ class CudaGraphRunner:
     verify's chain width), for the capture limit ``max_graph_tokens``. ``backends``: every
     attention backend the body runs (their capture hooks validate each capture).
     ``max_width``: the request->token map's width (the largest gather a bound may ask for).
+    ``phases`` with ``per_phase=True``: capture one graph per phase (replayed back to back, the
+    outputs of one phase the static inputs of the next) instead of one graph of ``body``, which
+    must then run the same phases (A/B of the two layouts). Every output is batch-major.
     """
 
     def __init__(self, body: RoundBody, *, device: torch.device, vocab_size: int,
                  round_tokens: int, tokens_per_request: int, batch_sizes: Sequence[int],
                  max_width: int, backends: Sequence[object] = (),
                  max_graph_tokens: Optional[int] = None, width_independent: bool = True,
-                 emulate: Optional[bool] = None, capture_now: bool = True):
+                 emulate: Optional[bool] = None, capture_now: bool = True,
+                 phases: Optional[Sequence[RoundPhase]] = None, per_phase: bool = False):
         self.body = body
+        if per_phase and not phases:
+            raise ValueError("CudaGraphRunner: per_phase needs the round's phases")
+        self.phases = list(phases) if per_phase else None
         self.device = torch.device(device)
         self.round_tokens = round_tokens
         self.max_width = max_width
@@ -226,10 +258,12 @@ class CudaGraphRunner:
                 self._run_static(key, info)
             if not self.emulate:
                 torch.cuda.synchronize(self.device)
-            graph = EmulatedGraph() if self.emulate else _CudaGraph(self._pool)
-            outputs = graph.capture(lambda: self._run_static(key, info))
+            graph, outputs = self._capture_graphs(key, info)
             if not self.emulate:
                 torch.cuda.synchronize(self.device)
+            short = [n for n, v in outputs.items() if v.dim() == 0 or v.shape[0] != key.bs]
+            if short:  # replay() slices outputs by request: they must be batch-major
+                raise ValueError(f"round outputs {short} are not batch-major [bs={key.bs}, ...]")
         except Exception as e:  # a capture problem must never take the server down
             self.failed[key] = f"{type(e).__name__}: {e}"
             logger.warning("CUDA graph capture of %s failed (%s); that batch shape runs eagerly",
@@ -240,6 +274,27 @@ class CudaGraphRunner:
         captured = _Captured(graph, outputs)
         self.graphs[key] = captured
         return captured
+
+    def _new_graph(self) -> object:
+        return EmulatedGraph() if self.emulate else _CudaGraph(self._pool)
+
+    def _capture_graphs(self, key: GraphKey, info: SamplingBatchInfo):
+        """One graph of the body, or one per phase chained through their static outputs."""
+        if self.phases is None:
+            graph = self._new_graph()
+            return graph, graph.capture(lambda: self._run_static(key, info))
+        width = self.max_width if key.width is None else key.width
+        slots, loc = self.slots[:key.bs], self.loc[:key.bs]
+        merged: Dict[str, torch.Tensor] = {}
+        graphs = []
+        for phase in self.phases:
+            graph = self._new_graph()
+            prev = dict(merged)  # the earlier phases' static outputs: this phase's inputs
+            merged.update(graph.capture(
+                lambda phase=phase, prev=prev: phase(prev, slots, loc, info, width,
+                                                     key.return_logprob)))
+            graphs.append(graph)
+        return _GraphChain(graphs), merged
 
     # ------------------------------------------------------------------ replay
     def replay(self, key: GraphKey, slots: torch.Tensor, loc: torch.Tensor,
@@ -288,10 +343,19 @@ class GraphedRoundMixin:
     """``forward_round`` of round workers: checks, then the round through the worker's
     :class:`CudaGraphRunner` when its batch has a graph, else eagerly. The worker provides
     ``device``, ``round_tokens``, ``future_map`` (its ``seq_lens`` are the committed lengths),
-    ``round_body`` (see the module docstring), ``pending_round(out, loc, return_logprob,
-    top_logprobs_num, on_current_stream)`` and :meth:`graph_setup`."""
+    :meth:`round_phases`, ``pending_round(out, loc, return_logprob, top_logprobs_num,
+    on_current_stream)`` and :meth:`graph_setup`."""
 
     graph_runner: Optional[CudaGraphRunner] = None
+
+    def round_phases(self) -> List[RoundPhase]:
+        """The round's phases in order (see :data:`RoundPhase`)."""
+        raise NotImplementedError
+
+    def round_body(self, slots: torch.Tensor, loc: torch.Tensor, info: SamplingBatchInfo,
+                   bound: int, return_logprob: bool = False) -> Dict[str, torch.Tensor]:
+        """The device work of one round: its phases in order (fixed shapes, no host reads)."""
+        return run_phases(self.round_phases(), slots, loc, info, bound, return_logprob)
 
     def forward_round(self, req_pool_indices: torch.Tensor, round_cache_loc: torch.Tensor,
                       sampling_info: SamplingBatchInfo, seq_lens_bound: Optional[int] = None,
@@ -325,8 +389,14 @@ class GraphedRoundMixin:
         raise NotImplementedError
 
     def init_cuda_graphs(self, batch_sizes: Sequence[int], emulate: Optional[bool] = None,
-                         capture_now: bool = True) -> CudaGraphRunner:
-        """Build the graph runner for ``batch_sizes`` (capturing the start-up graphs now)."""
+                         capture_now: bool = True,
+                         per_phase: Optional[bool] = None) -> CudaGraphRunner:
+        """Build the graph runner for ``batch_sizes`` (capturing the start-up graphs now); a
+        round of several phases is one graph, or one graph per phase with ``per_phase``
+        (default: ``SGLANG_ROUND_GRAPH_PER_PHASE``)."""
+        if per_phase is None:
+            per_phase = envs.SGLANG_ROUND_GRAPH_PER_PHASE.get()
+        phases = self.round_phases()
         setup = self.graph_setup()
         runners = setup.pop("runners")
         limits = [r.max_cuda_graph_tokens() for r in runners]
@@ -337,7 +407,8 @@ class GraphedRoundMixin:
             batch_sizes=batch_sizes, max_width=first.req_to_token_pool.req_to_token.shape[1],
             max_graph_tokens=min(limits) if limits else None,
             width_independent=all(b.width_independent for b in setup["backends"]),
-            emulate=emulate, capture_now=capture_now, **setup)
+            emulate=emulate, capture_now=capture_now, phases=phases,
+            per_phase=per_phase and len(phases) > 1, **setup)
         return self.graph_runner
 
     def run_round(self, slots: torch.Tensor, loc: torch.Tensor, info: SamplingBatchInfo,

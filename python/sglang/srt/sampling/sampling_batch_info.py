@@ -33,6 +33,31 @@ _FLAG_FIELDS = (
 )
 
 
+def _is_greedy(p: SamplingParams) -> bool:
+    return p.temperature < SAMPLING_EPS or p.top_k == 1
+
+
+def host_flags(sampling_params: Sequence[SamplingParams], vocab_size: int) -> dict:
+    """The host-side flags of a batch (``is_all_greedy`` and :data:`_FLAG_FIELDS`), computed
+    from its requests' parameters alone (no device read)."""
+    greedy = [_is_greedy(p) for p in sampling_params]
+    sampled = [p for p, g in zip(sampling_params, greedy) if not g]
+    top_ks = [vocab_size if (p.top_k == -1 or p.top_k > vocab_size) else p.top_k for p in sampled]
+    return dict(
+        is_all_greedy=all(greedy),
+        need_top_k=any(k < vocab_size for k in top_ks),
+        need_top_p=any(p.top_p < 1.0 for p in sampled),
+        need_min_p=any(p.min_p > 0.0 for p in sampled),
+        any_seeded=any(p.sampling_seed is not None for p in sampled),
+        has_frequency_presence=any(
+            p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in sampling_params),
+        has_repetition=any(p.repetition_penalty != 1.0 for p in sampling_params),
+        has_logit_bias=any(p.logit_bias for p in sampling_params),
+        has_min_new_tokens=any(p.min_new_tokens > 0 and not p.ignore_eos
+                               for p in sampling_params),
+    )
+
+
 @dataclass
 class SamplingBatchInfo:
     """Tensors of one batch's sampling parameters (``B`` requests, vocabulary ``V``)."""
@@ -101,7 +126,7 @@ class SamplingBatchInfo:
         if vocab_size < 1:
             raise ValueError(f"vocab_size must be >= 1, got {vocab_size}")
         dev = torch.device(device)
-        greedy = [p.temperature < SAMPLING_EPS or p.top_k == 1 for p in sampling_params]
+        greedy = [_is_greedy(p) for p in sampling_params]
         top_ks = [vocab_size if (p.top_k == -1 or p.top_k > vocab_size) else p.top_k
                   for p in sampling_params]
         seeds = [p.sampling_seed for p in sampling_params]
@@ -112,7 +137,6 @@ class SamplingBatchInfo:
         def i64(values: List[int]) -> torch.Tensor:
             return torch.tensor(values, dtype=torch.int64, device=dev)
 
-        sampled_rows = [p for p, g in zip(sampling_params, greedy) if not g]
         info = cls(
             vocab_size=vocab_size,
             temperatures=f32([1.0 if g else float(p.temperature)
@@ -128,17 +152,7 @@ class SamplingBatchInfo:
             presence_penalties=f32([float(p.presence_penalty) for p in sampling_params]),
             repetition_penalties=f32([float(p.repetition_penalty) for p in sampling_params]),
             min_new_tokens=i64([int(p.min_new_tokens) for p in sampling_params]),
-            is_all_greedy=all(greedy),
-            need_top_k=any(k < vocab_size for k, g in zip(top_ks, greedy) if not g),
-            need_top_p=any(p.top_p < 1.0 for p in sampled_rows),
-            need_min_p=any(p.min_p > 0.0 for p in sampled_rows),
-            any_seeded=any(s is not None for s, g in zip(seeds, greedy) if not g),
-            has_frequency_presence=any(
-                p.frequency_penalty != 0.0 or p.presence_penalty != 0.0 for p in sampling_params
-            ),
-            has_repetition=any(p.repetition_penalty != 1.0 for p in sampling_params),
-            has_logit_bias=any(p.logit_bias for p in sampling_params),
-            has_min_new_tokens=any(p.min_new_tokens > 0 and not p.ignore_eos for p in sampling_params),
+            **host_flags(sampling_params, vocab_size),
         )
         shape = (n, vocab_size)
         if info.has_frequency_presence:
@@ -198,6 +212,21 @@ class SamplingBatchInfo:
             value = getattr(self, name)
             changes[name] = None if value is None else value[idx]
         return dataclasses.replace(self, **changes)
+
+    def refresh_flags(self, sampling_params: Sequence[SamplingParams]) -> "SamplingBatchInfo":
+        """Exact host flags for the rows' parameters (``filter`` keeps the parent's, a
+        superset); dense tensors no row needs any more are dropped. Host work only: the rows'
+        tensors already hold their values, so results are unchanged, but a batch whose last
+        penalised request left can take the lighter paths (and CUDA graphs) again."""
+        if len(sampling_params) != self.batch_size:
+            raise ValueError(f"refresh_flags: {len(sampling_params)} params for "
+                             f"{self.batch_size} rows")
+        flags = host_flags(sampling_params, self.vocab_size)
+        dense = {"output_counts": flags["has_frequency_presence"],
+                 "seen_mask": flags["has_repetition"], "logit_bias": flags["has_logit_bias"],
+                 "stop_token_mask": flags["has_min_new_tokens"]}
+        drop = {name: None for name, needed in dense.items() if not needed}
+        return dataclasses.replace(self, **flags, **drop)
 
     def merge(self, other: "SamplingBatchInfo") -> "SamplingBatchInfo":
         """A new info with ``other``'s rows appended after this one's."""

@@ -29,8 +29,8 @@ of the next chain, the draft hidden state that continues it, and the distributio
 sampled from). The host gets the accept lengths, committed tokens and the round's KV slots through
 a :class:`~sglang.srt.managers.overlap_utils.PendingRound` that it waits on one round later.
 
-The round itself (:meth:`NEXTNWorker.round_body`) is fixed-shape device work over its inputs, so a
-CUDA graph can capture it whole.
+The round itself (:meth:`NEXTNWorker.round_phases`: draft, verify, draft extend) is fixed-shape
+device work over its inputs, so a CUDA graph can capture it whole (or one graph per phase).
 
 After a prefill (or any prefill chunk) the MTP layer runs over the chunk with the pairs
 ``(h_t, x_{t+1})``; the last pair of a completed prompt uses the sampled first token, and its
@@ -247,46 +247,75 @@ class NEXTNWorker(GraphedRoundMixin, BaseSpecWorker):
                     backends=[self.target_runner.attn_backend, self.draft_runner.attn_backend],
                     runners=[self.target_runner, self.draft_runner])
 
-    def round_body(self, slots: torch.Tensor, loc: torch.Tensor, sampling_info: SamplingBatchInfo,
-                   seq_lens_bound: int, return_logprob: bool = False) -> Dict[str, torch.Tensor]:
-        """The device work of one round (no host reads, fixed shapes: a CUDA graph captures it).
-        Returns ``accept_len [B]``, ``tokens [B, N]`` (committed, then -1) and, when
-        ``return_logprob``, the log-softmax source ``lp_source [B * N, V]``."""
-        sampled = not sampling_info.is_all_greedy
-        fm = self.future_map
+    def round_phases(self) -> List[Any]:
+        """The round as three phases (each fixed-shape device work without host reads; a CUDA
+        graph captures the three together, or one each): draft, verify, draft extend. Every
+        output is batch-major (first dim = request). The verify's outputs are the round's:
+        ``accept_len [B]``, ``tokens [B, N]`` (committed, then -1) and, with logprobs, the
+        log-softmax source ``lp_source [B, N, V]``."""
+        return [self._draft_phase, self._verify_phase, self._extend_phase]
+
+    def _draft_phase(self, prev: Dict[str, torch.Tensor], slots: torch.Tensor, loc: torch.Tensor,
+                     info: SamplingBatchInfo, seq_lens_bound: int,
+                     return_logprob: bool) -> Dict[str, torch.Tensor]:
+        """Gather the relay, place the chain's KV slots, draft the chain ``[B, N]``."""
+        sampled = not info.is_all_greedy
         names = ("seq_lens", "tokens", "draft_token", "hidden") + (("draft_probs",) if sampled else ())
-        prefix, seed, first_draft, hidden, *probs = fm.gather(slots, *names)
+        prefix, seed, first_draft, hidden, *probs = self.future_map.gather(slots, *names)
         assign_chain_req_to_token(self.target_runner.req_to_token_pool.req_to_token, slots,
                                   prefix, loc)
+        chain, draft_probs = self._draft(slots, loc, prefix, seed, first_draft, hidden,
+                                         probs[0] if probs else None, info, seq_lens_bound)
+        out = {"chain": chain, "prefix": prefix}
+        if draft_probs:
+            out["draft_probs"] = torch.stack(draft_probs, dim=1)  # [B, N - 1, V]
+        return out
 
-        tokens, draft_probs = self._draft(slots, loc, prefix, seed, first_draft, hidden,
-                                          probs[0] if probs else None, sampling_info,
-                                          seq_lens_bound)
-        verify_batch = build_verify_forward_batch(tokens, slots, prefix, loc,
+    def _verify_phase(self, prev: Dict[str, torch.Tensor], slots: torch.Tensor,
+                      loc: torch.Tensor, info: SamplingBatchInfo, seq_lens_bound: int,
+                      return_logprob: bool) -> Dict[str, torch.Tensor]:
+        """Target verify of the chain, acceptance, KDA commit, the relay's new lengths and
+        seeds, the committed tokens into the sampling history."""
+        chain, prefix = prev["chain"], prev["prefix"]
+        b, n = chain.shape
+        verify_batch = build_verify_forward_batch(chain, slots, prefix, loc,
                                                   seq_lens_upper_bound=seq_lens_bound)
         target_out = self.target_runner.forward(verify_batch)
-        verdict, processed, rows_info = self._verify(target_out.next_token_logits, tokens,
-                                                     sampling_info, draft_probs)
-
+        verdict, processed, rows_info = self._verify(target_out.next_token_logits, chain, info,
+                                                     prev.get("draft_probs"))
         layout = chain_commit_layout(prefix, verdict.accept_len, loc)
         kda_pool = self.target_runner.kda_state_pool
         if kda_pool is not None and kda_pool.layer_ids:
             kda_pool.commit_after_verify(slots, layout.last_accepted_index)
-        fm.scatter(slots, seq_lens=layout.new_seq_lens, tokens=verdict.next_seed)
+        self.future_map.scatter(slots, seq_lens=layout.new_seq_lens, tokens=verdict.next_seed)
         committed = verdict.accepted_tokens.clamp(min=0)  # pad (-1) -> a valid id
-        sampling_info.append_tokens(committed, valid=layout.keep_mask)
-
-        self._draft_extend(verify_batch, committed, target_out.hidden_states,
-                           layout.last_accepted_row, slots, sampling_info)
-        out = {"accept_len": verdict.accept_len, "tokens": verdict.accepted_tokens}
+        info.append_tokens(committed, valid=layout.keep_mask)
+        out = {"accept_len": verdict.accept_len, "tokens": verdict.accepted_tokens,
+               "committed": committed, "last_index": layout.last_accepted_index,
+               "target_hidden": target_out.hidden_states.view(b, n, -1)}
         if return_logprob:
             # As the sampler: the penalised logits over the temperature at each position (raw
             # logits with SGLANG_RETURN_ORIGINAL_LOGPROB).
             if envs.SGLANG_RETURN_ORIGINAL_LOGPROB.get():
-                out["lp_source"] = target_out.next_token_logits[:, :self.vocab_size].float()
+                source = target_out.next_token_logits[:, :self.vocab_size].float()
             else:
-                out["lp_source"] = processed / rows_info.temperatures.unsqueeze(1)
+                source = processed / rows_info.temperatures.unsqueeze(1)
+            out["lp_source"] = source.view(b, n, -1)
         return out
+
+    def _extend_phase(self, prev: Dict[str, torch.Tensor], slots: torch.Tensor,
+                      loc: torch.Tensor, info: SamplingBatchInfo, seq_lens_bound: int,
+                      return_logprob: bool) -> Dict[str, torch.Tensor]:
+        """Draft extend over the chain with the target's hidden states: the next round's first
+        draft and draft hidden state into the relay."""
+        chain = prev["chain"]
+        b, n = chain.shape
+        verify_batch = build_verify_forward_batch(chain, slots, prev["prefix"], loc,
+                                                  seq_lens_upper_bound=seq_lens_bound)
+        last_row = torch.arange(b, device=chain.device) * n + prev["last_index"]
+        self._draft_extend(verify_batch, prev["committed"], prev["target_hidden"].reshape(b * n, -1),
+                           last_row, slots, info)
+        return {}
 
     def pending_round(self, out: Dict[str, torch.Tensor], loc: torch.Tensor,
                       return_logprob: bool, top_logprobs_num: int,
@@ -295,7 +324,7 @@ class NEXTNWorker(GraphedRoundMixin, BaseSpecWorker):
         b, n = loc.shape
         copies = {"accept_len": out["accept_len"], "tokens": out["tokens"], "loc": loc}
         if return_logprob:
-            lp = torch.log_softmax(out["lp_source"], dim=-1).view(b, n, -1)
+            lp = torch.log_softmax(out["lp_source"], dim=-1)  # [B, N, V]
             committed = out["tokens"].clamp(min=0)
             copies["logprobs"] = lp.gather(2, committed.unsqueeze(-1)).squeeze(-1)
             if top_logprobs_num > 0:
@@ -360,11 +389,12 @@ class NEXTNWorker(GraphedRoundMixin, BaseSpecWorker):
         return torch.where(info.greedy_mask, greedy, sample_from_probs(probs, u)), probs
 
     def _verify(self, logits: torch.Tensor, tokens: torch.Tensor, info: SamplingBatchInfo,
-                draft_probs: List[torch.Tensor]
+                draft_probs: Optional[torch.Tensor]
                 ) -> Tuple[ChainVerifyResult, torch.Tensor, SamplingBatchInfo]:
         """Acceptance per row: greedy rows against the target argmax, sampled rows by exact
-        rejection sampling; both under the per-position sampling transform. Also returns the
-        penalised logits ``[B * N, V]`` and the per-position sampling rows."""
+        rejection sampling against ``draft_probs [B, N - 1, V]`` (what drafts 1..N-1 were drawn
+        from; sampled batches only); both under the per-position sampling transform. Also returns
+        the penalised logits ``[B * N, V]`` and the per-position sampling rows."""
         b, n = tokens.shape
         rows_info = expand_for_chain(info, tokens[:, 1:], n)
         processed = processed_logits(logits, rows_info)
@@ -372,7 +402,7 @@ class NEXTNWorker(GraphedRoundMixin, BaseSpecWorker):
         if info.is_all_greedy:
             return greedy, processed, rows_info
         p = transformed_probs(processed, rows_info).view(b, n, -1)
-        q = torch.stack(draft_probs, dim=1)
+        q = draft_probs
         u = chain_uniforms(info, verify_lanes(n))
         sampled = rejection_sample_chain(tokens, q, p, uniforms=u)
         g = info.greedy_mask
