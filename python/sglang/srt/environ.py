@@ -126,6 +126,14 @@ class Envs:
         "CUDA-graph replay in a small graph of its own (upstream's meaning of the variable); "
         "see docs/performance.md.",
     )
+    SGLANG_ROUND_GRAPH_PER_PHASE = EnvField(
+        "SGLANG_ROUND_GRAPH_PER_PHASE",
+        bool,
+        False,
+        "Capture a speculative round as one CUDA graph per phase (draft, verify, draft extend, "
+        "replayed back to back) instead of one graph for the whole round; for A/B measurement "
+        "(docs/performance.md).",
+    )
     SGLANG_OPT_FUSED_KDA_VERIFY = EnvField(
         "SGLANG_OPT_FUSED_KDA_VERIFY",
         bool,
@@ -202,6 +210,13 @@ class Envs:
         "/tmp",
         "Where /start_profile writes its traces unless the request names an output_dir "
         "(bench_serving --profile prints it too).",
+    )
+    SGLANG_MAX_REQUEST_BODY_BYTES = EnvField(
+        "SGLANG_MAX_REQUEST_BODY_BYTES",
+        int,
+        32 * 1024 * 1024,
+        "Largest HTTP request body the server reads, in bytes; a larger one is answered 413 "
+        "before it is parsed, so one request cannot bloat the server's memory.",
     )
     SGLANG_IS_IN_CI = EnvField(
         "SGLANG_IS_IN_CI",

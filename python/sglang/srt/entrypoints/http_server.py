@@ -4,15 +4,16 @@
 ``TokenizerManager`` in this process, serves ``app`` with uvicorn, warms the model up with one
 request, and on exit (SIGINT/SIGTERM, or a failed warmup) takes every child process down.
 
-Bad input never reaches the scheduler: malformed JSON and wrong types are answered here, and the
+Bad input never reaches the scheduler: every body is size-capped and parsed by
+``openai/request_checks.py`` (413 / 400), wrong types are answered here, and the
 TokenizerManager's validation (``ValueError``) is turned into a 400 before any byte of a stream is
-sent (the first chunk is awaited before the response starts).
+sent (the first chunk is awaited before the response starts). Every error, including FastAPI's
+own 404 / 405, has the one shape ``{"error": {"message", "type", "code"}}``.
 """
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import json
 import logging
 import os
 import signal
@@ -25,7 +26,6 @@ from typing import Any, AsyncIterator, Dict, Optional
 import requests
 import uvicorn
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 import sglang
@@ -42,10 +42,16 @@ from sglang.srt.entrypoints.openai.serving_base import (
     json_response,
     sse_event,
 )
+from sglang.srt.entrypoints.openai.request_checks import (
+    BodySizeLimitMiddleware,
+    install_error_handlers,
+    read_json_body,
+    validate_body,
+)
 from sglang.srt.entrypoints.openai.serving_chat import OpenAIServingChat
 from sglang.srt.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from sglang.srt.environ import envs
-from sglang.srt.managers.io_struct import GenerateReqInput, ProfileReq
+from sglang.srt.managers.io_struct import GenerateReqInput, ProfileReq, check_batch_size
 
 logger = logging.getLogger(__name__)
 
@@ -100,14 +106,7 @@ def _flag(obj: Any, name: str) -> bool:
 app = FastAPI(title="sglang", version=sglang.__version__)
 
 
-@app.exception_handler(RequestValidationError)
-async def _validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-    """Pydantic/JSON errors of the OpenAI endpoints -> 400 naming the fields."""
-    parts = []
-    for err in exc.errors():
-        loc = ".".join(str(x) for x in err.get("loc", ()) if x != "body")
-        parts.append(f"{loc or 'body'}: {err.get('msg')}")
-    return create_error_response("invalid request: " + "; ".join(parts))
+install_error_handlers(app)
 
 
 class _ApiKeyMiddleware:
@@ -132,7 +131,8 @@ class _ApiKeyMiddleware:
         await self.app(scope, receive, send)
 
 
-app.add_middleware(_ApiKeyMiddleware)
+app.add_middleware(BodySizeLimitMiddleware)
+app.add_middleware(_ApiKeyMiddleware)  # added last = outermost: no body is read without the key
 
 
 # ----------------------------------------------------------------------------- health
@@ -266,7 +266,7 @@ async def flush_cache(timeout: float = 0.0) -> PlainTextResponse:
 @app.post("/abort_request")
 async def abort_request(request: Request) -> Response:
     """Abort one request by ``rid`` (or all of them with ``abort_all``)."""
-    body = await _read_json(request)
+    body = await read_json_body(request)
     if isinstance(body, JSONResponse):
         return body
     if not isinstance(body, dict):
@@ -285,7 +285,7 @@ async def abort_request(request: Request) -> Response:
 @app.api_route("/start_profile", methods=["GET", "POST"])
 async def start_profile(request: Request) -> Response:
     """Start the torch profiler in the scheduler (optional JSON body: ``ProfileReq`` fields)."""
-    body = await _read_json(request) if await request.body() else None
+    body = await read_json_body(request) if await request.body() else None
     if isinstance(body, JSONResponse):
         return body
     try:
@@ -313,15 +313,6 @@ async def _profile(req: ProfileReq) -> Response:
 
 
 # ----------------------------------------------------------------------------- /generate
-async def _read_json(request: Request) -> Any:
-    """The parsed body, or a 400 response naming the JSON error."""
-    raw = await request.body()
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        return create_error_response(f"malformed JSON body: {e}")
-
-
 def _parse_generate_body(body: Any) -> GenerateReqInput:
     """``GenerateReqInput`` from a JSON body; unknown keys are ignored, wrong types rejected."""
     if not isinstance(body, dict):
@@ -333,6 +324,8 @@ def _parse_generate_body(body: Any) -> GenerateReqInput:
     if obj.rid is None:
         # Known before submission, so a disconnect can abort it whatever the manager does.
         size = _batch_size(obj)
+        if size is not None:
+            check_batch_size(size)  # before making one rid per prompt
         obj.rid = uuid.uuid4().hex if size is None else [uuid.uuid4().hex for _ in range(size)]
     return obj
 
@@ -372,7 +365,7 @@ async def _stream_generate(
 @app.api_route("/generate", methods=["POST", "PUT"])
 async def generate_request(request: Request) -> Response:
     """SGLang's native generation endpoint (single or batch, JSON or SSE)."""
-    body = await _read_json(request)
+    body = await read_json_body(request)
     if isinstance(body, JSONResponse):
         return body
     tm = _st().tokenizer_manager
@@ -388,6 +381,8 @@ async def generate_request(request: Request) -> Response:
             pass
     except ValueError as e:
         return create_error_response(str(e))
+    except RecursionError:
+        return create_error_response("the request is nested too deeply to be processed")
     except RuntimeError as e:  # the engine is unhealthy or shutting down
         return create_error_response(str(e), "InternalServerError", 500)
     except StopAsyncIteration:
@@ -406,15 +401,20 @@ async def available_models() -> Dict[str, Any]:
 
 
 @app.post("/v1/completions")
-async def openai_v1_completions(request: CompletionRequest, raw_request: Request) -> Response:
-    """OpenAI text completions."""
+async def openai_v1_completions(raw_request: Request) -> Response:
+    """OpenAI text completions (body: ``CompletionRequest``)."""
+    request = await validate_body(raw_request, CompletionRequest)
+    if isinstance(request, JSONResponse):
+        return request
     return await _st().serving_completion.handle_request(request, raw_request)
 
 
 @app.post("/v1/chat/completions")
-async def openai_v1_chat_completions(request: ChatCompletionRequest,
-                                     raw_request: Request) -> Response:
-    """OpenAI chat completions (the tokenizer's chat template)."""
+async def openai_v1_chat_completions(raw_request: Request) -> Response:
+    """OpenAI chat completions with the tokenizer's chat template (body: ``ChatCompletionRequest``)."""
+    request = await validate_body(raw_request, ChatCompletionRequest)
+    if isinstance(request, JSONResponse):
+        return request
     return await _st().serving_chat.handle_request(request, raw_request)
 
 

@@ -15,13 +15,30 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import uuid
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
+from sglang.srt.environ import envs
+
+# Most top-logprob alternatives per token a request may ask for (OpenAI's limit; the
+# OpenAI-compatible API and /generate share it).
+MAX_TOP_LOGPROBS = 20
+# Most prompts in one batched request: each is tokenized and registered before anything runs,
+# so an unbounded batch could hold the event loop and the queue for one client.
+MAX_BATCH_SIZE = 512
+
 
 def _new_rid() -> str:
     return uuid.uuid4().hex
+
+
+def check_batch_size(n: int) -> None:
+    """``ValueError`` naming :data:`MAX_BATCH_SIZE` if a batch of ``n`` prompts is too large."""
+    if n > MAX_BATCH_SIZE:
+        raise ValueError(f"the batch has {n} prompts; at most {MAX_BATCH_SIZE} (MAX_BATCH_SIZE) "
+                         "are accepted in one request")
 
 
 @dataclass
@@ -108,6 +125,7 @@ class GenerateReqInput:
                 raise ValueError(f"'input_ids' must contain only integers, got {bad[0]!r}")
         if not self.is_single and self.batch_size == 0:
             raise ValueError("the batch of prompts is empty")
+        check_batch_size(self.batch_size)
 
         n = self.batch_size
         self.sampling_params = self._expand("sampling_params", self.sampling_params, {}, dict)
@@ -117,15 +135,19 @@ class GenerateReqInput:
         self.return_logprob = self._expand("return_logprob", self.return_logprob, False, bool)
         self.logprob_start_len = self._expand("logprob_start_len", self.logprob_start_len, -1, int)
         self.top_logprobs_num = self._expand("top_logprobs_num", self.top_logprobs_num, 0, int)
+        for k in (self.top_logprobs_num if not self.is_single else [self.top_logprobs_num]):
+            if not 0 <= k <= MAX_TOP_LOGPROBS:
+                raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
         if self.is_single:
             self.rid = self.rid if self.rid is not None else _new_rid()
-            if not isinstance(self.rid, str):
-                raise ValueError("'rid' of a single request must be a string")
+            _check_rid("rid", self.rid)
         else:
             if self.rid is None:
                 self.rid = [_new_rid() for _ in range(n)]
             elif not (isinstance(self.rid, list) and len(self.rid) == n):
                 raise ValueError(f"'rid' of a batch must be a list of {n} strings")
+            for i, rid in enumerate(self.rid):
+                _check_rid(f"rid[{i}]", rid)
 
     def _expand(self, name: str, value: Any, default: Any, kind: type) -> Any:
         """Single: the value (or default). Batch: a list of ``batch_size`` values."""
@@ -159,6 +181,13 @@ class GenerateReqInput:
         )
         item.is_single, item.batch_size = True, 1
         return item
+
+
+def _check_rid(name: str, rid: Any) -> None:
+    # A rid keys the manager's registry and the scheduler's abort lookups: only a non-empty
+    # string can be told apart (and hashed) reliably.
+    if not isinstance(rid, str) or not rid:
+        raise ValueError(f"'{name}' must be a non-empty string, got {rid!r}")
 
 
 def _is_int(x: Any) -> bool:
@@ -232,7 +261,9 @@ class ProfileReq:
     ``start_step``: begin once the scheduler's forward counter reaches it (else at once);
     ``num_steps``: stop and write the trace after that many scheduler steps (else at
     ``/stop_profile``); ``activities`` from :data:`PROFILE_ACTIVITIES` (GPU = CUDA kernels, MEM
-    = allocations); ``output_dir`` defaults to ``SGLANG_TORCH_PROFILER_DIR``.
+    = allocations); ``output_dir`` defaults to ``SGLANG_TORCH_PROFILER_DIR`` and must lie
+    inside it (see :func:`resolve_profile_output_dir`); ``profile_prefix`` is a file-name
+    prefix, never a path.
     """
 
     start: bool
@@ -269,6 +300,8 @@ class ProfileReq:
                 if not isinstance(body[name], str):
                     raise ValueError(f"{name} must be a string")
                 setattr(req, name, body[name])
+        check_profile_prefix(req.profile_prefix)
+        req.output_dir = resolve_profile_output_dir(req.output_dir)
         for name in ("with_stack", "record_shapes"):
             if body.get(name) is not None:
                 if not isinstance(body[name], bool):
@@ -282,6 +315,34 @@ class ProfileReq:
                                  f"{list(PROFILE_ACTIVITIES)}, got {acts!r}")
             req.activities = list(acts)
         return req
+
+
+def check_profile_prefix(prefix: str) -> None:
+    """``ValueError`` unless ``prefix`` is a plain file-name prefix (no separator, no ``..``)."""
+    if "/" in prefix or "\\" in prefix or ".." in prefix or "\0" in prefix:
+        raise ValueError(f"profile_prefix must be a plain file-name prefix (no '/', '\\', '..' "
+                         f"or NUL), got {prefix!r}")
+
+
+def resolve_profile_output_dir(output_dir: Optional[str]) -> str:
+    """The absolute directory a profile may write to, inside ``SGLANG_TORCH_PROFILER_DIR``.
+
+    ``None`` / ``""`` is the profiler directory itself; a relative path is taken inside it; an
+    absolute one must already point inside it. A ``..`` component is refused outright, and
+    symbolic links are resolved before the containment check, so a trace never lands elsewhere.
+    Raises ``ValueError`` naming ``output_dir``.
+    """
+    base = os.path.realpath(envs.SGLANG_TORCH_PROFILER_DIR.get())
+    if not output_dir:
+        return base
+    if "\0" in output_dir or ".." in output_dir.replace("\\", "/").split("/"):
+        raise ValueError(f"output_dir must not contain '..' components or NUL, "
+                         f"got {output_dir!r}")
+    target = os.path.realpath(os.path.join(base, output_dir))
+    if os.path.commonpath([base, target]) != base:
+        raise ValueError(f"output_dir {output_dir!r} is outside the profiler directory {base!r} "
+                         "(SGLANG_TORCH_PROFILER_DIR)")
+    return target
 
 
 @dataclass

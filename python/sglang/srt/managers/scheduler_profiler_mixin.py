@@ -6,7 +6,8 @@ the request reaches all ranks through the same broadcast as generate requests, a
 answers. A start may wait for a forward count (``start_step``) and may end itself after
 ``num_steps`` scheduler steps; otherwise ``/stop_profile`` ends it. The trace is written as
 ``{output_dir}/{profile_prefix}{start time}-TP-{rank}.trace.json.gz`` (Perfetto / chrome://tracing
-read it).
+read it). Traces are only ever written inside ``SGLANG_TORCH_PROFILER_DIR``: the directory and
+prefix are checked again here, so a ``ProfileReq`` built without ``from_body`` cannot escape it.
 """
 from __future__ import annotations
 
@@ -17,8 +18,12 @@ from typing import Optional
 
 import torch
 
-from sglang.srt.environ import envs
-from sglang.srt.managers.io_struct import ProfileReq, ProfileReqOutput
+from sglang.srt.managers.io_struct import (
+    ProfileReq,
+    ProfileReqOutput,
+    check_profile_prefix,
+    resolve_profile_output_dir,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,7 +48,11 @@ class SchedulerProfilerMixin:
         """Accept a start: now, or once ``forward_ct`` reaches ``req.start_step``."""
         if self._profile_req is not None:
             return ProfileReqOutput(False, "profiling is already running; /stop_profile first")
-        req.output_dir = req.output_dir or envs.SGLANG_TORCH_PROFILER_DIR.get()
+        try:
+            check_profile_prefix(req.profile_prefix)
+            req.output_dir = resolve_profile_output_dir(req.output_dir)
+        except ValueError as exc:
+            return ProfileReqOutput(False, str(exc))
         try:
             os.makedirs(req.output_dir, exist_ok=True)
         except OSError as exc:

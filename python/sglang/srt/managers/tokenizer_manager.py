@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import pickle
 import threading
 import time
 from collections import deque
@@ -141,8 +142,8 @@ class TokenizerManager:
         try:
             for it, tok in zip(items, tokenized):
                 states.append(self._register(it, tok))
-        except ValueError:  # a rid registered meanwhile: withdraw the items already sent
-            self._abort_unfinished(states)
+        except (ValueError, RuntimeError):  # a rid clash or a failed hand-off: withdraw the
+            self._abort_unfinished(states)   # items already sent
             raise
         if not obj.stream:
             try:
@@ -163,7 +164,20 @@ class TokenizerManager:
             self.rid_to_state[obj.rid] = state
         if self._dead_reason is not None:  # died between the check and the registration
             state.fail(self._dead_reason)
-        self._send(tokenized)
+        try:
+            self._send(tokenized)
+        except Exception as e:
+            # Nothing reached the scheduler, so nothing will ever finish this rid: unregister it,
+            # or it would read "still running" forever and block its reuse.
+            with self._lock:
+                if self.rid_to_state.get(obj.rid) is state:
+                    del self.rid_to_state[obj.rid]
+            if isinstance(e, (RecursionError, pickle.PicklingError, TypeError)):
+                raise ValueError(f"request {obj.rid!r} cannot be sent to the scheduler (it is "
+                                 f"nested too deeply or holds non-serializable values): "
+                                 f"{type(e).__name__}: {e}") from e
+            raise RuntimeError(f"could not hand request {obj.rid!r} to the scheduler: "
+                               f"{type(e).__name__}: {e}") from e
         return state
 
     async def _wait_one_response(self, state: ReqState, request: Any) -> AsyncIterator[dict]:
@@ -237,11 +251,16 @@ class TokenizerManager:
 
     def _abort_unfinished(self, states: List[ReqState]) -> None:
         """Forget the states; a request still running in the scheduler is aborted there."""
+        with self._lock:  # all of them first: a failing abort below must not leave any behind
+            for state in states:
+                if self.rid_to_state.get(state.rid) is state:
+                    del self.rid_to_state[state.rid]
         for state in states:
-            with self._lock:
-                self.rid_to_state.pop(state.rid, None)
             if not state.finished and state.error is None and self._dead_reason is None:
-                self.abort_request(state.rid)
+                try:
+                    self.abort_request(state.rid)
+                except Exception as e:  # noqa: BLE001 - the socket is broken; nothing to abort
+                    logger.error("could not abort request %s: %s", state.rid, e)
 
     # ------------------------------------------------------------------ control requests
     async def _control(self, req: Any, reply_type: type, timeout: float) -> Any:

@@ -21,6 +21,9 @@ TOP_K_ALL = 1 << 30
 UNSUPPORTED_KEYS = ("json_schema", "regex", "ebnf", "structural_tag", "stop_regex")
 # Largest seed accepted; seeds feed a 64-bit counter hash (see layers/sampler.py).
 MAX_SAMPLING_SEED = (1 << 63) - 1
+# Largest |logit_bias| (OpenAI's range): +-100 already forces or bans a token, and larger
+# values would overflow the softmax into inf / NaN logprobs.
+MAX_LOGIT_BIAS = 100.0
 
 
 @dataclass
@@ -160,6 +163,9 @@ class SamplingParams:
         for key, bias in self.logit_bias.items():
             _check_token_id("logit_bias", _token_key(key), vocab_size)
             _check_number(f"logit_bias[{key!r}]", bias)
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias[{key!r}] must be in [-{MAX_LOGIT_BIAS:g}, "
+                                 f"{MAX_LOGIT_BIAS:g}], got {bias}")
 
     # ------------------------------------------------------------------ normalization
     def normalize(self, tokenizer: Any = None) -> "SamplingParams":

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import uuid
 from typing import Any, AsyncIterator, Dict, List, Optional, Tuple
 
@@ -17,29 +18,50 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sglang.srt.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
-from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers.io_struct import MAX_TOP_LOGPROBS, GenerateReqInput
 
-# Most top-logprob alternatives a request may ask for (OpenAI's limit).
-MAX_TOP_LOGPROBS = 20
+__all__ = ["MAX_TOP_LOGPROBS"]  # re-exported: the one cap shared with /generate
 
 
 def create_error_response(
     message: str, err_type: str = "BadRequestError", status_code: int = 400
 ) -> JSONResponse:
     """``{"error": {"message", "type", "code"}}`` with the given HTTP status."""
+    # A message may quote the client's input; a lone surrogate in it must not break UTF-8.
+    message = message.encode("utf-8", "backslashreplace").decode("utf-8")
     body = ErrorResponse(error=ErrorInfo(message=message, type=err_type, code=status_code))
     return JSONResponse(body.model_dump(exclude_none=True), status_code=status_code)
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every NaN / infinite float replaced by ``None`` (lists and dicts walked)."""
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
+def dumps_strict(content: Any) -> str:
+    """Strict JSON: ``NaN`` / ``Infinity`` are not JSON (clients reject them), so a non-finite
+    float is written as ``null``. The walk only runs when the fast path finds one."""
+    try:
+        return json.dumps(content, ensure_ascii=False, allow_nan=False)
+    except ValueError:
+        return json.dumps(_finite(content), ensure_ascii=False, allow_nan=False)
+
+
 def json_response(content: Any, status_code: int = 200) -> Response:
-    """A JSON body serialized like the SSE records (non-finite floats do not turn into a 500)."""
-    return Response(json.dumps(content, ensure_ascii=False), status_code=status_code,
+    """A JSON body serialized like the SSE records (strict JSON, see :func:`dumps_strict`)."""
+    return Response(dumps_strict(content), status_code=status_code,
                     media_type="application/json")
 
 
 def sse_event(payload: Any) -> bytes:
     """One Server-Sent-Events record: ``data: <json>`` and a blank line."""
-    text = payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)
+    text = payload if isinstance(payload, str) else dumps_strict(payload)
     return f"data: {text}\n\n".encode("utf-8")
 
 
@@ -167,6 +189,8 @@ class OpenAIServingBase:
                 first = await generator.__anext__()
         except ValueError as e:
             return create_error_response(str(e))
+        except RecursionError:
+            return create_error_response("the request is nested too deeply to be processed")
         except RuntimeError as e:  # the engine is unhealthy or shutting down
             return create_error_response(str(e), "InternalServerError", 500)
         except StopAsyncIteration:
