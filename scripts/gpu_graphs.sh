@@ -11,14 +11,16 @@
 #   STAGE=served  bench_serving random-ids 1024/256 at concurrency 1 against a server with graphs
 #                 (default) and with --disable-cuda-graph, 12-layer dummy Flash and bundled model
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
-# FUSED=1 also sets SGLANG_TRITON_RMSNORM=1 SGLANG_TRITON_ROUTER=1; SPECS (default "0 3 4 5")
+# FUSED=1 also sets SGLANG_TRITON_RMSNORM=1 SGLANG_TRITON_ROUTER=1; PHASES=1 captures a NEXTN
+# round as one graph per phase (SGLANG_ROUND_GRAPH_PER_PHASE=1); SPECS (default "0 3 4 5")
 # the NEXTN steps of the 12-layer A/B rows (0: no speculation); BUNDLED=0 skips the bundled rows.
 set -uo pipefail
 source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names
 FLASH12="--model-path ling-3.0-flash --load-format dummy --json-model-override-args '{\"num_hidden_layers\": 12}'"
 K=${KERNELS:-triton}
 [ "${FUSED:-0}" = 1 ] && export SGLANG_TRITON_RMSNORM=1 SGLANG_TRITON_ROUTER=1
-TAG="$K$([ "${FUSED:-0}" = 1 ] && echo +fused)"
+[ "${PHASES:-0}" = 1 ] && export SGLANG_ROUND_GRAPH_PER_PHASE=1
+TAG="$K$([ "${FUSED:-0}" = 1 ] && echo +fused)$([ "${PHASES:-0}" = 1 ] && echo +phases)"
 KARGS="--moe-runner-backend $K --linear-attn-decode-backend $K --attention-backend $([ $K = triton ] && echo triton || echo torch_native)"
 date -u; git log --oneline -1
 
