@@ -41,6 +41,7 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 import torch
 
 from sglang.srt.environ import envs
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -269,7 +270,10 @@ class CudaGraphRunner:
             logger.warning("CUDA graph capture of %s failed (%s); that batch shape runs eagerly",
                            key, self.failed[key])
             if not self.emulate:
-                torch.cuda.synchronize(self.device)
+                try:  # let the aborted capture's work drain; an error here is the same one
+                    torch.cuda.synchronize(self.device)
+                except RuntimeError as sync_error:
+                    logger.warning("after the failed capture: %s", sync_error)
             return None
         captured = _Captured(graph, outputs)
         self.graphs[key] = captured
@@ -326,9 +330,7 @@ class CudaGraphRunner:
         return {name: value[:bs] for name, value in captured.outputs.items()}
 
 
-def _capture_mode(round_tokens: int):
-    from sglang.srt.model_executor.forward_batch_info import ForwardMode
-
+def _capture_mode(round_tokens: int) -> ForwardMode:
     return ForwardMode.DECODE if round_tokens == 1 else ForwardMode.TARGET_VERIFY
 
 
