@@ -218,6 +218,15 @@ class Envs:
         "Largest HTTP request body the server reads, in bytes; a larger one is answered 413 "
         "before it is parsed, so one request cannot bloat the server's memory.",
     )
+    SGLANG_MAX_PROMPT_CHARS = EnvField(
+        "SGLANG_MAX_PROMPT_CHARS",
+        int,
+        0,
+        "Longest text prompt, in characters, that the server tokenizes (after the chat "
+        "template; a chat's messages are also checked before the template runs); a longer one "
+        "is answered 400 before the tokenizer sees it. 0 means 64 x the context length, far "
+        "more than any prompt that fits the context can need in practice.",
+    )
     SGLANG_IS_IN_CI = EnvField(
         "SGLANG_IS_IN_CI",
         bool,

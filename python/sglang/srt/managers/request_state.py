@@ -6,6 +6,7 @@ import logging
 import time
 from typing import Any, Dict, List, Optional
 
+from sglang.srt.environ import envs
 from sglang.srt.managers.io_struct import BatchStrOutput, GenerateReqInput, TokenizedGenerateReqInput
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.speculative.spec_info import SpecMetricsOutput
@@ -16,6 +17,33 @@ logger = logging.getLogger(__name__)
 _IGNORED_FEATURES = ("lora_path", "return_routed_experts", "return_hidden_states",
                      "custom_logit_processor", "token_ids_logprob", "session_params")
 _warned: set = set()
+
+# Default prompt cap: characters per context token. A token of a real tokenizer rarely spans
+# more than a few dozen characters, so a prompt this long cannot fit the context; refusing it
+# before tokenizing keeps one request from spending seconds of CPU on a doomed prompt.
+DEFAULT_PROMPT_CHARS_PER_TOKEN = 64
+
+
+def max_prompt_chars(context_len: int) -> int:
+    """The prompt cap in characters: ``SGLANG_MAX_PROMPT_CHARS``, or 64 x ``context_len``."""
+    limit = int(envs.SGLANG_MAX_PROMPT_CHARS.get())
+    if limit < 0:
+        raise ValueError(f"SGLANG_MAX_PROMPT_CHARS must be >= 0 (0: the default), got {limit}")
+    return limit or DEFAULT_PROMPT_CHARS_PER_TOKEN * context_len
+
+
+def check_prompt_chars(num_chars: int, context_len: int, what: str = "the prompt") -> None:
+    """``ValueError`` naming the limit when a text of ``num_chars`` characters is over it.
+
+    Called before the tokenizer (or the chat template) runs, so the cost of refusing a huge
+    prompt does not grow with its size beyond ``len``.
+    """
+    limit = max_prompt_chars(context_len)
+    if num_chars > limit:
+        raise ValueError(
+            f"{what} has {num_chars} characters, more than the server's limit of {limit} "
+            f"characters (SGLANG_MAX_PROMPT_CHARS; by default "
+            f"{DEFAULT_PROMPT_CHARS_PER_TOKEN} x the context length of {context_len} tokens)")
 
 
 def build_tokenized_request(obj: GenerateReqInput, tokenizer: Any, vocab_size: int,
@@ -28,11 +56,15 @@ def build_tokenized_request(obj: GenerateReqInput, tokenizer: Any, vocab_size: i
     if obj.text is not None:
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: send 'input_ids' instead of 'text'")
+        check_prompt_chars(len(obj.text), context_len, "the text prompt")
         input_ids = list(tokenizer.encode(obj.text))
     else:
         input_ids = list(obj.input_ids)
     if not input_ids:
         raise ValueError("the prompt is empty (no input tokens)")
+    if len(input_ids) >= context_len:  # before the per-id scan below: cheap for a huge list
+        raise ValueError(f"the input ({len(input_ids)} tokens) is longer than the model's "
+                         f"context length ({context_len} tokens)")
     bad = [t for t in input_ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"input id {bad[0]} is outside the vocabulary [0, {vocab_size})")
@@ -44,9 +76,6 @@ def build_tokenized_request(obj: GenerateReqInput, tokenizer: Any, vocab_size: i
         raise ValueError("stop strings need a tokenizer, and this model has none; "
                          "use stop_token_ids")
     n = len(input_ids)
-    if n >= context_len:
-        raise ValueError(f"the input ({n} tokens) is longer than the model's context length "
-                         f"({context_len} tokens)")
     if sp.max_new_tokens is not None and n + sp.max_new_tokens > context_len:
         raise ValueError(
             f"Requested token count exceeds the model's maximum context length of {context_len} "

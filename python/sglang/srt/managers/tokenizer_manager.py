@@ -122,8 +122,7 @@ class TokenizerManager:
         self._check_alive()
         obj.normalize_batch_and_arguments()
         if obj.is_single:
-            tokenized = build_tokenized_request(obj, self.tokenizer, self.vocab_size,
-                                                self.context_len)
+            tokenized = (await self._tokenize([obj]))[0]
             state = self._register(obj, tokenized)
             async for out in self._wait_one_response(state, request):
                 yield out
@@ -131,8 +130,7 @@ class TokenizerManager:
         items = [obj[i] for i in range(obj.batch_size)]
         if len({it.rid for it in items}) != len(items):
             raise ValueError("the rids of a batch must be distinct")
-        tokenized = [build_tokenized_request(it, self.tokenizer, self.vocab_size,
-                                             self.context_len) for it in items]
+        tokenized = await self._tokenize(items)
         with self._lock:  # all-or-nothing: a clash must not leave earlier items registered
             clash = [it.rid for it in items if it.rid in self.rid_to_state]
         if clash:
@@ -154,6 +152,21 @@ class TokenizerManager:
             return
         async for out in self._merge_streams(states, request):
             yield out
+
+    async def _tokenize(self, items: List[GenerateReqInput]) -> List[Any]:
+        """Validate and tokenize ``items`` in a worker thread.
+
+        A long prompt takes the tokenizer a while; on the event loop that would freeze every
+        other request's stream and ``/health`` meanwhile. The tokenizer is only read here
+        (encode and decode never change its settings), so concurrent calls are safe. A caller
+        cancelled meanwhile (a client that left) simply drops the result: nothing is registered
+        before it returns.
+        """
+        def run() -> List[Any]:
+            return [build_tokenized_request(it, self.tokenizer, self.vocab_size,
+                                            self.context_len) for it in items]
+
+        return await asyncio.to_thread(run)
 
     def _register(self, obj: GenerateReqInput, tokenized: Any) -> ReqState:
         state = ReqState(obj, tokenized, asyncio.get_running_loop(), self.tokenizer)

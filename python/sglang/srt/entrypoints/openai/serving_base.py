@@ -4,7 +4,9 @@ A handler turns its pydantic request into one ``GenerateReqInput`` (a batch when
 several prompts or ``n > 1``: choice ``i`` is batch entry ``i``, prompt-major), hands it to the
 ``TokenizerManager`` and shapes what comes back. Validation errors (``ValueError`` from the
 handler or the TokenizerManager) become a 400 before anything is streamed: the first chunk is
-awaited before the response starts, so a bad request never turns into a 200 stream.
+awaited before the response starts, so a bad request never turns into a 200 stream. The
+conversion (which may render a chat template and tokenize) runs in a worker thread, off the
+event loop.
 """
 from __future__ import annotations
 
@@ -181,7 +183,9 @@ class OpenAIServingBase:
     async def handle_request(self, request: Any, raw_request: Request) -> Response:
         """Validate, generate and answer (JSON or an SSE stream)."""
         try:
-            obj = self.convert_request(request)
+            # In a worker thread: rendering a chat template and tokenizing a long prompt take a
+            # while, and on the event loop they would stall every other request's stream.
+            obj = await asyncio.to_thread(self.convert_request, request)
             generator = self.tokenizer_manager.generate_request(obj, raw_request)
             if not request.stream:
                 outputs = await _collect(generator)

@@ -3,6 +3,13 @@
 The prompt is rendered with the tokenizer's own chat template (``tokenizer_config.json``) and
 tokenized here, so the template's special tokens are not re-added by the TokenizerManager. A
 tokenizer without a template is a 400 that says so instead of guessing a format.
+
+``chat_template_kwargs`` reach the template only through an allow-list
+(:data:`ALLOWED_CHAT_TEMPLATE_KWARGS`): ``apply_chat_template`` also takes ``chat_template``
+(a client-supplied Jinja template), ``tokenize``, ``return_*`` and the like, which would let a
+client choose what runs on the server or what comes back. Prompt length is capped in characters
+(``SGLANG_MAX_PROMPT_CHARS``) twice: the messages' total before the template runs, and the
+rendered prompt before it is tokenized.
 """
 from __future__ import annotations
 
@@ -37,6 +44,33 @@ from sglang.srt.entrypoints.openai.serving_base import (
     usage_from_metas,
 )
 from sglang.srt.managers.io_struct import GenerateReqInput
+from sglang.srt.managers.request_state import check_prompt_chars
+
+# The template variables a client may set, with the type each value must have. These are the
+# switches chat templates read (Qwen3 / Ling-style ``enable_thinking``, DeepSeek's ``thinking``,
+# ``reasoning_effort``); none of them chooses which template runs or how its output is used.
+ALLOWED_CHAT_TEMPLATE_KWARGS: Dict[str, type] = {
+    "enable_thinking": bool,
+    "thinking": bool,
+    "reasoning_effort": str,
+    "add_generation_prompt": bool,
+}
+
+
+def check_chat_template_kwargs(kwargs: Optional[Dict[str, Any]]) -> Dict[str, Any]:
+    """A copy of ``kwargs`` once every key is allowed and typed right; else ``ValueError``."""
+    out: Dict[str, Any] = {}
+    for key, value in (kwargs or {}).items():
+        want = ALLOWED_CHAT_TEMPLATE_KWARGS.get(key)
+        if want is None:
+            raise ValueError(
+                f"chat_template_kwargs key {key!r} is not allowed; allowed keys: "
+                f"{', '.join(sorted(ALLOWED_CHAT_TEMPLATE_KWARGS))}")
+        if not isinstance(value, want):
+            raise ValueError(f"chat_template_kwargs[{key!r}] must be a {want.__name__}, "
+                             f"got {type(value).__name__}")
+        out[key] = value
+    return out
 
 
 def _message_text(message: ChatMessage) -> str:
@@ -70,8 +104,11 @@ class OpenAIServingChat(OpenAIServingBase):
             )
         if not request.messages:
             raise ValueError("'messages' must not be empty")
+        kwargs = check_chat_template_kwargs(request.chat_template_kwargs)
         messages = [{"role": m.role, "content": _message_text(m)} for m in request.messages]
-        kwargs = dict(request.chat_template_kwargs or {})
+        context_len = self.tokenizer_manager.context_len
+        check_prompt_chars(sum(len(m["content"]) for m in messages), context_len,
+                           "the messages' content")
         if request.continue_final_message:
             if messages[-1]["role"] != "assistant":
                 raise ValueError("continue_final_message needs the last message to be 'assistant'")
@@ -82,6 +119,7 @@ class OpenAIServingChat(OpenAIServingBase):
             text = tokenizer.apply_chat_template(messages, tokenize=False, **kwargs)
         except Exception as e:  # jinja errors (e.g. a role the template rejects) are bad input
             raise ValueError(f"cannot apply the chat template: {e}") from e
+        check_prompt_chars(len(text), context_len, "the prompt (after the chat template)")
         return list(tokenizer.encode(text, add_special_tokens=False))
 
     def convert_request(self, request: ChatCompletionRequest) -> GenerateReqInput:
