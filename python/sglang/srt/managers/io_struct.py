@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Union
 
 from sglang.srt.environ import envs
+from sglang.srt.sampling.sampling_params import UNSUPPORTED_KEYS as CONSTRAINED_DECODING_KEYS
 
 # Most top-logprob alternatives per token a request may ask for (OpenAI's limit; the
 # OpenAI-compatible API and /generate share it).
@@ -28,6 +29,29 @@ MAX_TOP_LOGPROBS = 20
 # Most prompts in one batched request: each is tokenized and registered before anything runs,
 # so an unbounded batch could hold the event loop and the queue for one client.
 MAX_BATCH_SIZE = 512
+
+
+# SGLang request fields for features this engine does not implement. They are accepted when
+# unset (``null`` / ``false``, as SGLang clients such as bench_serving send them) and refused,
+# naming the field, when set: silently ignoring e.g. a LoRA adapter would return the base
+# model's answer as if it were the adapter's.
+UNSUPPORTED_FEATURES = ("lora_path", "return_hidden_states", "custom_logit_processor",
+                        "return_routed_experts", "token_ids_logprob", "session_params")
+
+
+def is_set(value: Any) -> bool:
+    """Whether a request field asks for something: not ``None`` / ``False``, nor a list of them
+    (a batch may send one ``null`` per prompt)."""
+    if isinstance(value, list):
+        return any(is_set(v) for v in value)
+    return value is not None and value is not False
+
+
+def check_unsupported_features(fields: Dict[str, Any]) -> None:
+    """``ValueError`` naming the first field of :data:`UNSUPPORTED_FEATURES` that is set."""
+    for name in UNSUPPORTED_FEATURES:
+        if is_set(fields.get(name)):
+            raise ValueError(f"'{name}' is not supported by this server (leave it unset or null)")
 
 
 def _new_rid() -> str:
@@ -60,8 +84,8 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     stream: bool = False
     log_metrics: bool = True
-    # Tolerated for compatibility with SGLang clients (bench_serving sends some of them); a
-    # truthy value of a feature this engine does not implement is rejected in normalization.
+    # Accepted for compatibility with SGLang clients (bench_serving sends some of them) only
+    # while unset: a set value is refused in normalization (see UNSUPPORTED_FEATURES).
     lora_path: Optional[Any] = None
     return_routed_experts: bool = False
     return_hidden_states: bool = False
@@ -86,9 +110,15 @@ class GenerateReqInput:
 
     @classmethod
     def from_dict(cls, body: Dict[str, Any]) -> "GenerateReqInput":
-        """Build from a JSON body; unknown keys are ignored (as SGLang's HTTP layer does)."""
+        """Build from a JSON body; unknown keys are ignored (as SGLang's HTTP layer does),
+        except constrained-decoding keys at the top level, which are refused: they belong in
+        ``sampling_params``, where they are refused too (no constrained decoding here)."""
         if not isinstance(body, dict):
             raise ValueError(f"request body must be a JSON object, got {type(body).__name__}")
+        for key in CONSTRAINED_DECODING_KEYS:
+            if body.get(key) is not None:
+                raise ValueError(f"'{key}' is not supported: this server does not implement "
+                                 "constrained decoding")
         names = {f.name for f in dataclasses.fields(cls) if f.init}
         return cls(**{k: v for k, v in body.items() if k in names})
 
@@ -104,6 +134,7 @@ class GenerateReqInput:
         for name in ("input_embeds", "image_data", "video_data", "audio_data"):
             if getattr(self, name) is not None:
                 raise ValueError(f"'{name}' is not supported by this engine (text-only model)")
+        check_unsupported_features({name: getattr(self, name) for name in UNSUPPORTED_FEATURES})
         if self.text is not None:
             if isinstance(self.text, str):
                 self.is_single, self.batch_size = True, 1

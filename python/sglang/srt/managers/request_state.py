@@ -13,11 +13,6 @@ from sglang.srt.speculative.spec_info import SpecMetricsOutput
 
 logger = logging.getLogger(__name__)
 
-# Request fields accepted for compatibility but without effect in this engine.
-_IGNORED_FEATURES = ("lora_path", "return_routed_experts", "return_hidden_states",
-                     "custom_logit_processor", "token_ids_logprob", "session_params")
-_warned: set = set()
-
 # Default prompt cap: characters per context token. A token of a real tokenizer rarely spans
 # more than a few dozen characters, so a prompt this long cannot fit the context; refusing it
 # before tokenizing keeps one request from spending seconds of CPU on a doomed prompt.
@@ -49,10 +44,6 @@ def check_prompt_chars(num_chars: int, context_len: int, what: str = "the prompt
 def build_tokenized_request(obj: GenerateReqInput, tokenizer: Any, vocab_size: int,
                             context_len: int) -> TokenizedGenerateReqInput:
     """Validate and tokenize one normalized single request; ``ValueError`` names the problem."""
-    for name in _IGNORED_FEATURES:
-        if getattr(obj, name) and name not in _warned:
-            _warned.add(name)
-            logger.warning("request field %r is not supported by this engine and is ignored", name)
     if obj.text is not None:
         if tokenizer is None:
             raise ValueError("this model has no tokenizer: send 'input_ids' instead of 'text'")

@@ -3,6 +3,9 @@
 Field names follow OpenAI's API and SGLang's ``entrypoints/openai/protocol.py``; SGLang's sampling
 extensions (``top_k``, ``min_p``, ``ignore_eos``, ...) are accepted on both request types. Unknown
 request keys are ignored, as upstream does, so that clients sending newer fields keep working.
+Fields of features this server does not implement (LoRA, hidden states, custom logit processors,
+constrained decoding, legacy ``functions``) are declared so that the handlers can refuse them
+when set (``serving_base.check_unsupported_fields``) instead of ignoring them.
 """
 from __future__ import annotations
 
@@ -98,7 +101,16 @@ class SamplingExtensions(BaseModel):
     ignore_eos: StrictBool = False
     skip_special_tokens: StrictBool = True
     no_stop_trim: StrictBool = False
+    # One rid per choice (a string when there is one choice); kept, so /abort_request finds it.
     rid: Optional[Union[str, List[str]]] = None
+    # Declared only to be refused when set (see the module docstring).
+    lora_path: Optional[Any] = None
+    return_hidden_states: Optional[Any] = None
+    custom_logit_processor: Optional[Any] = None
+    regex: Optional[Any] = None
+    json_schema: Optional[Any] = None
+    ebnf: Optional[Any] = None
+    structural_tag: Optional[Any] = None
 
     @model_validator(mode="after")
     def _check_n(self) -> "SamplingExtensions":
@@ -204,6 +216,9 @@ class ChatCompletionRequest(SamplingExtensions):
     tool_choice: Optional[Union[str, Dict[str, Any]]] = None
     continue_final_message: StrictBool = False
     chat_template_kwargs: Optional[Dict[str, Any]] = None
+    # OpenAI's legacy function calling; declared only to be refused when set.
+    functions: Optional[Any] = None
+    function_call: Optional[Any] = None
 
 
 class TopLogprob(BaseModel):

@@ -2,7 +2,13 @@
 
 A handler turns its pydantic request into one ``GenerateReqInput`` (a batch when there are
 several prompts or ``n > 1``: choice ``i`` is batch entry ``i``, prompt-major), hands it to the
-``TokenizerManager`` and shapes what comes back. Validation errors (``ValueError`` from the
+``TokenizerManager`` and shapes what comes back.
+
+Per choice: a client's ``rid`` is kept (a string for one choice, a list of one rid per choice
+otherwise), so ``/abort_request`` reaches the request; and with ``seed`` and several choices,
+choice ``i`` samples with :func:`choice_seed` ``(seed, i)``, so the choices differ from each
+other while the same request always gives the same choices (seeded sampling does not depend on
+the batch a request runs in). Validation errors (``ValueError`` from the
 handler or the TokenizerManager) become a 400 before anything is streamed: the first chunk is
 awaited before the response starts, so a bad request never turns into a 200 stream. The
 conversion (which may render a chat template and tokenize) runs in a worker thread, off the
@@ -20,7 +26,14 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from sglang.srt.entrypoints.openai.protocol import ErrorInfo, ErrorResponse, UsageInfo
-from sglang.srt.managers.io_struct import MAX_TOP_LOGPROBS, GenerateReqInput
+from sglang.srt.managers.io_struct import (
+    CONSTRAINED_DECODING_KEYS,
+    MAX_TOP_LOGPROBS,
+    UNSUPPORTED_FEATURES,
+    GenerateReqInput,
+    is_set,
+)
+from sglang.srt.sampling.sampling_params import MAX_SAMPLING_SEED
 
 __all__ = ["MAX_TOP_LOGPROBS"]  # re-exported: the one cap shared with /generate
 
@@ -102,6 +115,58 @@ def build_sampling_params(request: Any, max_new_tokens: Optional[int]) -> Dict[s
         "logit_bias": request.logit_bias,
         "sampling_seed": request.seed,
     }
+
+
+# Odd 64-bit constant (2**64 / golden ratio): adding i times it is a bijection on i modulo
+# 2**63, so the seeds of different choices never coincide, and they are far apart for the hash.
+_SEED_STEP = 0x9E3779B97F4A7C15
+
+
+def choice_seed(seed: int, index: int) -> int:
+    """The sampling seed of choice ``index`` of a request with ``seed``.
+
+    ``(seed + index * 0x9E3779B97F4A7C15) mod 2**63``: choice 0 keeps ``seed`` itself (so
+    ``n = 1`` is unchanged), and distinct choices get distinct seeds.
+    """
+    return (seed + index * _SEED_STEP) % (MAX_SAMPLING_SEED + 1)
+
+
+def sampling_params_per_choice(request: Any, max_new_tokens: Optional[int],
+                               count: int) -> Any:
+    """One ``sampling_params`` dict for all ``count`` choices, or, with a ``seed`` and more
+    than one choice, a list whose entry ``i`` has ``sampling_seed = choice_seed(seed, i)``."""
+    params = build_sampling_params(request, max_new_tokens)
+    if request.seed is None:
+        return params
+    if not 0 <= request.seed <= MAX_SAMPLING_SEED:
+        raise ValueError(f"seed must be in [0, 2**63), got {request.seed}")
+    if count == 1:
+        return params
+    return [{**params, "sampling_seed": choice_seed(request.seed, i)} for i in range(count)]
+
+
+def choice_rids(rid: Any, count: int) -> List[str]:
+    """The rids of ``count`` choices: the client's (kept, so ``/abort_request`` reaches them)
+    or fresh ones. One choice takes a string; several take a list of as many distinct rids."""
+    if rid is None:
+        return new_rids(count)
+    if isinstance(rid, str):
+        if count != 1:
+            raise ValueError(f"'rid' must be a list of {count} rids, one per choice (the "
+                             f"request has {count} choices), got a single string")
+        return [rid]
+    if len(rid) != count:
+        raise ValueError(f"'rid' has {len(rid)} entries but the request has {count} choices")
+    if len(set(rid)) != count:
+        raise ValueError("'rid' must not repeat an id")
+    return list(rid)
+
+
+def check_unsupported_fields(request: Any) -> None:
+    """``ValueError`` naming the first field of a feature this server lacks that is set."""
+    for name in UNSUPPORTED_FEATURES + CONSTRAINED_DECODING_KEYS:
+        if is_set(getattr(request, name, None)):
+            raise ValueError(f"'{name}' is not supported by this server (leave it unset or null)")
 
 
 def check_top_logprobs(name: str, value: Optional[int]) -> None:

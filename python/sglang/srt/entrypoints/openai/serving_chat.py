@@ -10,6 +10,10 @@ tokenizer without a template is a 400 that says so instead of guessing a format.
 client choose what runs on the server or what comes back. Prompt length is capped in characters
 (``SGLANG_MAX_PROMPT_CHARS``) twice: the messages' total before the template runs, and the
 rendered prompt before it is tokenized.
+
+Refused rather than ignored (400 naming the field): function calling (``tools``, a
+``tool_choice`` without ``tools``, the legacy ``functions`` / ``function_call``), and a message
+without ``content`` in a role whose content OpenAI requires (every role but ``assistant``).
 """
 from __future__ import annotations
 
@@ -34,11 +38,12 @@ from sglang.srt.entrypoints.openai.protocol import (
 from sglang.srt.entrypoints.openai.serving_base import (
     SSE_DONE,
     OpenAIServingBase,
-    build_sampling_params,
     check_top_logprobs,
+    check_unsupported_fields,
+    choice_rids,
     fan_out,
     finish_reason_to_openai,
-    new_rids,
+    sampling_params_per_choice,
     sse_event,
     token_logprob_entries,
     usage_from_metas,
@@ -71,6 +76,25 @@ def check_chat_template_kwargs(kwargs: Optional[Dict[str, Any]]) -> Dict[str, An
                              f"got {type(value).__name__}")
         out[key] = value
     return out
+
+
+def check_chat_fields(request: ChatCompletionRequest) -> None:
+    """``ValueError`` naming the field for chat features this server does not implement, and
+    for messages that lack the content their role requires."""
+    check_unsupported_fields(request)
+    if request.tools:
+        raise ValueError("'tools' (function calling) is not supported by this server")
+    if request.tool_choice is not None:
+        raise ValueError("'tool_choice' needs 'tools', and function calling is not supported "
+                         "by this server")
+    for name in ("functions", "function_call"):
+        if getattr(request, name) is not None:
+            raise ValueError(f"'{name}' (legacy function calling) is not supported by this "
+                             "server")
+    for i, message in enumerate(request.messages):
+        if message.content is None and message.role != "assistant":
+            raise ValueError(f"messages[{i}].content is required for a {message.role!r} "
+                             "message")
 
 
 def _message_text(message: ChatMessage) -> str:
@@ -124,8 +148,7 @@ class OpenAIServingChat(OpenAIServingBase):
 
     def convert_request(self, request: ChatCompletionRequest) -> GenerateReqInput:
         """One ``GenerateReqInput``; ``n > 1`` makes it a batch of the same prompt."""
-        if request.tools:
-            raise ValueError("'tools' (function calling) is not supported by this server")
+        check_chat_fields(request)
         fmt = (request.response_format or {}).get("type", "text")
         if fmt != "text":
             raise ValueError(f"response_format {fmt!r} is not supported (only 'text')")
@@ -136,10 +159,10 @@ class OpenAIServingChat(OpenAIServingBase):
         max_tokens = request.max_completion_tokens if request.max_completion_tokens is not None \
             else request.max_tokens
         n = request.n
-        rids = new_rids(n)
+        rids = choice_rids(request.rid, n)
         return GenerateReqInput(
             input_ids=ids if n == 1 else fan_out([ids], n),
-            sampling_params=build_sampling_params(request, max_tokens),
+            sampling_params=sampling_params_per_choice(request, max_tokens, n),
             rid=rids[0] if n == 1 else rids,
             return_logprob=request.logprobs,
             top_logprobs_num=request.top_logprobs or 0,

@@ -1,4 +1,8 @@
-"""``POST /v1/completions``: OpenAI text completions on top of the TokenizerManager."""
+"""``POST /v1/completions``: OpenAI text completions on top of the TokenizerManager.
+
+Choices are prompt-major (choice ``p * n + s`` is sample ``s`` of prompt ``p``); a client's
+``rid`` and ``seed`` apply per choice as ``serving_base`` describes.
+"""
 from __future__ import annotations
 
 import time
@@ -17,11 +21,12 @@ from sglang.srt.entrypoints.openai.protocol import (
 from sglang.srt.entrypoints.openai.serving_base import (
     SSE_DONE,
     OpenAIServingBase,
-    build_sampling_params,
     check_top_logprobs,
+    check_unsupported_fields,
+    choice_rids,
     fan_out,
     finish_reason_to_openai,
-    new_rids,
+    sampling_params_per_choice,
     sse_event,
     token_logprob_entries,
     usage_from_metas,
@@ -43,6 +48,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
 
     def convert_request(self, request: CompletionRequest) -> GenerateReqInput:
         """One ``GenerateReqInput``; several prompts or ``n > 1`` make it a batch."""
+        check_unsupported_fields(request)
         if request.suffix:
             raise ValueError("'suffix' is not supported by this server")
         if request.best_of not in (None, 1, request.n):
@@ -57,11 +63,12 @@ class OpenAIServingCompletion(OpenAIServingBase):
         if any(isinstance(e, str) != is_text for e in entries):
             raise ValueError("'prompt' must not mix strings and token ids")
         batch = entries[0] if single else entries
-        rids = new_rids(len(entries))
+        rids = choice_rids(request.rid, len(entries))
         return GenerateReqInput(
             text=batch if is_text else None,
             input_ids=None if is_text else batch,
-            sampling_params=build_sampling_params(request, request.max_tokens),
+            sampling_params=sampling_params_per_choice(request, request.max_tokens,
+                                                       len(entries)),
             rid=rids[0] if single else rids,
             return_logprob=request.logprobs is not None,
             top_logprobs_num=request.logprobs or 0,
