@@ -128,3 +128,18 @@ def refuse_host_reads(monkeypatch: Any, obj: Any, name: str, calls: List[Any]) -
         return out
 
     monkeypatch.setattr(obj, name, guarded)
+
+
+def submit_staggered(sched: Scheduler, reqs: List[TokenizedGenerateReqInput], stagger: int = 0,
+                     after_each: Optional[Any] = None) -> None:
+    """Submit ``reqs`` one by one, running ``stagger`` scheduler iterations after each (so they
+    join a running batch at different points; ``after_each(i)`` runs after request ``i``), then
+    run until idle (the scheduler's leak check runs when it goes idle)."""
+    for i, r in enumerate(reqs):
+        sched.submit(r)
+        for _ in range(stagger):
+            sched.process_input_requests(sched.recv_requests())
+            sched.step()
+        if after_each is not None:
+            after_each(i)
+    sched.run_until_idle()

@@ -11,7 +11,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from engine_test_utils import make_scheduler, sampling
+from engine_test_utils import make_scheduler, sampling, submit_staggered
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
 from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.model_executor.cuda_graph_runner import (
@@ -169,12 +169,7 @@ def _request(rid: str, ids: List[int], **kw) -> TokenizedGenerateReqInput:
 
 
 def _run(sched, reqs, stagger: int = 0) -> Dict[str, List[int]]:
-    for r in reqs:
-        sched.submit(r)
-        for _ in range(stagger):
-            sched.process_input_requests(sched.recv_requests())
-            sched.step()
-    sched.run_until_idle()
+    submit_staggered(sched, reqs, stagger)
     ids: Dict[str, List[int]] = {}
     for msg in sched.outbox:
         for i, rid in enumerate(getattr(msg, "rids", [])):

@@ -17,7 +17,13 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 
-from engine_test_utils import make_scheduler, refuse_host_reads, sampling, write_checkpoint
+from engine_test_utils import (
+    make_scheduler,
+    refuse_host_reads,
+    sampling,
+    submit_staggered,
+    write_checkpoint,
+)
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
 from sglang.srt.layers.sampler import apply_penalties
 from sglang.srt.managers.io_struct import (
@@ -81,12 +87,7 @@ class Out:
 
 def run(sched: Scheduler, reqs, stagger: int = 0) -> Out:
     """Submit ``reqs`` (one every ``stagger`` steps when > 0) and run until idle."""
-    for r in reqs:
-        sched.submit(r)
-        for _ in range(stagger):
-            sched.process_input_requests(sched.recv_requests())
-            sched.step()
-    sched.run_until_idle()
+    submit_staggered(sched, reqs, stagger)
     return Out(sched.outbox)
 
 

@@ -13,7 +13,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from engine_test_utils import make_scheduler, refuse_host_reads, sampling
+from engine_test_utils import make_scheduler, refuse_host_reads, sampling, submit_staggered
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
 from sglang.srt.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
 from sglang.srt.managers.overlap_utils import FutureMap, PendingRound, host_to_device
@@ -34,14 +34,11 @@ def _request(rid: str, ids: List[int], **kw: Any) -> TokenizedGenerateReqInput:
 
 
 def _run(sched, reqs, stagger: int = 0, abort_after: int = -1) -> Dict[str, Any]:
-    for i, r in enumerate(reqs):
-        sched.submit(r)
-        for _ in range(stagger):
-            sched.process_input_requests(sched.recv_requests())
-            sched.step()
+    def abort(i: int) -> None:
         if i == abort_after:
             sched.submit(AbortReq(rid=reqs[0].rid))
-    sched.run_until_idle()  # its leak check runs when idle
+
+    submit_staggered(sched, reqs, stagger, after_each=abort)
     ids: Dict[str, List[int]] = {}
     finish: Dict[str, Any] = {}
     lps: Dict[str, List[float]] = {}
