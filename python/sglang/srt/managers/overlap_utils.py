@@ -180,18 +180,11 @@ class PendingRound:
     ``tensors`` must hold ``accept_len [B]``, ``tokens [B, N]`` and ``loc [B, N]``, optionally
     ``logprobs [B, N]`` and ``top_val`` / ``top_idx [B, N, k]``. They must be this round's own
     tensors, not buffers a later round overwrites (a CUDA graph's outputs are cloned first).
-    ``device_outputs`` keeps device tensors around for tests and debugging;
     ``on_current_stream`` as :class:`AsyncHostCopy`'s.
     """
 
-    def __init__(self, tensors: Dict[str, torch.Tensor], device_outputs: object = None,
-                 on_current_stream: bool = False):
+    def __init__(self, tensors: Dict[str, torch.Tensor], on_current_stream: bool = False):
         self.host_copy = AsyncHostCopy(tensors, on_current_stream)
-        self.device_outputs = device_outputs
-
-    def ready(self) -> bool:
-        """Whether the host copies have landed (never blocks)."""
-        return self.host_copy.ready()
 
     def wait(self) -> RoundOutput:
         """Block on the copy-done event and convert to host lists."""

@@ -139,7 +139,7 @@ class TpModelWorker(GraphedRoundMixin):
 
     def graph_setup(self) -> dict:
         """A decode step: one token and one KV slot per request, the target's backend."""
-        return dict(round_tokens=1, tokens_per_request=1,
+        return dict(tokens_per_request=1,
                     backends=[self.model_runner.attn_backend], runners=[self.model_runner])
 
     def round_phases(self) -> List[Any]:
@@ -182,4 +182,4 @@ class TpModelWorker(GraphedRoundMixin):
                 k = min(top_logprobs_num, self.vocab_size)
                 val, idx = lp.topk(k, dim=-1)
                 copies["top_val"], copies["top_idx"] = val.unsqueeze(1), idx.unsqueeze(1)
-        return PendingRound(copies, out, on_current_stream=on_current_stream)
+        return PendingRound(copies, on_current_stream=on_current_stream)

@@ -42,7 +42,7 @@ import torch
 
 from sglang.srt.environ import envs
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
+from sglang.srt.sampling.sampling_batch_info import ROW_FIELDS, SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -59,7 +59,8 @@ RoundPhase = Callable[[Dict[str, torch.Tensor], torch.Tensor, torch.Tensor, Samp
 
 
 def run_phases(phases: Sequence[RoundPhase], slots: torch.Tensor, loc: torch.Tensor,
-               info: SamplingBatchInfo, bound: int, return_logprob: bool) -> Dict[str, torch.Tensor]:
+               info: SamplingBatchInfo, bound: int,
+               return_logprob: bool) -> Dict[str, torch.Tensor]:
     """Run a round's phases in order; the merged outputs (a later phase's names win)."""
     out: Dict[str, torch.Tensor] = {}
     for phase in phases:
@@ -232,17 +233,17 @@ class CudaGraphRunner:
     # ------------------------------------------------------------------ capture
     def _static_info(self, key: GraphKey) -> SamplingBatchInfo:
         sampled = key.variant == "sampled"
-        views = {f: getattr(self._info, f)[:key.bs]
-                 for f in ("temperatures", "top_ps", "top_ks", "min_ps", "greedy_mask", "seeds",
-                           "has_seed", "steps", "frequency_penalties", "presence_penalties",
-                           "repetition_penalties", "min_new_tokens")}
+        views = {f: getattr(self._info, f)[:key.bs] for f in ROW_FIELDS}
         return dataclasses.replace(
             self._info, **views, is_all_greedy=not sampled, need_top_k=sampled,
             need_top_p=sampled, need_min_p=sampled, any_seeded=sampled)
 
+    def _bound(self, key: GraphKey) -> int:
+        """The gather width a graph is captured with (the map's width if it does not matter)."""
+        return self.max_width if key.width is None else key.width
+
     def _run_static(self, key: GraphKey, info: SamplingBatchInfo) -> Dict[str, torch.Tensor]:
-        width = self.max_width if key.width is None else key.width
-        return self.body(self.slots[:key.bs], self.loc[:key.bs], info, width,
+        return self.body(self.slots[:key.bs], self.loc[:key.bs], info, self._bound(key),
                          key.return_logprob)
 
     def _capture(self, key: GraphKey) -> Optional[_Captured]:
@@ -287,7 +288,7 @@ class CudaGraphRunner:
         if self.phases is None:
             graph = self._new_graph()
             return graph, graph.capture(lambda: self._run_static(key, info))
-        width = self.max_width if key.width is None else key.width
+        width = self._bound(key)
         slots, loc = self.slots[:key.bs], self.loc[:key.bs]
         merged: Dict[str, torch.Tensor] = {}
         graphs = []
@@ -386,8 +387,8 @@ class GraphedRoundMixin:
 
     def graph_setup(self) -> dict:
         """Keyword arguments of :class:`CudaGraphRunner` particular to this worker's body:
-        ``round_tokens``, ``tokens_per_request``, ``backends``, ``runners`` (model runners whose
-        capture limits and width dependence apply)."""
+        ``tokens_per_request``, ``backends``, ``runners`` (model runners whose capture limits
+        and width dependence apply)."""
         raise NotImplementedError
 
     def init_cuda_graphs(self, batch_sizes: Sequence[int], emulate: Optional[bool] = None,
@@ -409,7 +410,7 @@ class GraphedRoundMixin:
             batch_sizes=batch_sizes, max_width=first.req_to_token_pool.req_to_token.shape[1],
             max_graph_tokens=min(limits) if limits else None,
             width_independent=all(b.width_independent for b in setup["backends"]),
-            emulate=emulate, capture_now=capture_now, phases=phases,
+            round_tokens=self.round_tokens, emulate=emulate, capture_now=capture_now, phases=phases,
             per_phase=per_phase and len(phases) > 1, **setup)
         return self.graph_runner
 

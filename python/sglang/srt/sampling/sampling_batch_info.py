@@ -20,7 +20,7 @@ import torch
 from sglang.srt.sampling.sampling_params import SAMPLING_EPS, SamplingParams
 
 # Per-row tensors ([B] or [B, V]) that filter/merge must carry along, in declaration order.
-_ROW_FIELDS = (
+ROW_FIELDS = (
     "temperatures", "top_ps", "top_ks", "min_ps", "greedy_mask", "seeds", "has_seed", "steps",
     "frequency_penalties", "presence_penalties", "repetition_penalties", "min_new_tokens",
 )
@@ -207,7 +207,7 @@ class SamplingBatchInfo:
     def filter(self, keep_indices: Union[Sequence[int], torch.Tensor]) -> "SamplingBatchInfo":
         """A new info holding only the rows ``keep_indices`` (in that order)."""
         idx = torch.as_tensor(keep_indices, dtype=torch.int64).to(self.device)
-        changes = {name: getattr(self, name)[idx] for name in _ROW_FIELDS}
+        changes = {name: getattr(self, name)[idx] for name in ROW_FIELDS}
         for name in _DENSE_FIELDS:
             value = getattr(self, name)
             changes[name] = None if value is None else value[idx]
@@ -233,7 +233,7 @@ class SamplingBatchInfo:
         if other.vocab_size != self.vocab_size:
             raise ValueError(f"cannot merge vocab sizes {self.vocab_size} and {other.vocab_size}")
         changes = {name: torch.cat([getattr(self, name), getattr(other, name)])
-                   for name in _ROW_FIELDS}
+                   for name in ROW_FIELDS}
         for name in _DENSE_FIELDS:
             a, b = getattr(self, name), getattr(other, name)
             if a is None and b is None:

@@ -38,7 +38,6 @@ __all__ = ["SpecRequirements", "BaseSpecWorker"]
 class SpecRequirements:
     """What a speculative worker needs from the target's model runner and the scheduler."""
 
-    round_tokens: int  # KV slots a request takes per round (chain positions N)
     kda_scratch_depth: int  # chain positions the KDA pool stages per slot (stage-then-commit)
     position_headroom: int  # positions past the context length a round may touch
     token_headroom: int  # KV slots a request may hold beyond prompt + max_new_tokens - 1

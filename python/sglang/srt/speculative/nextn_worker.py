@@ -126,7 +126,7 @@ class NEXTNWorker(GraphedRoundMixin, BaseSpecWorker):
         its weights loading after the pools."""
         n = int(server_args.speculative_num_draft_tokens)
         return SpecRequirements(
-            round_tokens=n, kda_scratch_depth=n, position_headroom=nextn_token_headroom(n),
+            kda_scratch_depth=n, position_headroom=nextn_token_headroom(n),
             token_headroom=nextn_token_headroom(n), draft_extra_mla_layers=True,
             draft_model_config=nextn_draft_model_config(server_args, target_config))
 
@@ -242,8 +242,7 @@ class NEXTNWorker(GraphedRoundMixin, BaseSpecWorker):
     def graph_setup(self) -> dict:
         """The whole round in one graph: the draft's decodes, the target's ``N``-token verify
         with acceptance and KDA commit, and the draft extend."""
-        n = self.num_draft_tokens
-        return dict(round_tokens=n, tokens_per_request=n,
+        return dict(tokens_per_request=self.num_draft_tokens,
                     backends=[self.target_runner.attn_backend, self.draft_runner.attn_backend],
                     runners=[self.target_runner, self.draft_runner])
 
@@ -330,7 +329,7 @@ class NEXTNWorker(GraphedRoundMixin, BaseSpecWorker):
             if top_logprobs_num > 0:
                 k = min(top_logprobs_num, self.vocab_size)
                 copies["top_val"], copies["top_idx"] = lp.topk(k, -1)
-        return PendingRound(copies, out, on_current_stream=on_current_stream)
+        return PendingRound(copies, on_current_stream=on_current_stream)
 
     def _draft(self, slots: torch.Tensor, loc: torch.Tensor, prefix: torch.Tensor,
                seed: torch.Tensor, first_draft: torch.Tensor, hidden: torch.Tensor,
