@@ -20,11 +20,15 @@ def _target_classes() -> Dict[str, Type[nn.Module]]:
 
 def _draft_classes() -> Dict[str, Type[nn.Module]]:
     from sglang.srt.models.bailing_moe_v3_nextn import BailingMoeForCausalLMNextN
+    from sglang.srt.models.dspark import EntryClass as dspark_classes
 
-    return {
+    table: Dict[str, Type[nn.Module]] = {
         "BailingMoeV3ForCausalLM": BailingMoeForCausalLMNextN,
         "BailingMoeForCausalLMNextN": BailingMoeForCausalLMNextN,
     }
+    # DSpark drafts are built from their own config (models/dspark.py, load_dspark_draft).
+    table.update({cls.__name__: cls for cls in dspark_classes})
+    return table
 
 
 def supported_architectures(is_draft: bool = False) -> list:
