@@ -2,8 +2,8 @@
 # CUDA graphs and host run-ahead on one H200; one stage per run (each within 10 minutes), logs and
 # JSONL under $OUT.
 #   STAGE=gates   the gpu-marked gates: graph == eager greedy (plain, NEXTN 1/3/5; batch 1 and 4;
-#                 state pollution; seeded sampling) with both kernel sets, the Triton MLA kernel,
-#                 NEXTN bf16 losslessness
+#                 state pollution; seeded sampling) with both kernel sets, every graph refill
+#                 mode, the Triton MLA and round-prep kernels (GATES: other test files)
 #   STAGE=ab      benchmark/batch1/graph_ab.py: eager vs graphs x overlap on/off in one process,
 #                 back-to-back replay time and the GPU idle share of the graphed loop, on the
 #                 12-layer dummy Ling-3.0-flash (no spec, NEXTN 3/4/5) and the bundled model;
@@ -13,7 +13,8 @@
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
 # FUSED=1 also sets SGLANG_TRITON_RMSNORM=1 SGLANG_TRITON_ROUTER=1; PHASES=1 captures a NEXTN
 # round as one graph per phase (SGLANG_ROUND_GRAPH_PER_PHASE=1); SPECS (default "0 3 4 5")
-# the NEXTN steps of the 12-layer A/B rows (0: no speculation); BUNDLED=0 skips the bundled rows.
+# the NEXTN steps of the 12-layer A/B rows (0: no speculation); BUNDLED=0 skips the bundled rows;
+# AB_ARGS: more graph_ab.py options (e.g. --seam-ab 2: the seam variants), AB_TIMEOUT seconds each.
 set -uo pipefail
 source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names
 FLASH12="--model-path ling-3.0-flash --load-format dummy --json-model-override-args '{\"num_hidden_layers\": 12}'"
@@ -26,17 +27,17 @@ date -u; git log --oneline -1
 
 case "${STAGE:-gates}" in
 gates)
-  timeout 420 python3 -m pytest -v -s -m gpu test/srt/test_cuda_graph_runner.py test/kernels/test_mla_decode.py \
+  timeout ${GATES_TIMEOUT:-420} python3 -m pytest -v -s -m gpu ${GATES:-test/srt/test_cuda_graph_runner.py test/srt/test_graph_refill.py test/kernels/test_mla_decode.py test/kernels/test_round_prep.py} \
     -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/gates.log" \
-    | grep -E "PASS|FAIL|first differing|Error|error|passed|failed" | cut -c1-400
+    | grep -E "PASS|FAIL|first differing|refill|Error|error|passed|failed" | cut -c1-400
   ;;
 ab)
   for steps in ${SPECS:-0 3 4 5}; do
     spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
     trace=$([ "$steps" = 0 ] && echo "--trace-dir $OUT" || echo "")
     echo "== graph_ab flash12 $TAG: nextn $steps"
-    eval "timeout 150 python3 benchmark/batch1/graph_ab.py $FLASH12 $KARGS --cuda-graph-max-bs 4 $spec --prompt-len 1024 --steps 48 --label 'flash12 $TAG nextn$steps' --result-filename $OUT/graph_ab.jsonl $trace" 2>&1 \
-      | grep -v Warn | tail -8
+    eval "timeout ${AB_TIMEOUT:-150} python3 benchmark/batch1/graph_ab.py $FLASH12 $KARGS --cuda-graph-max-bs 4 $spec --prompt-len 1024 --steps 48 --label 'flash12 $TAG nextn$steps' --result-filename $OUT/graph_ab.jsonl $trace ${AB_ARGS:-}" 2>&1 \
+      | grep -v Warn | tail -16
   done
   [ "${BUNDLED:-1}" = 1 ] && for steps in 0 3; do
     spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")

@@ -113,6 +113,57 @@ def _idle_share(sched: Scheduler, steps: int, trace_dir: str) -> Dict[str, float
             "gpu_window_us": window, "gpu_idle_share": 1.0 - busy / max(window, 1e-9)}
 
 
+def _seam_variants(sched: Scheduler) -> List[tuple]:
+    """``(name, runner, refill mode)`` of the seam A/B. Variants that change what the graphs
+    contain get a runner of their own, captured here (a graph pool is never reused after its
+    graphs are freed): the round prep in torch ops instead of the fused kernel, and one graph
+    per phase of a speculative round."""
+    worker = sched.round_worker
+    runner = worker.graph_runner
+    sizes = runner.batch_sizes
+    variants = [("refill=full", runner, "full"), ("refill=changed", runner, "changed"),
+                ("refill=glue", runner, "glue")]
+    maps = [w.future_map for w in {id(worker): worker, id(sched.tp_worker): sched.tp_worker}.values()]
+    fused = [m._fused_prep for m in maps]
+    for m in maps:
+        m._fused_prep = False  # only while capturing: the graphs keep the torch ops
+    variants.append(("prep=torch", worker.init_cuda_graphs(sizes, per_phase=False), "changed"))
+    for m, f in zip(maps, fused):
+        m._fused_prep = f
+    variants.append(("prep=fused", runner, "changed"))
+    if len(worker.round_phases()) > 1:
+        variants += [("graph/phase", worker.init_cuda_graphs(sizes, per_phase=True), "changed"),
+                     ("graph/round", runner, "changed")]
+    worker.graph_runner = runner
+    return variants
+
+
+def _seam_ab(sched: Scheduler, steps: int, repeats: int) -> List[Dict[str, Any]]:
+    """Graph + overlap rows for each seam variant, interleaved ``repeats`` times (A B A B)."""
+    from sglang.srt.model_executor.graph_refill import GraphRefill
+
+    worker = sched.round_worker
+    default = worker.graph_runner
+    variants = _seam_variants(sched)
+    times: Dict[str, List[float]] = {name: [] for name, _, _ in variants}
+    counts: Dict[str, Dict[str, int]] = {}
+    for _ in range(repeats):
+        for name, runner, mode in variants:
+            runner.refill = GraphRefill(mode, runner.slots, runner.loc, runner._info,
+                                        runner._new_graph)
+            worker.graph_runner = runner
+            replays = runner.num_replays
+            times[name].append(_time_steps(sched, steps)["iter_ms"])
+            counts[name] = {"replays": runner.num_replays - replays,
+                            "glue_replays": runner.refill.glue_replays,
+                            "failed": len(runner.failed)}
+    default.refill = GraphRefill("changed", default.slots, default.loc, default._info,
+                                 default._new_graph)
+    worker.graph_runner = default
+    return [{"mode": "graph", "overlap": True, "seam": name, "iter_ms": sum(v) / len(v),
+             "iter_ms_runs": v, **counts[name]} for name, v in times.items()]
+
+
 def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     parser = argparse.ArgumentParser(prog="benchmark/batch1/graph_ab.py")
     ServerArgs.add_cli_args(parser)
@@ -122,6 +173,10 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     parser.add_argument("--trace-dir", type=str, default=None)
     parser.add_argument("--result-filename", type=str, default=None)
     parser.add_argument("--label", type=str, default="")
+    parser.add_argument("--seam-ab", type=int, default=0, metavar="REPEATS",
+                        help="Also time the seam variants (graph refill full / changed / glue, "
+                             "round prep torch / fused, one graph per phase / per round), "
+                             "interleaved REPEATS times, with graphs and overlap.")
     args = parser.parse_args(argv)
     server_args = ServerArgs.from_cli_args(args)
     sched = Scheduler(server_args)
@@ -129,7 +184,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     configs = [("graph", True), ("graph", False), ("eager", True), ("eager", False)]
     if runner is None:
         configs = [c for c in configs if c[0] == "eager"]
-    budget = args.steps * (len(configs) + 2) * sched.round_worker.round_tokens + 64
+    rows = len(configs) + 2 + (args.seam_ab * 8 if runner is not None else 0)
+    budget = (args.steps + 3) * rows * sched.round_worker.round_tokens + 64
     _start(sched, args.prompt_len, budget, server_args.random_seed or 0)
     results = []
     for mode, overlap in configs:
@@ -140,6 +196,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
         results.append(res)
     sched.round_worker.graph_runner = runner
     sched.enable_overlap = True
+    if args.seam_ab and runner is not None:
+        results += _seam_ab(sched, args.steps, args.seam_ab)
     extra: Dict[str, Any] = {"replay_ms": _replay_ms(sched, args.replays)}
     if args.trace_dir:
         sched.round_worker.graph_runner = runner
@@ -149,8 +207,12 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     print(f"{'config':<18}{'iter ms':>9}{'tok/iter':>10}")
     for r in results:
         r.update(label=label, prompt_len=args.prompt_len, steps=args.steps, **extra)
-        print(f"{r['mode'] + (' +overlap' if r['overlap'] else ''):<18}{r['iter_ms']:>9.3f}"
-              f"{r['tokens'] / (args.steps + 3):>10.2f}")
+        name = r.get("seam") or r["mode"] + (" +overlap" if r["overlap"] else "")
+        if "tokens" in r:
+            print(f"{name:<18}{r['iter_ms']:>9.3f}{r['tokens'] / (args.steps + 3):>10.2f}")
+        else:
+            print(f"{name:<18}{r['iter_ms']:>9.3f}  runs {[round(x, 3) for x in r['iter_ms_runs']]}"
+                  f" replays {r['replays']} glue {r['glue_replays']} failed {r['failed']}")
     print("back-to-back replay ms:", extra["replay_ms"])
     if "gpu_idle_share" in extra:
         print(f"profiled iter ms {extra['profiled_iter_ms']:.3f}, GPU idle share "

@@ -126,6 +126,22 @@ class Envs:
         "CUDA-graph replay in a small graph of its own (upstream's meaning of the variable); "
         "see docs/performance.md.",
     )
+    SGLANG_FUSED_ROUND_PREP = EnvField(
+        "SGLANG_FUSED_ROUND_PREP",
+        bool,
+        True,
+        "On CUDA, start each decode / verify round with one Triton launch that reads the "
+        "committed lengths and records the round's KV slots (sgl_kernel/round_prep.py); off: "
+        "the torch ops it replaces.",
+    )
+    SGLANG_GRAPH_FULL_REFILL = EnvField(
+        "SGLANG_GRAPH_FULL_REFILL",
+        bool,
+        False,
+        "Copy every static input of a CUDA graph before each replay (the reference refill); "
+        "default: only what changed since the last replay (request slots and sampling rows "
+        "when the batch changes; the KV slots are allocated into the static buffer).",
+    )
     SGLANG_ROUND_GRAPH_PER_PHASE = EnvField(
         "SGLANG_ROUND_GRAPH_PER_PHASE",
         bool,
@@ -226,6 +242,14 @@ class Envs:
         "template; a chat's messages are also checked before the template runs); a longer one "
         "is answered 400 before the tokenizer sees it. 0 means 64 x the context length, far "
         "more than any prompt that fits the context can need in practice.",
+    )
+    SGLANG_GRACEFUL_SHUTDOWN_TIMEOUT = EnvField(
+        "SGLANG_GRACEFUL_SHUTDOWN_TIMEOUT",
+        float,
+        20.0,
+        "Seconds the HTTP server lets in-flight requests finish after SIGTERM / SIGINT (new "
+        "ones get 503 meanwhile) before it aborts the rest and exits; 0 aborts at once. The "
+        "default leaves a 30 s orchestrator kill deadline room for the abort and the exit.",
     )
     SGLANG_IS_IN_CI = EnvField(
         "SGLANG_IS_IN_CI",

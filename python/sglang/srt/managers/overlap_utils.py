@@ -24,6 +24,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
+from sglang.srt.environ import envs
+
 __all__ = ["FutureMap", "RoundOutput", "PendingRound", "AsyncHostCopy", "host_to_device"]
 
 _SIDE_STREAMS: Dict[torch.device, "torch.cuda.Stream"] = {}
@@ -113,6 +115,7 @@ class FutureMap:
         n = num_slots + 1  # + the padding slot 0
         self.tokens = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.seq_lens = torch.zeros(n, dtype=torch.int64, device=self.device)
+        self._fused_prep = self.device.type == "cuda" and envs.SGLANG_FUSED_ROUND_PREP.get()
         self._specs = dict(payload or {})
         self._lazy = dict(lazy or {})
         unknown = set(self._lazy) - set(self._specs)
@@ -136,6 +139,16 @@ class FutureMap:
                              device=self.device)
             self._fields[name] = buf
         return buf
+
+    def assign_round(self, req_to_token: torch.Tensor, slots: torch.Tensor, loc: torch.Tensor,
+                     with_tokens: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """The start of a round: ``(prefix [B], tokens [B] or None)`` gathered at ``slots`` and
+        ``req_to_token[slot_b, prefix_b + j] = loc[b, j]`` recorded. On CUDA one Triton launch
+        (``sgl_kernel.round_prep``; ``SGLANG_FUSED_ROUND_PREP=0``: the torch ops), else torch."""
+        from sgl_kernel.round_prep import assign_round_cache_locs, assign_round_cache_locs_ref
+
+        fn = assign_round_cache_locs if self._fused_prep else assign_round_cache_locs_ref
+        return fn(req_to_token, self.seq_lens, slots, loc, self.tokens if with_tokens else None)
 
     def gather(self, slots: torch.Tensor, *names: str) -> List[torch.Tensor]:
         """Copies of the named fields (``tokens``, ``seq_lens`` or payload) at ``slots [B]``."""

@@ -267,8 +267,8 @@ class ScheduleBatch:
         """Some request of the batch wants logprobs."""
         return any(r.return_logprob for r in self.reqs)
 
-    def _alloc(self, n: int) -> torch.Tensor:
-        out = self.token_to_kv_pool_allocator.alloc(n)
+    def _alloc(self, n: int, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+        out = self.token_to_kv_pool_allocator.alloc(n, out)
         if out is None:
             # Admission reserves every request's worst case, so this is a scheduler bug.
             raise PoolExhausted(
@@ -338,11 +338,13 @@ class ScheduleBatch:
                 r.kv_committed_slots.append(loc[start:start + n])
             start += n
 
-    def prepare_for_round(self, round_tokens: int):
+    def prepare_for_round(self, round_tokens: int, loc_buffer: Optional[torch.Tensor] = None):
         """A decode round: ``(req_pool_indices [B], round_cache_loc [B, N], seq_lens_bound)``.
 
         ``N = round_tokens`` KV slots per request are allocated ahead (1 for plain decode; a
-        speculative chain's width, an upper bound on what the round keeps); where they land in
+        speculative chain's width, an upper bound on what the round keeps), into ``loc_buffer
+        [B, N]`` when given (the round worker's static graph input: no copy before a replay;
+        ``round_cache_loc`` is then that buffer, valid until the next round); where they land in
         the request->token map depends on the device-side sequence lengths, so the worker
         records them there. Host values here are only slot indices and ``seq_lens_bound``, a
         host integer no sequence of the round can exceed: the host knows each request's tokens
@@ -352,7 +354,7 @@ class ScheduleBatch:
         """
         self.forward_mode = ForwardMode.DECODE if round_tokens == 1 else ForwardMode.TARGET_VERIFY
         b = len(self.reqs)
-        loc = self._alloc(b * round_tokens).view(b, round_tokens)
+        loc = self._alloc(b * round_tokens, loc_buffer).view(b, round_tokens)
         slot_ids = [r.req_pool_idx for r in self.reqs]
         if self._device_slots is None or self._device_slots[0] != slot_ids:
             self._device_slots = (slot_ids, host_to_device(slot_ids, self.device))

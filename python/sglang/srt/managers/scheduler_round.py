@@ -124,9 +124,11 @@ class SchedulerRoundMixin:
     def launch_round(self, batch: ScheduleBatch) -> LaunchedRound:
         """Allocate the round's KV slots and enqueue it on the round worker."""
         self.forward_ct += 1
-        slots, round_cache_loc, bound = batch.prepare_for_round(self.round_worker.round_tokens)
+        worker = self.round_worker
+        slots, round_cache_loc, bound = batch.prepare_for_round(
+            worker.round_tokens, worker.round_cache_loc_buffer(len(batch.reqs)))
         want_lp = [r for r in batch.reqs if r.return_logprob]
-        result = self.round_worker.forward_round(
+        result = worker.forward_round(
             slots, round_cache_loc, batch.sampling_info, seq_lens_bound=bound,
             return_logprob=bool(want_lp),
             top_logprobs_num=max([r.top_logprobs_num for r in want_lp], default=0))

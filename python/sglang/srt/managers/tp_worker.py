@@ -154,9 +154,8 @@ class TpModelWorker(GraphedRoundMixin):
         request->token map, forward, sampling, the new token and length back into the map.
         Returns ``accept_len [B]`` (ones), ``tokens [B, 1]`` and, for logprobs, the sampler's
         ``logprobs [B, V]`` (of the logits before this step's tokens enter the penalties)."""
-        tokens, prefix = self.future_map.gather(slots, "tokens", "seq_lens")
-        req_to_token = self.model_runner.req_to_token_pool.req_to_token
-        req_to_token[slots, prefix] = loc[:, 0].to(req_to_token.dtype)
+        prefix, tokens = self.future_map.assign_round(
+            self.model_runner.req_to_token_pool.req_to_token, slots, loc, with_tokens=True)
         batch = ForwardBatch.for_decode(tokens, slots, prefix + 1, loc[:, 0],
                                         seq_lens_upper_bound=seq_lens_bound)
         logits = self.model_runner.forward(batch).next_token_logits

@@ -72,15 +72,28 @@ class TokenToKVPoolAllocator:
     def available_size(self) -> int:
         return self._n_free
 
-    def alloc(self, n: int) -> Optional[torch.Tensor]:
-        """``n`` free slots as a new int64 device tensor, or ``None`` if fewer are free."""
+    def alloc(self, n: int, out: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """``n`` free slots as a new int64 device tensor (or written into ``out``, ``n``
+        contiguous int64 elements on the device, e.g. a CUDA graph's static input), or ``None``
+        if fewer are free."""
         if n > self._n_free:
             return None
+        if out is not None and (out.numel() != n or out.dtype != torch.int64
+                                or out.device != self.device or not out.is_contiguous()):
+            raise ValueError(f"alloc: out must be {n} contiguous int64 elements on "
+                             f"{self.device}, got {tuple(out.shape)} {out.dtype} on {out.device}")
         end = self._head + n
         if end <= self.size:
-            out = self._ring[self._head:end].clone()
+            src = self._ring[self._head:end]
+            out = src.clone() if out is None else out.view(-1).copy_(src).view(out.shape)
         else:  # wraps around the end of the ring
-            out = torch.cat([self._ring[self._head:], self._ring[:end - self.size]])
+            first = self.size - self._head
+            if out is None:
+                out = torch.cat([self._ring[self._head:], self._ring[:end - self.size]])
+            else:
+                flat = out.view(-1)
+                flat[:first].copy_(self._ring[self._head:])
+                flat[first:].copy_(self._ring[:end - self.size])
         self._head = end % self.size
         self._n_free -= n
         return out

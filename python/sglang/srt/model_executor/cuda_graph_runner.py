@@ -19,8 +19,10 @@ captures that body over static input buffers and replays it:
   ``seq_lens_bound``. Batches with dense penalty state (frequency / presence / repetition
   penalties, logit bias, min-new-tokens) run eagerly.
 * **Refill.** Before a replay the live slot indices, KV slots and the sampling rows the variant
-  reads are copied into the static buffers (device copies, no host sync); after it the
-  sampling step counters the body advanced are copied back to the live batch.
+  reads must be in the static buffers, and after it the sampling step counters the body advanced
+  go back to the live batch; :mod:`~sglang.srt.model_executor.graph_refill` does that with as
+  few device copies as it can (the KV slots are allocated in place, unchanged rows are not
+  copied again; opt-in glue graphs), never with a host sync.
 * **Capture.** Warm-up runs of the body (Triton JIT, allocator) come first, outside the capture.
   Every graph shares one memory pool; the largest bucket is captured first. A capture that fails
   leaves that key to eager execution with a warning, never a crash. Greedy graphs of
@@ -42,6 +44,7 @@ import torch
 
 from sglang.srt.environ import envs
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sglang.srt.model_executor.graph_refill import GraphRefill
 from sglang.srt.sampling.sampling_batch_info import ROW_FIELDS, SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 
@@ -159,6 +162,7 @@ class CudaGraphRunner:
     ``phases`` with ``per_phase=True``: capture one graph per phase (replayed back to back, the
     outputs of one phase the static inputs of the next) instead of one graph of ``body``, which
     must then run the same phases (A/B of the two layouts). Every output is batch-major.
+    ``refill_mode``: how the static inputs are refilled (:class:`GraphRefill`).
     """
 
     def __init__(self, body: RoundBody, *, device: torch.device, vocab_size: int,
@@ -166,7 +170,8 @@ class CudaGraphRunner:
                  max_width: int, backends: Sequence[object] = (),
                  max_graph_tokens: Optional[int] = None, width_independent: bool = True,
                  emulate: Optional[bool] = None, capture_now: bool = True,
-                 phases: Optional[Sequence[RoundPhase]] = None, per_phase: bool = False):
+                 phases: Optional[Sequence[RoundPhase]] = None, per_phase: bool = False,
+                 refill_mode: str = "changed"):
         self.body = body
         if per_phase and not phases:
             raise ValueError("CudaGraphRunner: per_phase needs the round's phases")
@@ -193,6 +198,7 @@ class CudaGraphRunner:
         self.num_replays = 0
         self._pool = None if self.emulate else torch.cuda.graph_pool_handle()
         self._backends = list(backends)
+        self.refill: Optional[GraphRefill] = None
         if not self.batch_sizes:
             return
         max_bs = self.batch_sizes[-1]
@@ -203,6 +209,7 @@ class CudaGraphRunner:
         # Neutral sampling rows (temperature 1, no filters, unseeded) as the static base.
         params = [SamplingParams()] * max_bs
         self._info = SamplingBatchInfo.from_reqs(params, [[]] * max_bs, vocab_size, self.device)
+        self.refill = GraphRefill(refill_mode, self.slots, self.loc, self._info, self._new_graph)
         if capture_now and width_independent:
             for bs in reversed(self.batch_sizes):  # largest first: smaller ones reuse its pool
                 self._capture(GraphKey(bs, None, "greedy", False))
@@ -249,6 +256,9 @@ class CudaGraphRunner:
     def _capture(self, key: GraphKey) -> Optional[_Captured]:
         """Warm up and capture ``key``; on failure remember why and return None."""
         info = self._static_info(key)
+        # A capture first needed by a replay runs after the round allocated its KV slots into
+        # the static loc (graph_refill.py): keep them, and forget what the refill copied.
+        live_loc = self.loc.clone()
         self.slots.zero_()
         self.loc.zero_()
         try:
@@ -276,6 +286,10 @@ class CudaGraphRunner:
                 except RuntimeError as sync_error:
                     logger.warning("after the failed capture: %s", sync_error)
             return None
+        finally:
+            self.loc.copy_(live_loc)
+            if self.refill is not None:
+                self.refill.forget()
         captured = _Captured(graph, outputs)
         self.graphs[key] = captured
         return captured
@@ -311,23 +325,17 @@ class CudaGraphRunner:
         if captured is None:
             return None
         bs = int(slots.shape[0])
-        self.slots[:bs].copy_(slots)
-        self.loc[:bs].copy_(loc)
-        if bs < key.bs:
-            self.slots[bs:key.bs].zero_()
-            self.loc[bs:key.bs].zero_()
         if key.variant == "sampled":
             fields = _SAMPLED_FIELDS
         else:
             fields = ("steps", "temperatures") if key.return_logprob else ("steps",)
-        for name in fields:
-            getattr(self._info, name)[:bs].copy_(getattr(info, name))
-        for backend in self._backends:
+        self.refill.before(key.bs, slots, loc, info, fields)
+        for backend in self._backends:  # Python-side hooks: always eager (graph_refill.py)
             backend.init_forward_metadata_replay_cuda_graph(
                 key.bs, self.slots[:key.bs], self.slots[:key.bs], _capture_mode(self.round_tokens))
         captured.graph.replay()
         self.num_replays += 1
-        info.steps.copy_(self._info.steps[:bs])  # the body advanced the sampling counters
+        self.refill.after(slots, info)  # the body advanced the sampling counters
         return {name: value[:bs] for name, value in captured.outputs.items()}
 
 
@@ -354,6 +362,16 @@ class GraphedRoundMixin:
     def round_phases(self) -> List[RoundPhase]:
         """The round's phases in order (see :data:`RoundPhase`)."""
         raise NotImplementedError
+
+    def round_cache_loc_buffer(self, bs: int) -> Optional[torch.Tensor]:
+        """Where a round of ``bs`` requests should allocate its KV slots (``[bs, N]``): the
+        graph runner's static input, so that a replay needs no copy of them; None (allocate a
+        new tensor) without graphs. The buffer is overwritten by the next round, so the round's
+        host copies run on the current stream (:meth:`run_round`)."""
+        runner = self.graph_runner
+        if runner is None or runner.refill is None:
+            return None
+        return runner.refill.loc_buffer(bs)
 
     def round_body(self, slots: torch.Tensor, loc: torch.Tensor, info: SamplingBatchInfo,
                    bound: int, return_logprob: bool = False) -> Dict[str, torch.Tensor]:
@@ -399,6 +417,13 @@ class GraphedRoundMixin:
         (default: ``SGLANG_ROUND_GRAPH_PER_PHASE``)."""
         if per_phase is None:
             per_phase = envs.SGLANG_ROUND_GRAPH_PER_PHASE.get()
+        refill_mode = "full" if envs.SGLANG_GRAPH_FULL_REFILL.get() else "changed"
+        if envs.SGLANG_ENABLE_METADATA_GLUE_GRAPH.get():
+            if getattr(self, "host_planned_attention", False):
+                logger.warning("SGLANG_ENABLE_METADATA_GLUE_GRAPH is ignored: %s rebuilds its "
+                               "attention plan on the host every round", type(self).__name__)
+            else:
+                refill_mode = "glue"
         phases = self.round_phases()
         setup = self.graph_setup()
         runners = setup.pop("runners")
@@ -411,7 +436,7 @@ class GraphedRoundMixin:
             max_graph_tokens=min(limits) if limits else None,
             width_independent=all(b.width_independent for b in setup["backends"]),
             round_tokens=self.round_tokens, emulate=emulate, capture_now=capture_now, phases=phases,
-            per_phase=per_phase and len(phases) > 1, **setup)
+            per_phase=per_phase and len(phases) > 1, refill_mode=refill_mode, **setup)
         return self.graph_runner
 
     def run_round(self, slots: torch.Tensor, loc: torch.Tensor, info: SamplingBatchInfo,
@@ -429,4 +454,10 @@ class GraphedRoundMixin:
             return self.pending_round(out, loc, return_logprob, top_logprobs_num,
                                       on_current_stream=True)
         out = self.round_body(slots, loc, info, bound, return_logprob)
-        return self.pending_round(out, loc, return_logprob, top_logprobs_num)
+        in_place = runner is not None and runner.refill is not None
+        if in_place:
+            runner.refill.forget()  # the eager body advanced the live step counters itself
+        # ``loc`` may be the runner's static buffer, which the next round's allocation
+        # overwrites: its copy must then be ordered before it on the current stream.
+        return self.pending_round(out, loc, return_logprob, top_logprobs_num,
+                                  on_current_stream=in_place)

@@ -59,6 +59,15 @@ class BaseSpecWorker(ABC):
 
     # Counted as speculative by the scheduler's metrics (accept length, verify counters).
     is_speculative = True
+    # True for a worker that rebuilds its attention plan on the host every round (a verify
+    # width chosen per round): a captured metadata refill would replay its capture's plan, so
+    # SGLANG_ENABLE_METADATA_GLUE_GRAPH is ignored for it (model_executor/graph_refill.py).
+    host_planned_attention = False
+
+    def round_cache_loc_buffer(self, bs: int) -> Optional[torch.Tensor]:
+        """Where the scheduler allocates a round's KV slots (``[bs, round_tokens]``); None: a
+        new tensor. Graphed workers return their static input (``GraphedRoundMixin``)."""
+        return None
 
     @classmethod
     @abstractmethod

@@ -68,7 +68,6 @@ from sglang.srt.speculative.spec_sampling import (
 )
 from sglang.srt.speculative.spec_utils import (
     ChainVerifyResult,
-    assign_chain_req_to_token,
     build_verify_forward_batch,
     chain_commit_layout,
     greedy_verify_chain,
@@ -259,10 +258,10 @@ class NEXTNWorker(GraphedRoundMixin, BaseSpecWorker):
                      return_logprob: bool) -> Dict[str, torch.Tensor]:
         """Gather the relay, place the chain's KV slots, draft the chain ``[B, N]``."""
         sampled = not info.is_all_greedy
-        names = ("seq_lens", "tokens", "draft_token", "hidden") + (("draft_probs",) if sampled else ())
-        prefix, seed, first_draft, hidden, *probs = self.future_map.gather(slots, *names)
-        assign_chain_req_to_token(self.target_runner.req_to_token_pool.req_to_token, slots,
-                                  prefix, loc)
+        prefix, seed = self.future_map.assign_round(
+            self.target_runner.req_to_token_pool.req_to_token, slots, loc, with_tokens=True)
+        names = ("draft_token", "hidden") + (("draft_probs",) if sampled else ())
+        first_draft, hidden, *probs = self.future_map.gather(slots, *names)
         chain, draft_probs = self._draft(slots, loc, prefix, seed, first_draft, hidden,
                                          probs[0] if probs else None, info, seq_lens_bound)
         out = {"chain": chain, "prefix": prefix}
