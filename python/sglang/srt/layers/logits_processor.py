@@ -10,6 +10,9 @@ Row selection, without any host sync (lengths stay on the device):
 ``hidden_states`` of the output follows ``forward_batch.capture_hidden_mode`` (FULL: ``[T, H]``,
 LAST: ``[B, H]``, NULL: ``None``) and is the model's final-normed hidden state, which is what the
 MTP draft layer consumes.
+
+``aux_hidden_states`` is passed through untouched: the raw outputs of selected decoder layers for
+every token ``[T, m * H]`` (a DSpark draft's context), ``None`` unless the model captures them.
 """
 from __future__ import annotations
 
@@ -31,10 +34,12 @@ __all__ = ["LogitsProcessorOutput", "LogitsProcessor", "last_token_indices"]
 
 @dataclass
 class LogitsProcessorOutput:
-    """``next_token_logits`` fp32 ``[B or T, vocab_size]``; ``hidden_states`` per capture mode."""
+    """``next_token_logits`` fp32 ``[B or T, vocab_size]``; ``hidden_states`` per capture mode;
+    ``aux_hidden_states [T, m * H]`` when the model captures decoder-layer outputs."""
 
     next_token_logits: torch.Tensor
     hidden_states: Optional[torch.Tensor] = None
+    aux_hidden_states: Optional[torch.Tensor] = None
 
 
 def last_token_indices(forward_batch: ForwardBatch) -> torch.Tensor:
@@ -56,10 +61,12 @@ class LogitsProcessor(nn.Module):
 
     def forward(self, hidden_states: torch.Tensor, lm_head: Union[nn.Module, torch.Tensor],
                 forward_batch: ForwardBatch,
-                capture_hidden_mode: Optional[CaptureHiddenMode] = None) -> LogitsProcessorOutput:
+                capture_hidden_mode: Optional[CaptureHiddenMode] = None,
+                aux_hidden_states: Optional[torch.Tensor] = None) -> LogitsProcessorOutput:
         """``hidden_states [T, H]`` (final-normed); ``lm_head`` a ParallelLMHead or its weight.
 
-        ``capture_hidden_mode`` overrides ``forward_batch.capture_hidden_mode`` when given.
+        ``capture_hidden_mode`` overrides ``forward_batch.capture_hidden_mode`` when given;
+        ``aux_hidden_states`` goes to the output as it is.
         """
         weight = lm_head.weight if isinstance(lm_head, nn.Module) else lm_head
         mode = forward_batch.forward_mode
@@ -82,4 +89,5 @@ class LogitsProcessor(nn.Module):
                 else hidden_states[last_token_indices(forward_batch)]
         else:
             hidden_out = None
-        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden_out)
+        return LogitsProcessorOutput(next_token_logits=logits, hidden_states=hidden_out,
+                                     aux_hidden_states=aux_hidden_states)

@@ -12,7 +12,7 @@ loader cannot disagree.
 from __future__ import annotations
 
 import re
-from typing import Dict, Iterable, Optional, Set, Tuple
+from typing import Dict, Iterable, Optional, Sequence, Set, Tuple
 
 import torch
 from torch import nn
@@ -343,7 +343,12 @@ def make_rope(config: BailingMoeV3Config) -> RotaryEmbedding:
 
 
 class BailingMoeV3Model(nn.Module):
-    """Embedding, decoder layers and the final norm (HF ``model.*``)."""
+    """Embedding, decoder layers and the final norm (HF ``model.*``).
+
+    ``layers_to_capture`` (empty by default, set through
+    :meth:`BailingMoeV3ForCausalLM.set_dspark_layers_to_capture`) lists decoder layers whose
+    outputs :meth:`forward_with_aux` also returns.
+    """
 
     def __init__(self, config: BailingMoeV3Config, params_dtype: Optional[torch.dtype] = None):
         super().__init__()
@@ -355,14 +360,33 @@ class BailingMoeV3Model(nn.Module):
             BailingMoeV3DecoderLayer(config, i, rope, params_dtype)
             for i in range(config.num_hidden_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, params_dtype)
+        self.layers_to_capture: Tuple[int, ...] = ()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
         """Final-normed hidden states ``[T, hidden]``."""
+        return self.forward_with_aux(input_ids, positions, forward_batch)[0]
+
+    def forward_with_aux(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                         forward_batch: ForwardBatch
+                         ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """``(final-normed hidden [T, hidden], aux [T, m * hidden] or None)``.
+
+        ``aux`` concatenates, in ``layers_to_capture`` order, the raw residual stream after
+        each listed layer (the layer's output ``mlp out + residual``, not normed): what a DSpark
+        draft was trained on. ``None`` when nothing is captured.
+        """
+        capture = self.layers_to_capture
+        captured: Dict[int, torch.Tensor] = {}
         hidden_states, residual = self.word_embeddings(input_ids), None
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             hidden_states, residual = layer(positions, hidden_states, residual, forward_batch)
-        return self.norm(hidden_states, residual)[0]  # the config guarantees >= 1 layer
+            if capture and i in capture:
+                captured[i] = hidden_states + residual
+        final = self.norm(hidden_states, residual)[0]  # the config guarantees >= 1 layer
+        if not capture:
+            return final, None
+        return final, torch.cat([captured[i] for i in capture], dim=-1)
 
 
 _LAYER_RE = re.compile(r"^model\.layers\.(\d+)\.")
@@ -385,9 +409,34 @@ class BailingMoeV3ForCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 forward_batch: ForwardBatch) -> LogitsProcessorOutput:
-        """fp32 logits per the forward mode; hidden states per ``capture_hidden_mode``."""
-        hidden_states = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(hidden_states, self.lm_head, forward_batch)
+        """fp32 logits per the forward mode; hidden states per ``capture_hidden_mode``; the
+        captured layers' outputs (every token) in ``aux_hidden_states`` when set."""
+        hidden_states, aux = self.model.forward_with_aux(input_ids, positions, forward_batch)
+        return self.logits_processor(hidden_states, self.lm_head, forward_batch,
+                                     aux_hidden_states=aux)
+
+    # ---------------------------------------------------------------- DSpark context
+    def set_dspark_layers_to_capture(self, layer_ids: Optional[Sequence[int]]) -> None:
+        """Also return the outputs of decoder layers ``layer_ids`` (0-based, "after layer l",
+        the draft config's ``target_layer_ids``) for every token, concatenated in this order
+        as ``aux_hidden_states [T, len(layer_ids) * hidden]``. ``None`` or empty switches it
+        off (the default; then nothing extra is computed). Set once, before any CUDA graph is
+        captured: the choice is part of the traced forward."""
+        ids = tuple(layer_ids or ())
+        n = self.config.num_hidden_layers
+        for i, layer in enumerate(ids):
+            if isinstance(layer, bool) or not isinstance(layer, int) or not 0 <= layer < n:
+                raise ValueError(f"set_dspark_layers_to_capture: layer_ids[{i}] = {layer!r} "
+                                 f"is not a decoder layer of this {n}-layer target (0..{n - 1})")
+        if len(set(ids)) != len(ids):
+            raise ValueError(f"set_dspark_layers_to_capture: layer_ids {list(ids)} repeat a "
+                             "layer")
+        self.model.layers_to_capture = ids
+
+    @property
+    def dspark_layers_to_capture(self) -> Tuple[int, ...]:
+        """The captured layers (empty when off)."""
+        return self.model.layers_to_capture
 
     # ---------------------------------------------------------------- draft sharing
     def get_embed_and_head(self) -> Tuple[torch.Tensor, torch.Tensor]:
