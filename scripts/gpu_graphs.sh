@@ -62,7 +62,9 @@ served)
     port=$((port + 1))
     # Own process group: killing it ends the scheduler children too, so the next server finds the
     # GPU memory free.
-    eval "setsid python3 -m sglang.launch_server $margs $KARGS $gargs $spec --port $port" > "$OUT/server-$port.log" 2>&1 &
+    # exec: the background job's pid is the server's, and setsid makes it its group's leader
+    # (without exec the subshell stays in between and `kill -- -$pid` finds no such group).
+    eval "exec setsid python3 -m sglang.launch_server $margs $KARGS $gargs $spec --port $port" > "$OUT/server-$port.log" 2>&1 &
     pid=$!
     for i in $(seq 1 240); do
       curl -sf localhost:$port/health > /dev/null && break
@@ -73,7 +75,9 @@ served)
     timeout 120 python3 -m sglang.bench_serving --backend sglang --port $port --dataset-name random-ids \
       --random-input-len 1024 --random-output-len 256 --random-range-ratio 1.0 --num-prompts 3 \
       --max-concurrency 1 --disable-tqdm 2>&1 | grep -E "Mean TPOT|Median TPOT|Accept length|Output token throughput"
-    kill -- -$pid 2>/dev/null; wait $pid 2>/dev/null
+    kill -- -$pid 2>/dev/null || echo "could not signal the server's process group $pid"
+    ( sleep 60; kill -9 -- -$pid 2>/dev/null ) & killer=$!  # the drain is bounded anyway
+    wait $pid 2>/dev/null; kill $killer 2>/dev/null
     for i in $(seq 1 60); do  # until the GPU memory is back
       used=$(nvidia-smi --query-gpu=memory.used --format=csv,noheader,nounits | head -1)
       [ "${used:-0}" -lt 2000 ] && break; sleep 1
