@@ -1,6 +1,8 @@
 """ServerArgs: defaults, validation messages that name the flag, CLI parsing (including the
-published Ling-3.0-flash launch commands), CUDA-graph batch sizes, compatibility-only flags and
-speculative-decoding resolution."""
+published Ling-3.0-flash launch commands), CUDA-graph batch sizes, compatibility-only
+``SGLANG_*`` variables and speculative-decoding resolution. The flag audit (no flag without
+effect), the flags that change nothing here, CPU thread defaults, ``--config`` files and the
+HTTP-visible flags are in test_server_flags.py."""
 from __future__ import annotations
 
 import argparse
@@ -14,7 +16,6 @@ from sglang.srt import server_args as server_args_module
 from sglang.srt.configs import engine_defaults
 from sglang.srt.environ import envs
 from sglang.srt.server_args import (
-    COMPAT_ONLY_FLAGS,
     PortArgs,
     ServerArgs,
     prepare_server_args,
@@ -59,6 +60,8 @@ def test_defaults():
     assert a.max_running_requests is None
     assert a.attention_backend == DEFAULT_BACKEND
     assert a.kda_prefill_impl == "auto" and a.flashinfer_allreduce_fusion_backend is None
+    assert a.chat_template is None and a.cpu_num_threads is None and a.watchdog_timeout == 300
+    assert not a.enable_metrics and not a.log_requests and a.log_requests_level == 2
     assert isinstance(a.random_seed, int)
     assert a.served_model_name  # bundled model's name when no --model-path
     assert a.url() == "http://127.0.0.1:30000"
@@ -116,6 +119,15 @@ def test_chunked_prefill_minus_one_disables():
         ({"kda_prefill_impl": "cuda"}, "--kda-prefill-impl"),
         ({"moe_runner_backend": "deep_gemm"}, "--moe-runner-backend"),
         ({"flashinfer_allreduce_fusion_backend": "nccl"}, "--flashinfer-allreduce-fusion-backend"),
+        ({"flashinfer_allreduce_fusion_backend": "trtllm"},
+         "--flashinfer-allreduce-fusion-backend trtllm: this engine has no FlashInfer"),
+        ({"flashinfer_allreduce_fusion_backend": "mnnvl"}, "only 'auto' is accepted"),
+        ({"cpu_num_threads": 0}, "--cpu-num-threads must be an integer >= 1"),
+        ({"cpu_num_threads": 1.5}, "--cpu-num-threads"),
+        ({"log_requests_level": 4}, "--log-requests-level must be one of 0, 1, 2, 3"),
+        ({"log_requests_level": True}, "--log-requests-level"),
+        ({"chat_template": "no-such-template"}, "--chat-template no-such-template: no such file"),
+        ({"chat_template": ""}, "--chat-template"),
         ({"json_model_override_args": "{bad"}, "--json-model-override-args"),
         ({"json_model_override_args": "[1]"}, "--json-model-override-args"),
         ({"attention_backend": "flashinfer"}, "--attention-backend flashinfer"),
@@ -179,6 +191,10 @@ def test_trtllm_mla_is_served_by_the_default_backend():
         (["--cuda-graph-bs"], "--cuda-graph-bs"),  # nargs="+" needs at least one size
         (["--cuda-graph-bs", "0"], "--cuda-graph-bs"),
         (["--cuda-graph-bs", "8", "--cuda-graph-max-bs", "4"], "--cuda-graph-bs 8 exceeds"),
+        (["--flashinfer-allreduce-fusion-backend", "trtllm"], "--flashinfer-allreduce-fusion-backend"),
+        (["--log-requests-level", "5"], "--log-requests-level"),  # argparse choices
+        (["--cpu-num-threads", "0"], "--cpu-num-threads"),
+        (["--chat-template", "/no/such/file.jinja"], "--chat-template /no/such/file.jinja"),
     ],
 )
 def test_cli_errors_exit_2_naming_the_flag(argv, flag, capsys):
@@ -197,7 +213,8 @@ def test_cli_parses_common_flags():
         "--disable-radix-cache --disable-overlap-schedule --attention-backend torch_native "
         "--log-level warning --skip-server-warmup --stream-interval 2 --served-model-name m "
         "--api-key k --watchdog-timeout 60 --decode-log-interval 10 --enable-metrics "
-        "--kda-prefill-impl torch --tokenizer-path tok"
+        "--kda-prefill-impl torch --tokenizer-path tok --chat-template chatml --log-requests "
+        "--log-requests-level 3 --cpu-num-threads 3"
     ))
     assert a.model_path == "ling-3.0-flash" and a.load_format == "dummy"
     assert a.json_model_override_args == '{"num_hidden_layers": 2}'
@@ -210,6 +227,8 @@ def test_cli_parses_common_flags():
     assert (a.served_model_name, a.api_key, a.watchdog_timeout) == ("m", "k", 60.0)
     assert a.decode_log_interval == 10 and a.enable_metrics and a.kda_prefill_impl == "torch"
     assert a.resolved_tokenizer_path() == "tok"
+    assert a.chat_template == "chatml" and a.log_requests and a.log_requests_level == 3
+    assert a.cpu_num_threads == 3 and a.resolved_cpu_num_threads() == 3
 
 
 def test_upstream_nextn_command_parses_and_validates():
@@ -398,13 +417,14 @@ def test_cuda_graph_and_overlap_help_says_what_the_flags_do():
     assert _help_of("--cuda-graph-bs").startswith("Batch sizes to capture")
 
 
-# ---------------------------------------------------------------- compatibility-only flags
+# ---------------------------------------------------------------- compatibility-only variables
 @pytest.fixture
 def fresh_warnings(monkeypatch, caplog):
-    """Forget which compatibility warnings this process already logged; capture new ones."""
+    """Forget which compatibility variables this process already warned about; capture new
+    warnings."""
     from sglang.srt import environ
 
-    monkeypatch.setattr(server_args_module, "_COMPAT_WARNED", set())
+    monkeypatch.setattr(server_args_module, "_NO_OP_LOGGED", set())
     monkeypatch.setattr(environ, "_COMPAT_WARNED", set())
     for f in environ.compat_env_fields():
         monkeypatch.delenv(f.name, raising=False)
@@ -414,36 +434,6 @@ def fresh_warnings(monkeypatch, caplog):
 
 def _compat_records(caplog, name):
     return [r for r in caplog.records if name in r.getMessage() and "no effect" in r.getMessage()]
-
-
-def test_compat_flags_are_real_flags_with_a_reason():
-    assert set(COMPAT_ONLY_FLAGS) == {"--trust-remote-code", "--flashinfer-allreduce-fusion-backend",
-                                      "--enable-metrics", "--disable-radix-cache"}
-    for flag, why in COMPAT_ONLY_FLAGS.items():
-        assert why and "no effect" in _help_of(flag)
-    for flag in ("--disable-cuda-graph", "--cuda-graph-max-bs", "--cuda-graph-bs",
-                 "--disable-overlap-schedule"):
-        assert flag not in COMPAT_ONLY_FLAGS and "no effect" not in _help_of(flag)
-
-
-@pytest.mark.parametrize("argv, flag", [
-    (["--trust-remote-code"], "--trust-remote-code"),
-    (["--flashinfer-allreduce-fusion-backend", "auto"], "--flashinfer-allreduce-fusion-backend"),
-    (["--enable-metrics"], "--enable-metrics"),
-    (["--disable-radix-cache"], "--disable-radix-cache"),
-])
-def test_compat_flag_warns_once_per_process(fresh_warnings, argv, flag):
-    a = prepare_server_args(argv)
-    prepare_server_args(argv)
-    assert len(_compat_records(fresh_warnings, flag)) == 1
-    assert warn_compat_flags(a) == [flag]
-    assert len(_compat_records(fresh_warnings, flag)) == 1  # still one
-
-
-def test_default_args_warn_about_nothing(fresh_warnings):
-    a = ServerArgs()
-    assert warn_compat_flags(a) == []
-    assert not [r for r in fresh_warnings.records if "no effect" in r.getMessage()]
 
 
 def test_compat_env_var_warns_once_at_start_up(fresh_warnings, monkeypatch):

@@ -4,7 +4,9 @@
 ``Engine`` API does) or from the command line (``prepare_server_args(sys.argv[1:])``). On
 construction it fills device-dependent defaults (``_resolve``) and validates (``check``): a
 contradictory or unsupported value raises ``ValueError`` whose message starts with the flag it is
-about, and the CLI turns that into an argparse error (exit code 2).
+about, and the CLI turns that into an argparse error (exit code 2). The flags themselves are
+registered by ``server_args_cli``; ``--config FILE.yaml`` is merged by
+``server_args_config_parser``.
 
 ``PortArgs`` (defined in ``port_args``, re-exported here) names the ZMQ IPC endpoints that
 connect the tokenizer, scheduler and detokenizer processes.
@@ -15,52 +17,52 @@ import argparse
 import dataclasses
 import importlib.util
 import logging
+import os
 import random
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Set
+from typing import Any, List, Optional, Sequence, Set
 
 from sglang.srt.configs.engine_defaults import (  # re-exported: scripts and tests import them here
     ATTENTION_BACKEND_CHOICES,
     DEFAULT_CHUNKED_PREFILL_SIZE,
     DEFAULT_CUDA_GRAPH_MAX_BS,
     DEFAULT_MEM_FRACTION_STATIC,
+    DEFAULT_LOG_REQUESTS_LEVEL,
+    DEFAULT_WATCHDOG_TIMEOUT,
     DEVICE_CHOICES,
     DTYPE_CHOICES,
+    FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES,
     KDA_PREFILL_IMPL_CHOICES,
     KERNEL_BACKEND_CHOICES,
     KNOWN_UPSTREAM_ATTENTION_BACKENDS,
     LOAD_FORMAT_CHOICES,
     LOG_LEVEL_CHOICES,
+    LOG_REQUESTS_LEVEL_CHOICES,
     NEXTN_DEFAULT_SPEC,
     SPECULATIVE_ALGORITHMS,
     SPECULATIVE_ALIASES,
     SPECULATIVE_CUDA_GRAPH_MAX_BS,
     SPECULATIVE_MAX_RUNNING_REQUESTS,
     SUBSTITUTED_ATTENTION_BACKENDS,
+    available_cpu_cores,
+    default_cpu_num_threads,
     default_cuda_graph_batch_sizes,
     torch_dtype,
 )
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, parse_override_args, resolve_model_path
 from sglang.srt.environ import require_triton_runtime, warn_compat_envs
+from sglang.srt.managers.template_manager import check_chat_template
 from sglang.srt.port_args import PortArgs  # noqa: F401  (re-exported: upstream's import path)
+from sglang.srt.server_args_cli import NO_OP_FLAGS, register_server_flags
+from sglang.srt.server_args_config_parser import ConfigArgumentMerger
 
 logger = logging.getLogger(__name__)
 
 # The name this module has always used for the implemented attention backends.
 SUPPORTED_ATTENTION_BACKENDS = ATTENTION_BACKEND_CHOICES
-FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
 
-# Flags accepted only so that upstream SGLang launch commands run unchanged: flag -> why it has no
-# effect here. Setting one to anything but its default logs one warning per process.
-COMPAT_ONLY_FLAGS: Dict[str, str] = {
-    "--trust-remote-code": "the model code is part of this engine; no checkpoint code is run",
-    "--flashinfer-allreduce-fusion-backend": "this engine does not fuse the all-reduce with the "
-                                             "following norm (it uses no FlashInfer)",
-    "--enable-metrics": "there is no Prometheus endpoint; step metrics are in the logs",
-    "--disable-radix-cache": "this engine has no prefix (radix) cache; every prompt is "
-                             "prefilled in full",
-}
-_COMPAT_WARNED: Set[str] = set()
+# NO_OP_FLAGS already described in this process's log (each is described once).
+_NO_OP_LOGGED: Set[str] = set()
 
 
 def _cuda_available() -> bool:
@@ -81,6 +83,7 @@ class ServerArgs:
     json_model_override_args: str = "{}"
     context_length: Optional[int] = None  # None: from the model config
     served_model_name: Optional[str] = None
+    chat_template: Optional[str] = None  # None: the tokenizer's own template
     # HTTP
     host: str = "127.0.0.1"
     port: int = 30000
@@ -105,7 +108,8 @@ class ServerArgs:
     kda_prefill_impl: str = "auto"
     moe_runner_backend: str = "auto"
     linear_attn_decode_backend: str = "auto"
-    watchdog_timeout: float = 300.0
+    watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT
+    cpu_num_threads: Optional[int] = None  # None: see resolved_cpu_num_threads
     # Speculative decoding
     speculative_algorithm: Optional[str] = None
     speculative_draft_model_path: Optional[str] = None
@@ -113,11 +117,15 @@ class ServerArgs:
     speculative_eagle_topk: Optional[int] = None
     speculative_num_draft_tokens: Optional[int] = None
     speculative_dspark_block_size: Optional[int] = None
+    speculative_dspark_sps_table_path: Optional[str] = None
+    speculative_dspark_confidence_sts_path: Optional[str] = None
     # Logging and metrics
     log_level: str = "info"
     stream_interval: int = 1
     decode_log_interval: int = 40
     enable_metrics: bool = False
+    log_requests: bool = False
+    log_requests_level: int = DEFAULT_LOG_REQUESTS_LEVEL
 
     def __post_init__(self) -> None:
         self._resolve()
@@ -144,6 +152,17 @@ class ServerArgs:
     def resolved_tokenizer_path(self) -> str:
         """Where the tokenizer lives (defaults to the model folder)."""
         return self.tokenizer_path or self.resolved_model_path()
+
+    def resolved_cpu_num_threads(self) -> Optional[int]:
+        """Torch intra-op threads for each scheduler process, or ``None`` to leave torch's own
+        choice: ``--cpu-num-threads`` when given (any device); on CPU otherwise
+        ``OMP_NUM_THREADS`` when set (the caller's choice, torch already follows it), else
+        ``engine_defaults.default_cpu_num_threads`` (a few threads per TP rank: see there)."""
+        if self.cpu_num_threads is not None:
+            return self.cpu_num_threads
+        if self.resolved_device() != "cpu" or "OMP_NUM_THREADS" in os.environ:
+            return None
+        return default_cpu_num_threads(self.tp_size, available_cpu_cores())
 
     def is_speculative(self) -> bool:
         """True when a speculative algorithm is enabled."""
@@ -230,9 +249,17 @@ class ServerArgs:
         _choice("--load-format", self.load_format, LOAD_FORMAT_CHOICES)
         _choice("--log-level", self.log_level, LOG_LEVEL_CHOICES)
         _choice("--kda-prefill-impl", self.kda_prefill_impl, KDA_PREFILL_IMPL_CHOICES)
-        if self.flashinfer_allreduce_fusion_backend is not None:
-            _choice("--flashinfer-allreduce-fusion-backend", self.flashinfer_allreduce_fusion_backend,
-                    FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES)
+        self._check_allreduce_fusion()
+        if self.log_requests_level not in LOG_REQUESTS_LEVEL_CHOICES or \
+                isinstance(self.log_requests_level, bool):
+            raise ValueError(f"--log-requests-level must be one of "
+                             f"{', '.join(map(str, LOG_REQUESTS_LEVEL_CHOICES))}; "
+                             f"got {self.log_requests_level!r}")
+        if self.chat_template is not None:
+            check_chat_template(self.chat_template)
+        if self.enable_metrics and importlib.util.find_spec("prometheus_client") is None:
+            raise ValueError("--enable-metrics needs the prometheus_client package "
+                             "(pip install prometheus_client)")
         if self.device == "cuda" and not _cuda_available():
             raise ValueError("--device cuda: CUDA is not available on this machine")
         _int_at_least("--tp-size", self.tp_size, 1)
@@ -255,6 +282,8 @@ class ServerArgs:
         ):
             if value is not None:
                 _int_at_least(flag, value, 1)
+        if self.cpu_num_threads is not None:
+            _int_at_least("--cpu-num-threads", self.cpu_num_threads, 1)
         _int_at_least("--stream-interval", self.stream_interval, 1)
         _int_at_least("--decode-log-interval", self.decode_log_interval, 1)
         self._check_cuda_graph_bs()
@@ -277,6 +306,18 @@ class ServerArgs:
             if value == "triton":
                 require_triton_runtime(f"{flag} triton", self.resolved_device())
         self._check_speculative()
+
+    def _check_allreduce_fusion(self) -> None:
+        value = self.flashinfer_allreduce_fusion_backend
+        if value is None:
+            return
+        _choice("--flashinfer-allreduce-fusion-backend", value,
+                FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES)
+        if value != "auto":
+            raise ValueError(
+                f"--flashinfer-allreduce-fusion-backend {value}: this engine has no FlashInfer "
+                "fused all-reduce + RMSNorm; only 'auto' is accepted (the all-reduce then runs "
+                "unfused)")
 
     def _check_cuda_graph_bs(self) -> None:
         bs = self.cuda_graph_bs
@@ -320,6 +361,9 @@ class ServerArgs:
                 ("--speculative-eagle-topk", self.speculative_eagle_topk),
                 ("--speculative-num-draft-tokens", self.speculative_num_draft_tokens),
                 ("--speculative-dspark-block-size", self.speculative_dspark_block_size),
+                ("--speculative-dspark-sps-table-path", self.speculative_dspark_sps_table_path),
+                ("--speculative-dspark-confidence-sts-path",
+                 self.speculative_dspark_confidence_sts_path),
             ):
                 if value is not None:
                     raise ValueError(f"{flag} needs --speculative-algorithm (NEXTN or DSPARK)")
@@ -350,12 +394,25 @@ class ServerArgs:
                 f"chain (topk 1): got {self.speculative_num_draft_tokens} draft tokens for "
                 f"{self.speculative_num_steps} steps"
             )
-        if self.speculative_dspark_block_size is not None:
-            raise ValueError("--speculative-dspark-block-size is DSPARK-only")
+        for flag, value in (
+            ("--speculative-dspark-block-size", self.speculative_dspark_block_size),
+            ("--speculative-dspark-sps-table-path", self.speculative_dspark_sps_table_path),
+            ("--speculative-dspark-confidence-sts-path",
+             self.speculative_dspark_confidence_sts_path),
+        ):
+            if value is not None:
+                raise ValueError(f"{flag} is DSPARK-only")
 
     def _check_dspark(self) -> None:
         if not self.speculative_draft_model_path:
-            raise ValueError("--speculative-algorithm DSPARK needs --speculative-draft-model-path")
+            # Else the draft is the target checkpoint's dspark/ subfolder (configs/dspark.py
+            # find_dspark_draft, which the worker runs with the full checks).
+            target = resolve_model_path(self.model_path)
+            if not os.path.isdir(os.path.join(target, "dspark")):
+                raise ValueError(
+                    "--speculative-draft-model-path is required for --speculative-algorithm "
+                    f"DSPARK unless the target checkpoint has a 'dspark/' draft subfolder "
+                    f"(none in {target!r})")
         for flag, value in (
             ("--speculative-num-steps", self.speculative_num_steps),
             ("--speculative-num-draft-tokens", self.speculative_num_draft_tokens),
@@ -369,78 +426,17 @@ class ServerArgs:
             raise ValueError("--speculative-eagle-topk: DSPARK drafts a single chain (topk 1)")
         if self.speculative_dspark_block_size is not None:
             _int_at_least("--speculative-dspark-block-size", self.speculative_dspark_block_size, 2)
+        # The planner's files exist and parse (their fit to the draft is checked by the worker).
+        from sglang.srt.speculative.dspark_worker import load_dspark_tables
+
+        load_dspark_tables(self.speculative_dspark_sps_table_path,
+                           self.speculative_dspark_confidence_sts_path)
 
     # ------------------------------------------------------------------ CLI
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Register every flag (SGLang's names) on ``parser``; defaults come from the fields."""
-        d = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
-        a = parser.add_argument
-        a("--model-path", "--model", type=str, default=d["model_path"],
-          help="Checkpoint folder or preset name (e.g. ling-3.0-flash); default: bundled model.")
-        a("--tokenizer-path", type=str, default=d["tokenizer_path"], help="Default: the model path.")
-        a("--trust-remote-code", action="store_true", help=_compat_help("--trust-remote-code"))
-        a("--load-format", choices=LOAD_FORMAT_CHOICES, default=d["load_format"],
-          help="dummy: random weights from the config (performance work).")
-        a("--json-model-override-args", type=str, default=d["json_model_override_args"],
-          help="JSON object overriding config.json fields, e.g. '{\"num_hidden_layers\": 2}'.")
-        a("--context-length", type=int, default=d["context_length"])
-        a("--served-model-name", type=str, default=d["served_model_name"])
-        a("--host", type=str, default=d["host"])
-        a("--port", type=int, default=d["port"])
-        a("--api-key", type=str, default=d["api_key"], help="Require this bearer token.")
-        a("--skip-server-warmup", action="store_true")
-        a("--dtype", choices=DTYPE_CHOICES, default=d["dtype"],
-          help="auto: bfloat16 on CUDA, float32 on CPU.")
-        a("--device", choices=DEVICE_CHOICES, default=d["device"])
-        a("--tp-size", "--tensor-parallel-size", type=int, default=d["tp_size"])
-        a("--random-seed", type=int, default=d["random_seed"])
-        a("--mem-fraction-static", type=float, default=d["mem_fraction_static"],
-          help=f"Fraction of GPU memory for weights and caches (default {DEFAULT_MEM_FRACTION_STATIC}).")
-        a("--max-running-requests", type=int, default=d["max_running_requests"])
-        a("--max-total-tokens", type=int, default=d["max_total_tokens"])
-        a("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"],
-          help=f"Tokens per prefill chunk (default {DEFAULT_CHUNKED_PREFILL_SIZE}); -1 disables.")
-        a("--disable-radix-cache", action="store_true", help=_compat_help("--disable-radix-cache"))
-        a("--disable-overlap-schedule", action="store_true", help="Consume each step's result "
-          "before launching the next (no host run-ahead).")
-        a("--disable-cuda-graph", action="store_true",
-          help="Run every forward eagerly (no CUDA graph capture); always on without CUDA.")
-        a("--cuda-graph-max-bs", type=int, default=d["cuda_graph_max_bs"],
-          help="Largest batch size captured (default: the largest --cuda-graph-bs, else "
-               f"{DEFAULT_CUDA_GRAPH_MAX_BS}, or {SPECULATIVE_CUDA_GRAPH_MAX_BS} with speculative "
-               "decoding, capped by --max-running-requests).")
-        a("--cuda-graph-bs", type=int, nargs="+", default=d["cuda_graph_bs"],
-          help="Batch sizes to capture (default: 1, 2, 4, 8, 12, 16, 24, 32, ... up to "
-               "--cuda-graph-max-bs; finer steps with speculative decoding).")
-        a("--attention-backend", type=str, default=d["attention_backend"],
-          help=f"One of {', '.join(SUPPORTED_ATTENTION_BACKENDS)} "
-               "(trtllm_mla is accepted and served by the default); default triton on CUDA, "
-               "torch_native on CPU.")
-        a("--flashinfer-allreduce-fusion-backend", choices=FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES,
-          default=d["flashinfer_allreduce_fusion_backend"],
-          help=_compat_help("--flashinfer-allreduce-fusion-backend"))
-        a("--kda-prefill-impl", choices=KDA_PREFILL_IMPL_CHOICES, default=d["kda_prefill_impl"],
-          help="KDA prefill kernel: torch (reference), fla (fla-core chunk_kda), auto.")
-        a("--moe-runner-backend", choices=KERNEL_BACKEND_CHOICES, default=d["moe_runner_backend"],
-          help="Decode/verify routed experts: triton = grouped mat-vec, experts read in place; "
-               "auto = triton on CUDA, torch_native elsewhere.")
-        a("--linear-attn-decode-backend", choices=KERNEL_BACKEND_CHOICES, help="KDA decode/verify "
-          "recurrence: triton = one kernel per layer; auto = triton on CUDA, torch_native elsewhere.",
-          default=d["linear_attn_decode_backend"])
-        a("--watchdog-timeout", type=float, default=d["watchdog_timeout"])
-        a("--speculative-algorithm", type=str, default=d["speculative_algorithm"],
-          help="NEXTN (alias EAGLE) or DSPARK.")
-        a("--speculative-draft-model-path", "--speculative-draft-model", type=str,
-          default=d["speculative_draft_model_path"])
-        a("--speculative-num-steps", type=int, default=d["speculative_num_steps"])
-        a("--speculative-eagle-topk", type=int, default=d["speculative_eagle_topk"])
-        a("--speculative-num-draft-tokens", type=int, default=d["speculative_num_draft_tokens"])
-        a("--speculative-dspark-block-size", type=int, default=d["speculative_dspark_block_size"])
-        a("--log-level", choices=LOG_LEVEL_CHOICES, default=d["log_level"])
-        a("--stream-interval", type=int, default=d["stream_interval"])
-        a("--decode-log-interval", type=int, default=d["decode_log_interval"])
-        a("--enable-metrics", action="store_true", help=_compat_help("--enable-metrics"))
+        register_server_flags(parser, {f.name: f.default for f in dataclasses.fields(ServerArgs)})
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
@@ -452,33 +448,41 @@ class ServerArgs:
 add_cli_args = ServerArgs.add_cli_args
 
 
-def _compat_help(flag: str) -> str:
-    return f"Accepted for compatibility; no effect: {COMPAT_ONLY_FLAGS[flag]}."
-
-
 def warn_compat_flags(server_args: ServerArgs) -> List[str]:
-    """Log one warning per process for each compatibility-only flag (``COMPAT_ONLY_FLAGS``) and
-    ``SGLANG_*`` variable (``environ.warn_compat_envs``) set to something other than its default.
-    Returns the flags and variable names that are set."""
+    """Warn once per process, for each flag of ``NO_OP_FLAGS`` that is set, what it does here,
+    and about compatibility-only ``SGLANG_*`` variables that are set
+    (``environ.warn_compat_envs``). Returns those flags and variable names. A warning, not an
+    info line: the CLI parses its flags before logging is configured, when only warnings show."""
     defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
     flags = []
-    for flag, why in COMPAT_ONLY_FLAGS.items():
+    for flag, what in NO_OP_FLAGS.items():
         field = flag[2:].replace("-", "_")
         if getattr(server_args, field) == defaults[field]:
             continue
         flags.append(flag)
-        if flag not in _COMPAT_WARNED:
-            _COMPAT_WARNED.add(flag)
-            logger.warning("%s is accepted for compatibility with upstream SGLang and has no "
-                           "effect here: %s", flag, why)
+        if flag not in _NO_OP_LOGGED:
+            _NO_OP_LOGGED.add(flag)
+            logger.warning("%s: %s.", flag, what)
     return flags + warn_compat_envs()
 
 
 def prepare_server_args(argv: Sequence[str]) -> ServerArgs:
-    """Parse ``argv`` (without the program name); bad values exit with code 2 naming the flag."""
+    """Parse ``argv`` (without the program name); bad values exit with code 2 naming the flag.
+
+    ``--config FILE.yaml`` supplies flag values from a YAML mapping; flags on the command line
+    override them (``server_args_config_parser.ConfigArgumentMerger``).
+    """
     parser = argparse.ArgumentParser(prog="python -m sglang.launch_server")
     ServerArgs.add_cli_args(parser)
-    args = parser.parse_args(list(argv))
+    parser.add_argument("--config", type=str, default=None, metavar="FILE.yaml",
+                        help="YAML mapping of flag names (with or without '--', dashes or "
+                             "underscores) to values; command-line flags override them.")
+    argv = list(argv)
+    try:
+        ConfigArgumentMerger(parser).apply(argv)
+    except ValueError as e:
+        parser.error(str(e))
+    args = parser.parse_args(argv)
     try:
         return ServerArgs.from_cli_args(args)
     except ValueError as e:

@@ -8,6 +8,7 @@ including a layer, can import it without a cycle and without slowing ``--help`` 
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, List, Tuple
 
 __all__ = [
@@ -34,6 +35,13 @@ __all__ = [
     "KNOWN_UPSTREAM_ATTENTION_BACKENDS",
     "SPECULATIVE_ALGORITHMS",
     "SPECULATIVE_ALIASES",
+    "FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES",
+    "LOG_REQUESTS_LEVEL_CHOICES",
+    "DEFAULT_LOG_REQUESTS_LEVEL",
+    "DEFAULT_WATCHDOG_TIMEOUT",
+    "CPU_MAX_DEFAULT_THREADS",
+    "available_cpu_cores",
+    "default_cpu_num_threads",
 ]
 
 # ---------------------------------------------------------------------------- memory and batching
@@ -116,6 +124,40 @@ def torch_dtype(name: str):
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
+# --log-requests-level (upstream's levels): 0 metadata, 1 + sampling parameters, 2 + the input and
+# output cut to a few thousand characters, 3 + everything.
+LOG_REQUESTS_LEVEL_CHOICES = (0, 1, 2, 3)
+DEFAULT_LOG_REQUESTS_LEVEL = 2
+# --flashinfer-allreduce-fusion-backend values upstream accepts (only "auto" is served here).
+FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES = ("auto", "trtllm", "mnnvl")
+# --watchdog-timeout: seconds a scheduler may go without finishing a forward while it has work.
+DEFAULT_WATCHDOG_TIMEOUT = 300.0
+
+# ---------------------------------------------------------------------------- CPU threads
+# Default cap on torch's intra-op threads per scheduler process (--cpu-num-threads unset, CPU).
+# OpenMP threads meet at a barrier after every op: when the machine is shared (other TP ranks,
+# this server's own tokenizer and detokenizer processes, a CI job next door) and there are more
+# threads than free cores, one preempted thread holds up every op, and the step time collapses
+# instead of degrading. The small matrices of a batch-1 decode step gain little past a few
+# threads anyway, so a few threads per rank are the safe default; --cpu-num-threads overrides.
+CPU_MAX_DEFAULT_THREADS = 4
+
+
+def available_cpu_cores() -> int:
+    """Cores this process may run on: its CPU affinity (``taskset``, cgroup cpusets), which can
+    be fewer than ``os.cpu_count()`` reports on a shared machine."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # no affinity API (macOS, Windows)
+        return max(1, os.cpu_count() or 1)
+
+
+def default_cpu_num_threads(tp_size: int, cores: int) -> int:
+    """Threads per scheduler when ``--cpu-num-threads`` is unset: the ``cores`` split between
+    the ``tp_size`` ranks, at most :data:`CPU_MAX_DEFAULT_THREADS`, at least one."""
+    if isinstance(tp_size, bool) or not isinstance(tp_size, int) or tp_size < 1:
+        raise ValueError(f"tp_size must be an integer >= 1, got {tp_size!r}")
+    return max(1, min(CPU_MAX_DEFAULT_THREADS, cores // tp_size))
 
 # ---------------------------------------------------------------------------- backends
 # --moe-runner-backend / --linear-attn-decode-backend: "triton" runs the project's kernels

@@ -5,6 +5,11 @@
 through its pipe (a startup failure is re-raised here with the child's traceback), then creates
 the :class:`TokenizerManager` in this process. The HTTP server reuses the same function.
 
+The children ignore SIGINT and SIGTERM: a Ctrl-C in a terminal (or a service manager's SIGTERM)
+reaches the whole process group, and the children must keep serving while the parent drains its
+in-flight requests; the parent then stops them (:func:`shutdown_subprocesses`), and they die
+with it if it is killed outright (parent-death signal).
+
 Example::
 
     import sglang
@@ -20,7 +25,7 @@ import dataclasses
 import logging
 import multiprocessing as mp
 import os
-import time
+import signal
 from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Tuple, Union
 
 from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
@@ -32,6 +37,7 @@ from sglang.srt.server_args import PortArgs, ServerArgs
 logger = logging.getLogger(__name__)
 
 ChildProcesses = List[Tuple[str, Any]]  # (name, multiprocessing.Process)
+CHILD_JOIN_TIMEOUT_S = 5.0  # how long shutdown waits for each killed child to be reaped
 
 
 def _launch_subprocesses(
@@ -51,14 +57,15 @@ def _launch_subprocesses(
     try:
         for rank in range(server_args.tp_size):
             reader, writer = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=run_scheduler_process, name=f"sglang-scheduler-tp{rank}",
-                               args=(server_args, port_args, rank, writer), daemon=True)
+            proc = ctx.Process(target=_child_main, name=f"sglang-scheduler-tp{rank}",
+                               args=(run_scheduler_process, server_args, port_args, rank, writer),
+                               daemon=True)
             proc.start()
             writer.close()  # only the child writes; EOF then means the child is gone
             children.append((f"scheduler TP{rank}", proc))
             readers.append(reader)
-        detok = ctx.Process(target=run_detokenizer_process, name="sglang-detokenizer",
-                            args=(server_args, port_args), daemon=True)
+        detok = ctx.Process(target=_child_main, name="sglang-detokenizer",
+                            args=(run_detokenizer_process, server_args, port_args), daemon=True)
         detok.start()
         children.append(("detokenizer", detok))
         infos = [_wait_ready(name, proc, reader)
@@ -71,6 +78,17 @@ def _launch_subprocesses(
     scheduler_info = dict(infos[0])
     scheduler_info.pop("status", None)
     return tokenizer_manager, scheduler_info, children
+
+
+def _child_main(target: Any, *args: Any) -> None:
+    """Entry point of every child process: ignore SIGINT / SIGTERM, then run ``target(*args)``.
+
+    Those signals are meant for the parent, which drains in-flight requests first and needs the
+    children alive meanwhile; a signal sent to the process group must not cut them short.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    target(*args)
 
 
 def _wait_ready(name: str, proc: Any, reader: Any) -> Dict[str, Any]:
@@ -91,16 +109,19 @@ def _wait_ready(name: str, proc: Any, reader: Any) -> Dict[str, Any]:
 
 
 def shutdown_subprocesses(children: ChildProcesses, port_args: Optional[PortArgs] = None) -> None:
-    """Terminate the children (SIGTERM, then SIGKILL after 5 s) and remove IPC files."""
+    """Stop the children and remove the IPC files.
+
+    SIGKILL, because the children ignore SIGTERM (see the module docstring) and hold nothing that
+    needs flushing: requests are drained (or aborted) by the caller before this, the IPC files
+    are removed here, and the OS frees their memory (device memory included).
+    """
     for _, proc in children:
-        if proc.is_alive():
-            proc.terminate()
-    deadline = time.monotonic() + 5.0
-    for _, proc in children:
-        proc.join(timeout=max(0.0, deadline - time.monotonic()))
         if proc.is_alive():
             proc.kill()
-            proc.join(timeout=5.0)
+    for name, proc in children:
+        proc.join(timeout=CHILD_JOIN_TIMEOUT_S)
+        if proc.is_alive():  # e.g. stuck in uninterruptible device I/O: do not hang on it
+            logger.error("the %s process (pid %s) did not exit after SIGKILL", name, proc.pid)
     if port_args is not None:
         for path in port_args.ipc_paths():
             try:

@@ -29,6 +29,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 
 import sglang
+from sglang.srt.entrypoints.http_extra_routes import include_extra_routes
 from sglang.srt.entrypoints.openai.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -71,6 +72,9 @@ class _GlobalState:
     scheduler_info: Dict[str, Any]
     startup_time: float
     shutting_down: bool = False
+    # The warmup request has completed (or was skipped and the HTTP port answers): until then
+    # the health checks answer 503, so a load balancer never routes to a cold server.
+    warmed_up: bool = False
     failure: Optional[str] = None  # why the server stopped itself (warmup failed, ...)
 
 
@@ -107,6 +111,7 @@ app = FastAPI(title="sglang", version=sglang.__version__)
 
 
 install_error_handlers(app)
+include_extra_routes(app, lambda: _st().tokenizer_manager)  # /tokenize, /detokenize, /metrics
 
 
 class _ApiKeyMiddleware:
@@ -171,9 +176,10 @@ async def _generation_alive(tm: Any, timeout_s: float) -> bool:
 @app.get("/health")
 @app.get("/health_generate")
 async def health(request: Request) -> Response:
-    """503 while starting, shutting down or after a child died; otherwise a generation probe."""
+    """503 until the warmup is done, while shutting down or after a child died; otherwise a
+    generation probe."""
     st = _state
-    if st is None or st.shutting_down:
+    if st is None or st.shutting_down or not st.warmed_up:
         return Response(status_code=503)
     tm = st.tokenizer_manager
     if not _flag(tm, "is_ready") or not _flag(tm, "is_healthy"):
@@ -187,9 +193,10 @@ async def health(request: Request) -> Response:
 
 @app.get("/ready")
 async def ready() -> Response:
-    """200 once the TokenizerManager reports ready."""
+    """200 once the warmup is done and the TokenizerManager reports ready."""
     st = _state
-    ok = st is not None and not st.shutting_down and _flag(st.tokenizer_manager, "is_ready")
+    ok = (st is not None and not st.shutting_down and st.warmed_up
+          and _flag(st.tokenizer_manager, "is_ready"))
     return Response(status_code=200 if ok else 503)
 
 
@@ -431,11 +438,12 @@ def _fail(reason: str) -> None:
     """Stop serving because the server is unusable; ``launch_server`` then raises ``reason``."""
     logger.error("%s; shutting down", reason)
     _st().failure = reason
-    os.kill(os.getpid(), signal.SIGTERM)  # uvicorn's graceful shutdown path
+    os.kill(os.getpid(), signal.SIGTERM)  # the graceful shutdown path (nothing is in flight)
 
 
 def _wait_and_warmup(server_args: Any, tm: Any, on_ready: Optional[Any] = None) -> None:
-    """Wait for the HTTP port, send the warmup request, log the URL; SIGTERM self on failure."""
+    """Wait for the HTTP port, send the warmup request, mark the server warmed up (the health
+    checks answer 200 from then on) and log the URL; SIGTERM self on failure."""
     url = server_args.url()
     headers = {"Authorization": f"Bearer {server_args.api_key}"} if server_args.api_key else {}
     deadline = time.time() + 600
@@ -458,37 +466,52 @@ def _wait_and_warmup(server_args: Any, tm: Any, on_ready: Optional[Any] = None) 
             if r.status_code != 200:
                 raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
         except Exception as e:  # noqa: BLE001 - any failure means the server is unusable
-            _fail(f"the warmup request failed: {e}")
+            if not _st().shutting_down:  # else a signal cut the warmup short: not a failure
+                _fail(f"the warmup request failed: {e}")
             return
+    if _st().shutting_down:
+        return
+    _st().warmed_up = True
     logger.info("The server is fired up and ready to roll! Serving at %s", url)
     if on_ready is not None:
         on_ready()
 
 
+def _begin_shutdown() -> None:
+    # Called on the event loop when the drain starts: the health checks turn 503 at once.
+    _st().shutting_down = True
+
+
 def launch_server(server_args: Any, on_ready: Optional[Any] = None) -> None:
-    """Start the engine's children, serve HTTP until SIGINT/SIGTERM, then stop the children.
+    """Check the port, start the engine's children, serve HTTP until SIGINT/SIGTERM (which
+    drain: ``server_lifecycle.GracefulServer``), then stop the children.
 
     ``on_ready`` (optional) is called from the warmup thread once the server answers requests.
-    Raises ``RuntimeError`` if the server had to stop itself (e.g. the warmup request failed).
+    Raises ``RuntimeError`` if the port is taken (``PortInUseError``, before any child starts)
+    or the server had to stop itself (e.g. the warmup request failed).
     """
+    from sglang.srt.entrypoints import server_lifecycle as lifecycle
+
+    grace_s = lifecycle.graceful_shutdown_timeout()  # ValueError naming the variable
+    lifecycle.check_port_free(server_args.host, server_args.port)  # before torch is imported
     from sglang.srt.entrypoints.engine import _launch_subprocesses, shutdown_subprocesses
 
     tm, scheduler_info, children = _launch_subprocesses(server_args)
     set_global_state(tm, server_args, scheduler_info)
-    threading.Thread(target=_wait_and_warmup, args=(server_args, tm, on_ready),
-                     name="warmup", daemon=True).start()
-    try:
-        uvicorn.run(
-            app,
-            host=server_args.host,
-            port=server_args.port,
-            log_level=server_args.log_level,
-            timeout_keep_alive=5,
-            access_log=server_args.log_level == "debug",
-        )
+    try:  # from here on, whatever ends this (a signal included) stops the children
+        gate = lifecycle.DrainGate(app)
+        config = uvicorn.Config(gate, host=server_args.host, port=server_args.port,
+                                log_level=server_args.log_level, timeout_keep_alive=5,
+                                timeout_graceful_shutdown=lifecycle.ABORT_SETTLE_S,
+                                access_log=server_args.log_level == "debug")
+        server = lifecycle.GracefulServer(config, gate, grace_s, abort_all=tm.abort_all_requests,
+                                          on_drain=_begin_shutdown)
+        threading.Thread(target=_wait_and_warmup, args=(server_args, tm, on_ready),
+                         name="warmup", daemon=True).start()
+        server.run()
     finally:
         _st().shutting_down = True
         tm.close()
         shutdown_subprocesses(children, tm.port_args)
         if _st().failure is not None:
-            raise RuntimeError(_st().failure)  # replaces the SystemExit of our own SIGTERM
+            raise RuntimeError(_st().failure)

@@ -35,6 +35,7 @@ from sglang.srt.managers.schedule_batch import FINISH_ABORT, Req, ScheduleBatch,
 from sglang.srt.managers.scheduler_output_processor import SchedulerOutputProcessorMixin
 from sglang.srt.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
 from sglang.srt.managers.scheduler_round import SchedulerRoundMixin
+from sglang.srt.managers.scheduler_watchdog import SchedulerWatchdog
 from sglang.srt.managers.tp_worker import GenerationBatchResult, TpModelWorker
 from sglang.srt.managers.utils import (
     configure_child_logging,
@@ -469,15 +470,21 @@ def run_scheduler_process(server_args: Any, port_args: Any, tp_rank: int, pipe_w
     ``pipe_writer``, then run the event loop until the parent goes away."""
     set_parent_death_signal()
     configure_child_logging(server_args, f"TP{tp_rank}")
-    if server_args.resolved_device() == "cpu" and "OMP_NUM_THREADS" not in os.environ:
-        # TP ranks share the cores; OMP_NUM_THREADS, when set, is the caller's choice.
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // server_args.tp_size))
+    # --cpu-num-threads, else a few threads per TP rank on CPU (ServerArgs.resolved_cpu_num_threads
+    # says why). Set again once the scheduler exists: a CPU TP group's setup splits the threads
+    # by its own rule (parallel_state.set_cpu_threads_for_rank).
+    threads = server_args.resolved_cpu_num_threads()
+    if threads is not None:
+        torch.set_num_threads(threads)
     try:
         scheduler = Scheduler(server_args, port_args, tp_rank)
     except Exception as e:
         pipe_writer.send({"status": "error", "error": f"{type(e).__name__}: {e}",
                           "traceback": traceback.format_exc()})
         return
+    if threads is not None:
+        torch.set_num_threads(threads)
+    SchedulerWatchdog(scheduler, server_args.watchdog_timeout).start()
     pipe_writer.send({"status": "ready", **scheduler.get_init_info()})
     try:
         scheduler.event_loop_normal()

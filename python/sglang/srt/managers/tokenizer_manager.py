@@ -10,6 +10,10 @@ directly: it hands each update to the event loop that created the request
 loop, uvicorn's, or a user's) and all state changes happen on that loop's thread. The same
 thread watches the child processes: if one dies, every pending request fails with an error and
 ``is_healthy()`` turns False, so nothing waits forever.
+
+With ``--log-requests`` each request is logged when sent and when finished
+(``request_logger``); with ``--enable-metrics`` the receive thread feeds the Prometheus request
+metrics (``metrics.collector``), which ``GET /metrics`` serves.
 """
 from __future__ import annotations
 
@@ -35,7 +39,9 @@ from sglang.srt.managers.io_struct import (
     ProfileReq,
     ProfileReqOutput,
 )
+from sglang.srt.managers.request_logger import RequestLogger
 from sglang.srt.managers.request_state import ReqState, build_tokenized_request
+from sglang.srt.managers.template_manager import apply_chat_template_override
 from sglang.srt.managers.utils import load_tokenizer
 from sglang.srt.speculative.spec_info import SpecMetricsOutput
 
@@ -56,8 +62,17 @@ class TokenizerManager:
         self.model_config = ModelConfig.from_path(server_args.model_path,
                                                   server_args.json_model_override_args)
         self.tokenizer = load_tokenizer(server_args)
+        apply_chat_template_override(self.tokenizer, server_args.chat_template)
         self.context_len = server_args.context_length or self.model_config.context_len
         self.vocab_size = self.model_config.vocab_size
+        # --log-requests / --enable-metrics (prometheus_client is imported only with the flag).
+        self.request_logger = (RequestLogger(server_args.log_requests_level)
+                               if server_args.log_requests else None)
+        self.metrics = None
+        if server_args.enable_metrics:
+            from sglang.srt.metrics.collector import ServerMetrics
+
+            self.metrics = ServerMetrics(server_args.served_model_name)
 
         self.rid_to_state: Dict[str, ReqState] = {}
         self._control_waiters: Dict[type, Deque[Tuple[asyncio.AbstractEventLoop, asyncio.Future]]] = {
@@ -67,6 +82,8 @@ class TokenizerManager:
         self._child_processes: List[Tuple[str, Any]] = []
         self._dead_reason: Optional[str] = None
         self._closed = False
+        # Set by abort_all_requests (shutdown): why new generate requests are refused.
+        self._refusing: Optional[str] = None
         # Wall-clock time of the last message from the backend (health checks under load).
         self.last_receive_tstamp = 0.0
 
@@ -108,6 +125,18 @@ class TokenizerManager:
         """Ask the scheduler to abort a request (its waiter then gets finish_reason abort)."""
         self._send(AbortReq(rid=rid, abort_all=abort_all))
 
+    def abort_all_requests(self, reason: str = "the server is shutting down") -> int:
+        """Shutdown: refuse new generate requests from now on (``RuntimeError(reason)``) and
+        abort every running or queued one in the scheduler; each then ends with finish_reason
+        abort. Returns how many requests were pending here. Control requests keep working."""
+        with self._lock:
+            # Under the lock: a request being tokenized right now is refused when it registers,
+            # so nothing slips past the abort below and runs to its end.
+            self._refusing = reason
+            pending = len(self.rid_to_state)
+        self.abort_request("", abort_all=True)
+        return pending
+
     # ------------------------------------------------------------------ generate
     async def generate_request(self, obj: GenerateReqInput,
                                request: Any = None) -> AsyncIterator[Any]:
@@ -120,6 +149,8 @@ class TokenizerManager:
         given, a client disconnect aborts the request.
         """
         self._check_alive()
+        if self._refusing is not None:
+            raise RuntimeError(self._refusing)
         obj.normalize_batch_and_arguments()
         if obj.is_single:
             tokenized = (await self._tokenize([obj]))[0]
@@ -171,12 +202,17 @@ class TokenizerManager:
     def _register(self, obj: GenerateReqInput, tokenized: Any) -> ReqState:
         state = ReqState(obj, tokenized, asyncio.get_running_loop(), self.tokenizer)
         with self._lock:
+            if self._refusing is not None:
+                raise RuntimeError(self._refusing)
             if obj.rid in self.rid_to_state:
                 raise ValueError(f"duplicate request id {obj.rid!r}: a request with this rid is "
                                  "still running")
             self.rid_to_state[obj.rid] = state
         if self._dead_reason is not None:  # died between the check and the registration
             state.fail(self._dead_reason)
+        if self.metrics is not None:  # before the send: the first output may arrive at once
+            self.metrics.tokenizer.on_request(obj.rid, state.created_time, state.prompt_tokens,
+                                              bool(obj.stream), obj.log_metrics)
         try:
             self._send(tokenized)
         except Exception as e:
@@ -185,12 +221,16 @@ class TokenizerManager:
             with self._lock:
                 if self.rid_to_state.get(obj.rid) is state:
                     del self.rid_to_state[obj.rid]
+            if self.metrics is not None:
+                self.metrics.tokenizer.forget(obj.rid)
             if isinstance(e, (RecursionError, pickle.PicklingError, TypeError)):
                 raise ValueError(f"request {obj.rid!r} cannot be sent to the scheduler (it is "
                                  f"nested too deeply or holds non-serializable values): "
                                  f"{type(e).__name__}: {e}") from e
             raise RuntimeError(f"could not hand request {obj.rid!r} to the scheduler: "
                                f"{type(e).__name__}: {e}") from e
+        if self.request_logger is not None:
+            self.request_logger.log_received(obj, tokenized.input_ids)
         return state
 
     async def _wait_one_response(self, state: ReqState, request: Any) -> AsyncIterator[dict]:
@@ -203,9 +243,12 @@ class TokenizerManager:
                 if state.error is not None:
                     raise RuntimeError(state.error)
                 if state.finished:
+                    out = state.to_output()
+                    if self.request_logger is not None:
+                        self.request_logger.log_finished(state.obj, out)
                     if state.bad_request_message is not None:
                         raise ValueError(state.bad_request_message)
-                    yield state.to_output()
+                    yield out
                     return
                 if state.updates > state.seen_updates:
                     state.seen_updates = state.updates
@@ -351,6 +394,12 @@ class TokenizerManager:
             for i, state in enumerate(states):
                 if state is not None:
                     state.post(obj, i)
+            if self.metrics is not None:  # by rid: a request whose client left still finishes
+                now = time.perf_counter()
+                for i, rid in enumerate(obj.rids):
+                    self.metrics.tokenizer.on_output(rid, obj.completion_tokens[i],
+                                                     obj.cached_tokens[i],
+                                                     obj.finished_reasons[i], now)
         elif isinstance(obj, SpecMetricsOutput):
             # Sent just before the token message that finishes these requests.
             with self._lock:

@@ -1,7 +1,8 @@
 """``POST /v1/chat/completions``: chat on top of the TokenizerManager.
 
-The prompt is rendered with the tokenizer's own chat template (``tokenizer_config.json``) and
-tokenized here, so the template's special tokens are not re-added by the TokenizerManager. A
+The prompt is rendered with the tokenizer's own chat template (``tokenizer_config.json``), or
+the one ``--chat-template`` names (``managers/template_manager.py`` installs it on the tokenizer),
+and tokenized here, so the template's special tokens are not re-added by the TokenizerManager. A
 tokenizer without a template is a 400 that says so instead of guessing a format.
 
 ``chat_template_kwargs`` reach the template only through an allow-list
@@ -115,7 +116,8 @@ class OpenAIServingChat(OpenAIServingBase):
     """Handler of ``/v1/chat/completions`` (streaming, ``n``, ``stop``, ``logprobs``)."""
 
     def render_prompt(self, request: ChatCompletionRequest) -> List[int]:
-        """Apply the tokenizer's chat template and tokenize (no extra special tokens)."""
+        """Apply the chat template (the tokenizer's, or ``--chat-template``) and tokenize (no
+        extra special tokens)."""
         tokenizer = self.tokenizer_manager.tokenizer
         if tokenizer is None:
             raise ValueError(
@@ -124,7 +126,8 @@ class OpenAIServingChat(OpenAIServingBase):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "the model's tokenizer has no chat template (tokenizer_config.json "
-                "'chat_template'); use /v1/completions or /generate with a formatted prompt"
+                "'chat_template'); start the server with --chat-template, or use "
+                "/v1/completions or /generate with a formatted prompt"
             )
         if not request.messages:
             raise ValueError("'messages' must not be empty")
