@@ -8,7 +8,7 @@ row). The LM head's logits are all-gathered by :class:`LogitsProcessor`.
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -22,7 +22,8 @@ from sglang.srt.distributed import (
 from sglang.srt.layers.linear import copy_checked
 from sglang.srt.model_loader.weight_utils import LazyWeight
 
-__all__ = ["pad_vocab_size", "vocab_parallel_lookup", "VocabParallelEmbedding", "ParallelLMHead"]
+__all__ = ["pad_vocab_size", "vocab_parallel_lookup", "VocabParallelEmbedding", "ParallelLMHead",
+           "SharedEmbedAndHead"]
 
 
 def pad_vocab_size(vocab_size: int, tp_size: int) -> int:
@@ -98,3 +99,28 @@ class ParallelLMHead(VocabParallelEmbedding):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         """Not callable: the head is applied by LogitsProcessor."""
         raise RuntimeError("ParallelLMHead is applied through LogitsProcessor, not called")
+
+
+class SharedEmbedAndHead:
+    """For draft models that use the target's word embedding and LM head instead of their own:
+    the host class sets ``config`` (``vocab_size``, ``hidden_size``), ``tp_size`` and
+    ``_shared = {}`` in its constructor."""
+
+    config: Any
+    tp_size: int
+    _shared: Dict[str, torch.Tensor]
+
+    def set_embed_and_head(self, embed: torch.Tensor, head: torch.Tensor) -> None:
+        """Use the target's (local shards of) word embedding and LM head."""
+        rows = pad_vocab_size(self.config.vocab_size, self.tp_size) // self.tp_size
+        for name, w in (("embed", embed), ("head", head)):
+            if tuple(w.shape) != (rows, self.config.hidden_size):
+                raise ValueError(f"set_embed_and_head: {name} must be "
+                                 f"{(rows, self.config.hidden_size)}, got {tuple(w.shape)}")
+        self._shared = {"embed": embed, "head": head}
+
+    def get_embed_and_head(self) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The shared (target's) embedding and LM head shards."""
+        if not self._shared:
+            raise RuntimeError(f"{type(self).__name__}: set_embed_and_head was not called")
+        return self._shared["embed"], self._shared["head"]

@@ -25,7 +25,10 @@ from sglang.srt.distributed import (
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ReplicatedLinear
 from sglang.srt.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
-from sglang.srt.layers.vocab_parallel_embedding import pad_vocab_size, vocab_parallel_lookup
+from sglang.srt.layers.vocab_parallel_embedding import (
+    SharedEmbedAndHead,
+    vocab_parallel_lookup,
+)
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
 from sglang.srt.model_loader.weight_utils import LazyWeight
 from sglang.srt.models.bailing_moe_v3 import BailingMoeV3DecoderLayer, make_rope
@@ -57,7 +60,7 @@ class BailingMoeNextNModel(nn.Module):
         self.final_layernorm = RMSNorm(hidden, eps, params_dtype)
 
 
-class BailingMoeForCausalLMNextN(nn.Module):
+class BailingMoeForCausalLMNextN(SharedEmbedAndHead, nn.Module):
     """Draft model over the MTP layer; ``forward(..., hidden_states)`` -> logits + hidden states."""
 
     def __init__(self, config: BailingMoeV3Config, dtype: Optional[torch.dtype] = None):
@@ -76,22 +79,6 @@ class BailingMoeForCausalLMNextN(nn.Module):
         self._shared: Dict[str, torch.Tensor] = {}
         tag_parameter_names(self)
         self._slots: Optional[Slots] = None
-
-    # ---------------------------------------------------------------- sharing with the target
-    def set_embed_and_head(self, embed: torch.Tensor, head: torch.Tensor) -> None:
-        """Use the target's (local shards of) word embedding and LM head."""
-        rows = pad_vocab_size(self.config.vocab_size, self.tp_size) // self.tp_size
-        for name, w in (("embed", embed), ("head", head)):
-            if tuple(w.shape) != (rows, self.config.hidden_size):
-                raise ValueError(f"set_embed_and_head: {name} must be "
-                                 f"{(rows, self.config.hidden_size)}, got {tuple(w.shape)}")
-        self._shared = {"embed": embed, "head": head}
-
-    def get_embed_and_head(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The shared (target's) embedding and LM head shards."""
-        if not self._shared:
-            raise RuntimeError("BailingMoeForCausalLMNextN: set_embed_and_head was not called")
-        return self._shared["embed"], self._shared["head"]
 
     # ---------------------------------------------------------------- forward
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,

@@ -48,7 +48,10 @@ from sglang.srt.layers.activation import silu_and_mul
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ReplicatedLinear, copy_checked
 from sglang.srt.layers.rotary_embedding import get_rope
-from sglang.srt.layers.vocab_parallel_embedding import pad_vocab_size, vocab_parallel_lookup
+from sglang.srt.layers.vocab_parallel_embedding import (
+    SharedEmbedAndHead,
+    vocab_parallel_lookup,
+)
 from sglang.srt.mem_cache.dspark_context_cache import DSparkContextCache
 from sglang.srt.model_loader.dummy import init_dummy_weights
 from sglang.srt.model_loader.loader import load_safetensors_weights
@@ -228,7 +231,7 @@ class DSparkProposal(NamedTuple):
 # ============================================================================================
 # The model
 # ============================================================================================
-class DSparkDraftModel(nn.Module):
+class DSparkDraftModel(SharedEmbedAndHead, nn.Module):
     """DSpark draft (see the module docstring). Built from a :class:`DSparkDraftConfig`."""
 
     def __init__(self, config: DSparkDraftConfig, dtype: Optional[torch.dtype] = None):
@@ -260,26 +263,10 @@ class DSparkDraftModel(nn.Module):
         return self.config.gamma
 
     # ---------------------------------------------------------------- sharing with the target
-    def set_embed_and_head(self, embed: torch.Tensor, head: torch.Tensor) -> None:
-        """Use the target's (local shards of the) word embedding and LM head.
-
-        Checkpoints may carry their own ``embed_tokens`` / ``lm_head`` copies (DeepSpec saves the
-        frozen target tensors with the draft); they are skipped at load time and the target's
-        are used instead, which saves ``2 x V x d`` of memory and cannot disagree with it.
-        """
-        rows = pad_vocab_size(self.config.vocab_size, self.tp_size) // self.tp_size
-        for name, w in (("embed", embed), ("head", head)):
-            if tuple(w.shape) != (rows, self.config.hidden_size):
-                raise ValueError(f"set_embed_and_head: {name} must be "
-                                 f"{(rows, self.config.hidden_size)}, got {tuple(w.shape)}")
-        self._shared = {"embed": embed, "head": head}
-
-    def get_embed_and_head(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The shared (target's) embedding and LM head shards."""
-        if not self._shared:
-            raise RuntimeError("DSparkDraftModel: set_embed_and_head was not called")
-        return self._shared["embed"], self._shared["head"]
-
+    # set_embed_and_head / get_embed_and_head (SharedEmbedAndHead): checkpoints may carry their
+    # own embed_tokens / lm_head copies (DeepSpec saves the frozen target tensors with the
+    # draft); they are skipped at load time and the target's are used instead, which saves
+    # 2 x V x d of memory and cannot disagree with it.
     def embed(self, ids: torch.Tensor) -> torch.Tensor:
         """Embeddings from the target's table, ``ids [...] -> [..., d]`` in the draft dtype."""
         embed, _ = self.get_embed_and_head()
