@@ -127,9 +127,9 @@ def test_spec_worker_registry():
     assert get_spec_worker_class(None) is None and get_spec_worker_class("none") is None
     cls = get_spec_worker_class("eagle")
     assert issubclass(cls, BaseSpecWorker) and cls.__name__ == "NEXTNWorker"
-    assert set(SPEC_WORKERS) == {"NEXTN"}
-    with pytest.raises(ValueError, match="no DSPARK worker"):
-        get_spec_worker_class("DSPARK")
+    assert set(SPEC_WORKERS) == {"NEXTN", "DSPARK"}
+    dspark = get_spec_worker_class("dspark")
+    assert issubclass(dspark, BaseSpecWorker) and dspark.__name__ == "DSparkWorker"
     with pytest.raises(ValueError, match="unknown"):
         get_spec_worker_class("medusa")
 

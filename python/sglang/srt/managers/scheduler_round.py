@@ -210,4 +210,5 @@ class SchedulerRoundMixin:
             "spec_num_accept_tokens": self.spec_num_accept_tokens,
             "speculative_num_steps": self.server_args.speculative_num_steps,
             "speculative_num_draft_tokens": self.server_args.speculative_num_draft_tokens,
+            **self.round_worker.internal_state(),  # the algorithm's own entries
         }

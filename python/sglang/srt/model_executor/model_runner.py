@@ -173,7 +173,9 @@ class ModelRunner:
     :class:`~sglang.srt.speculative.base_spec_worker.SpecRequirements`): with
     ``spec_num_draft_tokens = N > 0`` the KDA pool gets the stage-then-commit scratch for ``N``
     chain positions (counted in the CUDA memory plan, as are the weights of
-    ``draft_model_config``'s draft, which loads after the pools), and the request->token map and
+    ``draft_model_config``'s draft, which loads after the pools, or ``draft_weight_elems`` weight
+    elements and ``draft_elems_per_kv_slot`` elements of a draft store per KV slot), and the
+    request->token map and
     the RoPE tables get ``position_headroom`` positions beyond the context length, because the
     device may run one round past a request's finish before the host notices (the scheduler's
     admission still limits requests to the context length).
@@ -207,6 +209,8 @@ class ModelRunner:
         spec_num_draft_tokens: int = 0,
         position_headroom: int = 0,
         draft_model_config: Optional[ModelConfig] = None,
+        draft_weight_elems: int = 0,
+        draft_elems_per_kv_slot: int = 0,
     ):
         if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= tp_rank < tp_size):
             raise ValueError(
@@ -238,8 +242,12 @@ class ModelRunner:
 
         # Weights loaded after this runner's pools (a NEXTN draft's own layers, ~6 GB for
         # Ling-3.0-flash's MTP layer), counted per TP rank, so after the TP group exists.
-        self.reserved_weight_bytes = 0 if draft_model_config is None else model_weight_bytes(
-            draft_model_config, dtype=self.dtype, is_draft=True)
+        elem = torch.empty((), dtype=self.dtype).element_size()
+        self.reserved_weight_bytes = draft_weight_elems * elem + (
+            0 if draft_model_config is None
+            else model_weight_bytes(draft_model_config, dtype=self.dtype, is_draft=True))
+        # A draft's own per-KV-slot store (DSpark's context K/V), allocated after the pools.
+        self.draft_bytes_per_kv_slot = draft_elems_per_kv_slot * elem
         self.model = get_model(model_config, load_format=load_format, dtype=self.dtype,
                                device=self.device, is_draft=is_draft, seed=random_seed)
         moe_runner_backend = resolve_kernel_backend(moe_runner_backend, self.device.type)
@@ -368,7 +376,8 @@ class ModelRunner:
             # The spec scratch holds one more copy of the slot's state per chain position.
             state_bytes=(self.max_running_requests + 1) * (1 + self.spec_num_draft_tokens)
             * kda_bytes_per_slot(cfg, len(kda_ids), local_heads, self.dtype),
-            bytes_per_token=kv_bytes_per_token(cfg, len(mla_ids), self.dtype),
+            bytes_per_token=kv_bytes_per_token(cfg, len(mla_ids), self.dtype)
+            + self.draft_bytes_per_kv_slot,
             free_bytes=free - self.reserved_weight_bytes, max_total_tokens=cap)
         if tokens < self.context_len:
             logger.warning("only %d KV slots fit; fewer than context_len %d", tokens,

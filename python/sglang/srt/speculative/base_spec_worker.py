@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, Optional, Sequence
 
 import torch
 
@@ -45,13 +45,20 @@ class SpecRequirements:
     # The draft's config: its weights load after the target's pools, so the target's memory plan
     # counts them (per TP rank, once the TP group exists).
     draft_model_config: Optional["ModelConfig"] = None
+    # Or, for a draft that is not a target-architecture model: its weight elements (replicated
+    # on every TP rank) and the elements of its own store per target KV slot, both in the
+    # target's dtype and allocated after the target's pools.
+    draft_weight_elems: int = 0
+    draft_elems_per_kv_slot: int = 0
 
     def runner_kwargs(self) -> dict:
         """Keyword arguments of the target's :class:`ModelRunner` that size its pools."""
         return dict(spec_num_draft_tokens=self.kda_scratch_depth,
                     position_headroom=self.position_headroom,
                     draft_extra_mla_layers=self.draft_extra_mla_layers,
-                    draft_model_config=self.draft_model_config)
+                    draft_model_config=self.draft_model_config,
+                    draft_weight_elems=self.draft_weight_elems,
+                    draft_elems_per_kv_slot=self.draft_elems_per_kv_slot)
 
 
 class BaseSpecWorker(ABC):
@@ -63,6 +70,11 @@ class BaseSpecWorker(ABC):
     # width chosen per round): a captured metadata refill would replay its capture's plan, so
     # SGLANG_ENABLE_METADATA_GLUE_GRAPH is ignored for it (model_executor/graph_refill.py).
     host_planned_attention = False
+
+    def internal_state(self) -> Dict[str, Any]:
+        """Algorithm-specific entries for ``/server_info``'s ``internal_states`` (host values
+        only; none by default)."""
+        return {}
 
     def round_cache_loc_buffer(self, bs: int) -> Optional[torch.Tensor]:
         """Where the scheduler allocates a round's KV slots (``[bs, round_tokens]``); None: a

@@ -17,6 +17,7 @@ __all__ = ["SPEC_WORKERS", "get_spec_worker_class"]
 
 SPEC_WORKERS: Dict[str, str] = {
     "NEXTN": "sglang.srt.speculative.nextn_worker:NEXTNWorker",
+    "DSPARK": "sglang.srt.speculative.dspark_worker:DSparkWorker",
 }
 
 
