@@ -26,19 +26,10 @@ from sglang.srt.speculative.dspark_verify import (
     verify_block,
 )
 from sglang.srt.speculative.spec_utils import greedy_verify_chain, sample_from_probs
+from sglang.test.test_utils import chi_square_pvalue
 
 ALPHA = 1e-3
 PAD = -1
-
-
-def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Pearson chi-square goodness of fit; p-value from the regularised upper gamma function."""
-    counts, probs = counts.double().flatten(), probs.double().flatten()
-    expected = probs / probs.sum() * counts.sum()
-    assert expected.min() >= 20, "cells too small for the chi-square approximation"
-    stat = ((counts - expected) ** 2 / expected).sum()
-    df = torch.tensor(counts.numel() - 1, dtype=torch.float64)
-    return float(torch.special.gammaincc(df / 2, stat / 2))
 
 
 # ------------------------------------------------------------------------------------------

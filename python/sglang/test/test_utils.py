@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 from urllib.parse import urlparse
 
 import requests
+import torch
 
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR
 
@@ -268,3 +269,13 @@ def launch_tiny_server(root: str, other_args: Sequence[str] = (), timeout: float
             raise RuntimeError(f"server never logged its ready line:\n{server.log()[-3000:]}")
         time.sleep(0.2)
     return server
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson chi-square goodness of fit; p-value from the regularised upper gamma function."""
+    counts, probs = counts.double().flatten(), probs.double().flatten()
+    expected = probs / probs.sum() * counts.sum()
+    assert expected.min() >= 20, "cells too small for the chi-square approximation"
+    stat = ((counts - expected) ** 2 / expected).sum()
+    df = torch.tensor(counts.numel() - 1, dtype=torch.float64)
+    return float(torch.special.gammaincc(df / 2, stat / 2))
