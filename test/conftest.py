@@ -6,6 +6,12 @@ import os
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Idle OpenMP threads sleep instead of spinning. The tests run tiny shapes on two intra-op
+# threads, often with a spawned scheduler or server beside them; spinning threads then take the
+# cores the other process needs (a bundled-model forward measured 16x slower on a busy 2-core
+# machine). The thread count, and so every result, is unchanged. Set before torch (and its
+# OpenMP runtime) is first loaded, below; spawned processes inherit it.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 
 def _has_cuda() -> bool:

@@ -27,8 +27,13 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("rows_per_x", [1, 3])
+FP32, FP16 = (torch.float32, 1e-6), (torch.float16, 2e-3)
+SLOW = pytest.mark.slow  # the interpreter: one case of each test stays in the fast set
+
+
+@pytest.mark.parametrize("dtype,tol,rows_per_x", [
+    (*FP32, 1), (*FP16, 3), pytest.param(*FP32, 3, marks=SLOW), pytest.param(*FP16, 1, marks=SLOW),
+])
 def test_grouped_gemv_matches_reference(triton_mode, dtype, tol, rows_per_x):
     gen = torch.Generator().manual_seed(rows_per_x)
     t, e, n, k = 4, 7, 70, 150  # n, k not multiples of the blocks
@@ -45,8 +50,10 @@ def test_grouped_gemv_matches_reference(triton_mode, dtype, tol, rows_per_x):
     assert _rel(got, ref) < tol
 
 
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
-@pytest.mark.parametrize("limit", [0.0, 0.7])
+@pytest.mark.parametrize("dtype,tol,limit", [
+    (*FP32, 0.7), (*FP16, 0.0), pytest.param(*FP32, 0.0, marks=SLOW),
+    pytest.param(*FP16, 0.7, marks=SLOW),
+])
 def test_swiglu_epilogue_matches_reference(triton_mode, dtype, tol, limit):
     """``swiglu_limit``: [gate; up] rows -> silu(gate) * up (clamped), as silu_and_mul does."""
     gen = torch.Generator().manual_seed(11)

@@ -45,8 +45,9 @@ def test_decode_matches_the_one_step_update():
     assert torch.equal(p[others], pool[others])
 
 
-@pytest.mark.parametrize("rows", [None, 1, 4])  # default / one block per program (the GPU's) /
-def test_verify_matches_the_chain_and_stages_windows(rows):  # 6 blocks over 2 programs, masked
+# rows: the default / one block per program (the GPU's) / 6 blocks over 2 programs, masked.
+@pytest.mark.parametrize("rows", [None, pytest.param(1, marks=pytest.mark.slow), 4])
+def test_verify_matches_the_chain_and_stages_windows(rows):
     from sgl_kernel.kda_conv import kda_conv_qkv
 
     mixed, weight, pool, slots = _inputs(n=3)
@@ -59,7 +60,7 @@ def test_verify_matches_the_chain_and_stages_windows(rows):  # 6 blocks over 2 p
     torch.testing.assert_close(staged[slots, :3], windows)
 
 
-@pytest.mark.parametrize("rows", [None, 1])
+@pytest.mark.parametrize("rows", [None, pytest.param(1, marks=pytest.mark.slow)])
 def test_chain_equals_step_by_step_bit_for_bit(rows):
     """Verify position i == the decode of token i from the window decode left: the property
     NEXTN losslessness rests on."""

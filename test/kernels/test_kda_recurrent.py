@@ -27,8 +27,10 @@ def _inputs(b=3, n=4, h=2, dk=24, dv=20, slots=6, seed=0):
     return q, k, v, g, beta, pool, slots
 
 
-@pytest.mark.parametrize("stage", [False, True])
-@pytest.mark.parametrize("block_v", [8, None])  # several value tiles (ragged last) / the default
+@pytest.mark.parametrize("stage,block_v", [  # block_v 8: several value tiles (ragged last)
+    (True, 8), (False, None), pytest.param(False, 8, marks=pytest.mark.slow),
+    pytest.param(True, None, marks=pytest.mark.slow),
+])
 def test_matches_reference(stage, block_v):
     from sgl_kernel.kda_recurrent import kda_recurrent_reference, kda_recurrent_update
 

@@ -63,8 +63,12 @@ def _run(cache, req_pool_indices, positions, heads=H, **kw):
     return out, cache.reference(q, rpi, pos)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("num_splits", [None, 3])
+FP32, FP16, SLOW = torch.float32, torch.float16, pytest.mark.slow  # SLOW: the interpreter
+
+
+@pytest.mark.parametrize("dtype,num_splits", [
+    (FP32, None), (FP16, None), (FP32, 3), pytest.param(FP16, 3, marks=SLOW),
+])
 def test_decode_matches_reference(dtype, num_splits):
     """N = 1: lengths 1, 17 and 40 (40 spans three 16-key splits in the interpreter), a padding
     row (request row 0: every key is pool slot 0) at position 0 and a long padding row."""
@@ -74,8 +78,10 @@ def test_decode_matches_reference(dtype, num_splits):
     assert _rel(out, ref) < TOL[dtype]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-@pytest.mark.parametrize("heads", [H, 5])  # 12 rows (one partial block), 15 rows
+@pytest.mark.parametrize("dtype,heads", [  # 12 rows (one partial block), 15 rows
+    (FP32, H), pytest.param(FP16, H, marks=SLOW), pytest.param(FP32, 5, marks=SLOW),
+    pytest.param(FP16, 5, marks=SLOW),
+])
 def test_chain_matches_reference(dtype, heads):
     """N = 3 tokens per request at their own positions (each sees keys up to itself); chains
     that start at position 0 and that straddle a split boundary (15, 16, 17)."""

@@ -63,6 +63,7 @@ def test_bad_inputs_are_rejected():
         moe_router_topk(logits[0], 4, b, 4, 2)
 
 
+@pytest.mark.slow  # every router of a model in the interpreter; the kernel tests above are fast
 def test_model_with_the_triton_router_matches_the_torch_router(monkeypatch):
     """SGLANG_TRITON_ROUTER=1: every router of the bundled model runs the kernel, with the
     torch router's logits and greedy tokens."""

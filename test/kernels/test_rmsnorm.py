@@ -80,6 +80,7 @@ def test_bad_inputs_are_rejected():
         rmsnorm(x, w, 1e-6, residual=x.double())
 
 
+@pytest.mark.slow  # every norm of a model in the interpreter; the kernel tests above are fast
 def test_model_with_triton_norms_matches_torch_norms():
     """The bundled model with every norm on the kernel gives the reference norms' logits and
     greedy tokens (prefill and decode)."""

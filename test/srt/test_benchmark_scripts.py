@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,6 +24,7 @@ def _run(script: str, *args: str, **env: str) -> str:
     return out.stdout
 
 
+@pytest.mark.slow
 def test_round_census_attributes_a_nextn_round_to_its_phases():
     stdout = _run("batch1/round_census.py", "--device", "cpu", "--dtype", "float32",
                   "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
@@ -33,6 +36,7 @@ def test_round_census_attributes_a_nextn_round_to_its_phases():
     assert "unprofiled" in stdout
 
 
+@pytest.mark.slow  # the interpreter
 def test_grouped_gemv_sweep_runs_and_ranks_configs():
     """benchmark/kernels/tune_grouped_gemv.py on tiny shapes in the interpreter: every config is
     checked against the reference and both projections get a ranked table with the default."""

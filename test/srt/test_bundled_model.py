@@ -51,6 +51,7 @@ def _reference_greedy(model: ReferenceBailingMoeV3, ids: list, n: int) -> list:
     return out[len(ids):]
 
 
+@pytest.mark.slow  # the reference recomputes the whole sequence for every token
 def test_engine_greedy_matches_reference(tokenizer):
     import sglang
 

@@ -198,7 +198,8 @@ def _requests(prompt_tok) -> List[TokenizedGenerateReqInput]:
 
 @pytest.mark.parametrize("spec,per_phase", [
     ({}, False), (dict(speculative_algorithm="NEXTN", speculative_num_steps=3), False),
-    (dict(speculative_algorithm="NEXTN", speculative_num_steps=3), True)],
+    pytest.param(dict(speculative_algorithm="NEXTN", speculative_num_steps=3), True,
+                 marks=pytest.mark.slow)],
     ids=["plain", "nextn3", "nextn3-per-phase"])
 def test_emulated_graphs_equal_eager_through_the_scheduler(spec, per_phase):
     """Staggered arrivals make batches of 1..4 requests replay buckets 1, 2 and 4 with padding

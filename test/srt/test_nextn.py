@@ -135,7 +135,10 @@ def ref(plain, prompts) -> List[List[int]]:
 
 # ------------------------------------------------------------------------------- no host reads
 
-@pytest.mark.parametrize("steps,batch,moe", [(3, 2, "torch_native"), (5, 4, "triton")])
+@pytest.mark.parametrize("steps,batch,moe", [
+    (3, 2, "torch_native"),
+    pytest.param(5, 4, "triton", marks=pytest.mark.slow),  # whole rounds in the interpreter
+])
 def test_round_never_reads_device_values_on_the_host(prompts, monkeypatch, steps, batch, moe):
     """The invariant the CUDA relay rests on: launching a round (draft, verify, acceptance, KDA
     commit, draft extend, the async result copy) never turns a tensor into a host value, so the
@@ -158,6 +161,7 @@ def test_round_never_reads_device_values_on_the_host(prompts, monkeypatch, steps
     assert len(rounds) >= n // steps and all(len(got.ids[f"h{i}"]) == n for i in range(batch))
 
 
+@pytest.mark.slow  # two schedulers of whole models in the interpreter
 def test_greedy_lossless_with_triton_kernels(prompts):
     """``--moe-runner-backend triton`` and ``--linear-attn-decode-backend triton`` (Triton's
     interpreter on CPU): greedy NEXTN equals greedy plain decoding with the same kernels, token
@@ -170,6 +174,10 @@ def test_greedy_lossless_with_triton_kernels(prompts):
 
 
 # ------------------------------------------------------------------------------- lossless
+# The tests taking ``ref`` (plain greedy of 8 prompts x 256 tokens, then as many speculative
+# tokens) are slow; the fast set checks NEXTN == plain through the penalized, logprob and
+# no-host-read tests here and test_nextn_engine / test_overlap / test_cuda_graph_runner.
+@pytest.mark.slow
 @pytest.mark.parametrize("steps", [1, 2, 3, 4, 5])
 def test_greedy_matches_plain_decoding(steps, prompts, ref):
     sched = spec_scheduler(steps)
@@ -194,6 +202,7 @@ def test_greedy_matches_plain_decoding(steps, prompts, ref):
     assert 1.2 < accept <= steps + 1
 
 
+@pytest.mark.slow
 def test_state_pollution(prompts, ref):
     """Greedy, then sampled / penalized / seeded requests interleaved with greedy ones, then the
     same greedy requests again: identical."""
@@ -262,6 +271,7 @@ def test_seeded_sampling_is_reproducible(prompts):
 
 
 # ------------------------------------------------------------------------------- scheduling
+@pytest.mark.slow
 def test_chunked_prefill(prompts, ref):
     sched = spec_scheduler(2, chunked_prefill_size=24)
     reqs = [greedy(f"c{i}", prompts[i], 60) for i in range(3)]
@@ -274,6 +284,7 @@ def test_chunked_prefill(prompts, ref):
     assert out.spec == whole.spec
 
 
+@pytest.mark.slow
 def test_finish_exactly_like_plain_decoding(plain, prompts, ref):
     """max_new_tokens, stop tokens, EOS and stop strings cut the output where plain decoding
     does, although the host sees tokens only one round (up to N tokens) late."""
@@ -308,6 +319,7 @@ def test_finish_exactly_like_plain_decoding(plain, prompts, ref):
     assert alloc.available_size() == sched.max_total_num_tokens
 
 
+@pytest.mark.slow
 def test_abort_mid_generation(prompts, ref):
     sched = spec_scheduler(3)
     reqs = [greedy(f"a{i}", prompts[i], 120) for i in range(3)]

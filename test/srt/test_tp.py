@@ -69,6 +69,7 @@ def test_tp2_matches_tp1(tmp_path):
     _check_tp_matches_tp1(path, 2, str(tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="CPU interpreter run")
 def test_tp2_with_triton_kernels_matches_tp1(tmp_path):
     """The Triton MoE (on this rank's intermediate slice) and KDA recurrence (on this rank's
@@ -77,12 +78,14 @@ def test_tp2_with_triton_kernels_matches_tp1(tmp_path):
     _check_tp_matches_tp1(path, 2, str(tmp_path), kernels="triton")
 
 
+@pytest.mark.slow  # four ranks on two cores; test_tp2_matches_tp1 is the fast check
 def test_tp4_matches_tp1(tmp_path):
     cfg = tiny_config(num_attention_heads=4)
     path = write_random_checkpoint(str(tmp_path / "ckpt"), cfg)
     _check_tp_matches_tp1(path, 4, str(tmp_path))
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not (BUNDLED_MODEL_DIR / "config.json").exists(), reason="no bundled model")
 def test_tp4_matches_tp1_on_the_bundled_model(tmp_path):
     _check_tp_matches_tp1(str(BUNDLED_MODEL_DIR), 4, str(tmp_path))
