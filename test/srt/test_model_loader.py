@@ -442,7 +442,8 @@ def test_cuda_kv_plan_is_capped_by_request_slots(monkeypatch, tmp_path):
     monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 20)
     fake = SimpleNamespace(hf_config=cfg, device=torch.device("cuda"), context_len=512,
                            max_running_requests=4, position_headroom=8, spec_num_draft_tokens=0,
-                           dtype=torch.bfloat16, reserved_weight_bytes=0)
+                           dtype=torch.bfloat16, reserved_weight_bytes=0,
+                           draft_bytes_per_kv_slot=0)
     plan = ModelRunner._plan_kv_tokens
     mla, kda = cfg.full_attention_layer_ids, cfg.kda_layer_ids
     assert plan(fake, mla, kda, cfg.num_attention_heads, None, 0.85) == 4 * (512 + 8)
@@ -473,7 +474,26 @@ def test_cuda_kv_plan_keeps_room_for_the_nextn_draft(monkeypatch):
         fake = SimpleNamespace(hf_config=cfg, device=torch.device("cuda"), context_len=1 << 20,
                                max_running_requests=4, position_headroom=8,
                                spec_num_draft_tokens=4, dtype=torch.bfloat16,
-                               reserved_weight_bytes=reserved)
+                               reserved_weight_bytes=reserved, draft_bytes_per_kv_slot=0)
         slots[reserved] = plan(fake, mla, kda, cfg.num_attention_heads, None, 0.8)
     per_token = kv_bytes_per_token(cfg, len(mla), torch.bfloat16)
     assert slots[0] - slots[draft] in range(draft // per_token - 1, draft // per_token + 2)
+
+
+def test_cuda_kv_plan_reserves_a_draft_store_per_kv_slot(monkeypatch, tmp_path):
+    """A DSpark draft's context store (elements per target KV slot) shrinks the KV plan."""
+    from types import SimpleNamespace
+
+    cfg = ModelConfig.from_path(write_random_checkpoint(str(tmp_path / "c"), tiny_config())).hf_config
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (1 << 30, 1 << 30))
+    monkeypatch.setattr(torch.cuda, "memory_allocated", lambda device=None: 1 << 20)
+    mla, kda = cfg.full_attention_layer_ids, cfg.kda_layer_ids
+    slots = []
+    for extra in (0, 4096):
+        fake = SimpleNamespace(hf_config=cfg, device=torch.device("cuda"), context_len=1 << 20,
+                               max_running_requests=4, position_headroom=8,
+                               spec_num_draft_tokens=4, dtype=torch.bfloat16,
+                               reserved_weight_bytes=0, draft_bytes_per_kv_slot=extra)
+        slots.append(ModelRunner._plan_kv_tokens(fake, mla, kda, cfg.num_attention_heads,
+                                                 None, 0.85))
+    assert slots[1] < slots[0]

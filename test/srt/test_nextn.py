@@ -379,7 +379,7 @@ def test_checkpoint_without_mtp_layer_fails_at_startup(tmp_path):
     path = write_checkpoint(str(tmp_path), num_nextn_predict_layers=0)
     with pytest.raises(ValueError, match="no MTP layer"):
         make_scheduler(path, speculative_algorithm="NEXTN")
-    with pytest.raises(ValueError, match="no DSPARK worker"):
+    with pytest.raises(ValueError, match="no DSpark draft config"):  # a target is no draft
         make_scheduler(path, speculative_algorithm="DSPARK",
                        speculative_draft_model_path=path)
 

@@ -447,6 +447,10 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
 
     def get_internal_state(self) -> Dict[str, Any]:
         """Counters for ``/server_info``'s ``internal_states``."""
+        if self.running_batch is None:
+            # A round still pending now ran only for requests that have finished (launched
+            # before their finish was seen): settle it, so that free slots read as free.
+            self._consume_pending_round()
         kv_free = self.token_to_kv_pool_allocator.available_size()
         return {
             "last_gen_throughput": self.last_gen_throughput,
