@@ -51,6 +51,7 @@ def test_grouped_gemv_sweep_runs_and_ranks_configs():
         assert "2 tokens (4 pairs" in table, table
 
 
+@pytest.mark.slow  # the all-reduce itself: the TP tests; a fast script smoke: test_mla_decode
 def test_allreduce_benchmark_smoke_run_on_gloo():
     """benchmark/kernels/bench_allreduce.py --device cpu: 2 gloo ranks check the sum through the
     engine's all-reduce and a plain one and print a row per message size."""
