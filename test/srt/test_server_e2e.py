@@ -25,7 +25,7 @@ import requests
 from sglang.test.test_utils import (
     DEFAULT_PORT_FOR_SRT_TEST_RUNNER,
     TinyServer,
-    child_pids,
+    descendant_pids,
     find_available_port,
     launch_tiny_server,
     process_alive,
@@ -422,15 +422,6 @@ def test_missing_bundled_model_message(tmp_path):
 
 
 # ----------------------------------------------------------------------------- shutdown
-def _descendants(pid: int) -> List[int]:
-    out, stack = [], [pid]
-    while stack:
-        for kid in child_pids(stack.pop()):
-            out.append(kid)
-            stack.append(kid)
-    return out
-
-
 def test_failed_warmup_exits_nonzero_without_orphans(server):
     # A context shorter than the warmup prompt: the server starts, its warmup gets a 400, and it
     # must stop itself cleanly with a non-zero exit code and the reason.
@@ -443,7 +434,7 @@ def test_failed_warmup_exits_nonzero_without_orphans(server):
     deadline = time.time() + 120
     while proc.poll() is None:
         assert time.time() < deadline, "server did not stop after its warmup failed"
-        seen.update(_descendants(proc.pid))
+        seen.update(descendant_pids(proc.pid))
         time.sleep(0.05)
     assert proc.returncode == 1
     assert "warmup request failed" in proc.stderr.read()
@@ -457,7 +448,7 @@ def test_failed_warmup_exits_nonzero_without_orphans(server):
 
 
 def test_sigterm_shuts_down_without_orphans(server):
-    kids = _descendants(server.process.pid)
+    kids = descendant_pids(server.process.pid)
     assert len(kids) >= 2, kids  # at least a scheduler and the detokenizer
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=60) == 0

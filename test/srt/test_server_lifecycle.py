@@ -33,7 +33,13 @@ from sglang.srt.entrypoints.server_lifecycle import (
     graceful_shutdown_timeout,
 )
 from sglang.srt.environ import envs
-from sglang.test.test_utils import child_pids, find_available_port, kill_process_tree, process_alive
+from sglang.test.test_utils import (
+    child_pids,
+    descendant_pids,
+    find_available_port,
+    kill_process_tree,
+    process_alive,
+)
 
 pytestmark = pytest.mark.skipif(not (BUNDLED_MODEL_DIR / "config.json").exists(),
                                 reason="bundled checkpoint not present")
@@ -113,15 +119,6 @@ def _wait_until(cond: Any, timeout: float, what: str, step: float = 0.05) -> Non
     while not cond():
         assert time.time() < deadline, f"timed out waiting for {what}"
         time.sleep(step)
-
-
-def _descendants(pid: int) -> List[int]:
-    out, stack = [], [pid]
-    while stack:
-        for kid in child_pids(stack.pop()):
-            out.append(kid)
-            stack.append(kid)
-    return out
 
 
 def _assert_all_gone(pids: List[int], timeout: float = 10.0) -> None:
@@ -284,7 +281,7 @@ def test_health_is_503_until_the_warmup_is_done_and_signals_drain(launch):
     # requests and a long one in flight: the short ones finish in full, new ones get 503; a
     # second signal (SIGINT, a Ctrl-C to the group) ends the grace period: the long one is
     # aborted and the process exits.
-    kids = _descendants(srv.process.pid)
+    kids = descendant_pids(srv.process.pid)
     n = 64
     with ThreadPoolExecutor(3) as pool:
         plain = pool.submit(srv.post, "/generate", {"text": "def f(x):",
@@ -322,7 +319,7 @@ def test_sigterm_with_a_client_that_stopped_reading_exits_after_the_grace_period
     srv = launch({"SGLANG_GRACEFUL_SHUTDOWN_TIMEOUT": str(STUCK_GRACE_S)},
                  ["--skip-server-warmup"])
     _wait_ready(srv)
-    kids = _descendants(srv.process.pid)
+    kids = descendant_pids(srv.process.pid)
     # Big events (every one repeats the prompt's top logprobs) and a tiny receive window: the
     # server's writes soon block for good, since this client never reads.
     body = json.dumps({

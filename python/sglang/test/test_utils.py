@@ -42,7 +42,8 @@ def child_pids(pid: int) -> List[int]:
     return kids
 
 
-def _descendants(pid: int) -> List[int]:
+def descendant_pids(pid: int) -> List[int]:
+    """Every process below ``pid`` (children, their children, ...)."""
     out: List[int] = []
     stack = [pid]
     while stack:
@@ -70,7 +71,7 @@ def kill_process_tree(parent_pid: int, include_parent: bool = True, grace_s: flo
     the parent is gone); whatever is left then gets SIGTERM and finally SIGKILL.
     """
     me = os.getpid()
-    kids = [p for p in _descendants(parent_pid) if p != me]
+    kids = [p for p in descendant_pids(parent_pid) if p != me]
     if include_parent and parent_pid != me:
         _signal_and_wait([parent_pid], signal.SIGTERM, grace_s)
         _wait_gone(kids, min(grace_s, 1.0))

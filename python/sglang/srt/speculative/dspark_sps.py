@@ -39,6 +39,17 @@ MAX_TABLE_TOKENS = 1 << 20
 _ADDITIVE_FIELDS = ("bias_seconds", "bs_probes", "alpha_seconds", "m_probes", "theta_seconds")
 
 
+
+def read_json_file(path: Union[str, os.PathLike], what: str, error: type) -> Any:
+    """The JSON value in ``path``; a missing file or bad JSON raises ``error`` naming ``what``."""
+    try:
+        with open(os.fspath(path), encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise error(f"{what}: file not found") from None
+    except json.JSONDecodeError as e:
+        raise error(f"{what}: not valid JSON ({e})") from None
+
 class SPSTableError(ValueError):
     """A malformed SPS table; the message names the file (or source) and the field."""
 
@@ -102,15 +113,8 @@ class SPSTable:
     @classmethod
     def load(cls, path: Union[str, os.PathLike]) -> "SPSTable":
         """Read and validate a JSON table file."""
-        path = os.fspath(path)
-        try:
-            with open(path, encoding="utf-8") as f:
-                data = json.load(f)
-        except FileNotFoundError:
-            raise SPSTableError(f"SPS table {path}: file not found") from None
-        except json.JSONDecodeError as e:
-            raise SPSTableError(f"SPS table {path}: not valid JSON ({e})") from None
-        return cls.from_dict(data, source=f"SPS table {path}")
+        what = f"SPS table {os.fspath(path)}"
+        return cls.from_dict(read_json_file(path, what, SPSTableError), source=what)
 
     @classmethod
     def constant(cls, max_batch_tokens: int, steps_per_sec: float = 1.0) -> "SPSTable":

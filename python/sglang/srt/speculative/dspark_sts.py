@@ -21,6 +21,8 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from sglang.srt.speculative.dspark_sps import read_json_file
+
 __all__ = [
     "STSError",
     "validate_sts_temperatures",
@@ -64,15 +66,8 @@ def validate_sts_temperatures(values: Any, gamma: Optional[int] = None,
 def load_sts_temperatures(path: Union[str, os.PathLike],
                           gamma: Optional[int] = None) -> List[float]:
     """Read and validate a JSON temperature list (length ``gamma`` when given)."""
-    path = os.fspath(path)
-    try:
-        with open(path, encoding="utf-8") as f:
-            data = json.load(f)
-    except FileNotFoundError:
-        raise STSError(f"STS temperatures {path}: file not found") from None
-    except json.JSONDecodeError as e:
-        raise STSError(f"STS temperatures {path}: not valid JSON ({e})") from None
-    return validate_sts_temperatures(data, gamma, source=f"STS temperatures {path}")
+    what = f"STS temperatures {os.fspath(path)}"
+    return validate_sts_temperatures(read_json_file(path, what, STSError), gamma, source=what)
 
 
 def save_sts_temperatures(path: Union[str, os.PathLike], temperatures: Sequence[float]) -> None:
