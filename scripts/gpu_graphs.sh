@@ -10,6 +10,9 @@
 #                 then the weight floor and the Triton MLA microbenchmark
 #   STAGE=served  bench_serving random-ids 1024/256 at concurrency 1 against a server with graphs
 #                 (default) and with --disable-cuda-graph, 12-layer dummy Flash and bundled model
+#                 (CONFIGS: "model:graphs:steps[:overlap]"; servers capture batch sizes 1, 2, 4:
+#                 --cuda-graph-max-bs 4, the batch-1 setting, keeps each start short); one JSON
+#                 line per run in $OUT/served.jsonl
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
 # FUSED=1 also sets SGLANG_TRITON_RMSNORM=1 SGLANG_TRITON_ROUTER=1; PHASES=1 captures a NEXTN
 # round as one graph per phase (SGLANG_ROUND_GRAPH_PER_PHASE=1); SPECS (default "0 3 4 5")
@@ -52,10 +55,12 @@ ab)
   timeout 60 python3 benchmark/kernels/bench_mla_decode.py 2>&1 | tail -12
   ;;
 served)
-  # CONFIGS: "model:graphs:steps" triples (model flash12|bundled, graphs 1|0, NEXTN steps, 0 = none).
+  # CONFIGS: "model:graphs:steps[:overlap]" (model flash12|bundled, graphs 1|0, NEXTN steps with
+  # 0 = none, overlap 1|0 with 1 the default).
   port=30600
   for cfg in ${CONFIGS:-flash12:1:0 flash12:1:3 flash12:0:0 bundled:1:0 bundled:1:3}; do
-    IFS=: read -r model graphs steps <<< "$cfg"
+    IFS=: read -r model graphs steps overlap <<< "$cfg"
+    oargs=$([ "${overlap:-1}" = 1 ] && echo "" || echo "--disable-overlap-schedule")
     margs=$([ $model = flash12 ] && echo "$FLASH12" || echo "")
     gargs=$([ $graphs = 1 ] && echo "" || echo "--disable-cuda-graph")
     spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
@@ -64,17 +69,17 @@ served)
     # GPU memory free.
     # exec: the background job's pid is the server's, and setsid makes it its group's leader
     # (without exec the subshell stays in between and `kill -- -$pid` finds no such group).
-    eval "exec setsid python3 -m sglang.launch_server $margs $KARGS $gargs $spec --port $port" > "$OUT/server-$port.log" 2>&1 &
+    eval "exec setsid python3 -m sglang.launch_server $margs $KARGS $gargs $oargs $spec --cuda-graph-max-bs 4 --port $port" > "$OUT/server-$port.log" 2>&1 &
     pid=$!
     for i in $(seq 1 240); do
       curl -sf localhost:$port/health > /dev/null && break
       kill -0 $pid 2>/dev/null || { echo "server $cfg exited:"; tail -3 "$OUT/server-$port.log"; break; }
       sleep 1
     done
-    echo "== served $model $TAG graphs=$graphs nextn=$steps"
+    echo "== served $model $TAG graphs=$graphs nextn=$steps overlap=${overlap:-1}"
     timeout 120 python3 -m sglang.bench_serving --backend sglang --port $port --dataset-name random-ids \
       --random-input-len 1024 --random-output-len 256 --random-range-ratio 1.0 --num-prompts 3 \
-      --max-concurrency 1 --disable-tqdm 2>&1 | grep -E "Mean TPOT|Median TPOT|Accept length|Output token throughput"
+      --max-concurrency 1 --disable-tqdm --output-file "$OUT/served.jsonl" 2>&1 | grep -E "Mean TPOT|Median TPOT|Accept length|Output token throughput"
     kill -- -$pid 2>/dev/null || echo "could not signal the server's process group $pid"
     ( sleep 60; kill -9 -- -$pid 2>/dev/null ) & killer=$!  # the drain is bounded anyway
     wait $pid 2>/dev/null; kill $killer 2>/dev/null
