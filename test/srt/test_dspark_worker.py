@@ -397,17 +397,28 @@ def test_server_args_flags(ckpts, tmp_path, capsys):
         ServerArgs(speculative_algorithm="NEXTN", speculative_dspark_sps_table_path=ckpts["sps"])
     with pytest.raises(ValueError, match="needs --speculative-algorithm"):
         ServerArgs(speculative_dspark_confidence_sts_path=ckpts["sts"])
+    # The bundled model carries its draft in dspark/; a target without one needs the flag.
+    assert ServerArgs(speculative_algorithm="DSPARK").speculative_algorithm == "DSPARK"
+    bare = _target_without_draft(tmp_path)
     with pytest.raises(ValueError, match="--speculative-draft-model-path is required"):
-        ServerArgs(speculative_algorithm="DSPARK")  # the bundled model has no dspark/ folder
+        ServerArgs(model_path=bare, speculative_algorithm="DSPARK")
+
+
+def _target_without_draft(tmp_path) -> str:
+    """The bundled target's files linked into a folder of its own, without its ``dspark/``."""
+    target = tmp_path / "target"
+    target.mkdir()
+    for name in os.listdir(MODEL):
+        if name != "dspark":  # a link to the bundled draft would let writes reach the asset
+            os.symlink(os.path.join(MODEL, name), target / name)
+    return str(target)
 
 
 def test_draft_found_in_the_target_dspark_subfolder(tmp_path, prompts, ref):
     """Without --speculative-draft-model-path the target's ``dspark/`` subfolder is the draft;
     --speculative-dspark-block-size overrides the checkpoint's block size."""
     target = tmp_path / "target"
-    target.mkdir()
-    for name in os.listdir(MODEL):
-        os.symlink(os.path.join(MODEL, name), target / name)
+    _target_without_draft(tmp_path)
     write_random_dspark_checkpoint(str(target / "dspark"), seed=5)
     sched = make_scheduler(str(target), speculative_algorithm="DSPARK",
                            speculative_dspark_block_size=2, **KW)

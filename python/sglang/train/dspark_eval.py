@@ -1,0 +1,189 @@
+"""Offline evaluation of a saved DSpark draft against its target, on held-out greedy sequences.
+
+The draft is loaded from its folder with :func:`sglang.srt.models.dspark.load_dspark_draft`
+(the serving model and the shipped, e.g. bf16, weights), its context cache filled with the
+target features of each sequence, and every anchor ``p`` of the generation is drafted the way
+serving drafts it: context rows ``< p``, the greedy Markov loop over the draft's own tokens, the
+confidence head on ``[h_k ; W1[x_{k-1}]]``.
+
+Verification is simulated with the plain greedy rule: draft ``k`` is accepted while every draft
+``j <= k`` equals the target's argmax at ``p + j`` (from the target's final hidden states over
+the same sequence). Because the held-out sequences are the target's own greedy output, the
+accepted count ``a(p)`` of a round anchored at ``p`` does not depend on earlier rounds, so:
+
+* ``accept_length``: a greedy speculative decode walked along each sequence: the first anchor is
+  the first generated token, each round commits ``1 + a(p)`` tokens (accepted drafts plus the
+  target's bonus token, capped at the sequence end) and the next anchor is the bonus token;
+  reported as committed tokens per verify round (what ``avg_spec_accept_length`` counts);
+* ``accept_length_all_anchors``: ``1 + a(p)`` averaged over every anchor;
+* ``slot_accept``: per slot, the fraction of anchors whose first ``k + 1`` drafts were accepted;
+* ``ece`` per slot: expected calibration error (20 equal-width bins) of the predicted prefix
+  survival ``prod_{i<=k} sigmoid(conf_i)`` against the observed prefix acceptance, and its mean.
+
+:func:`engine_accept_length` measures the same prompts through ``sglang.Engine``: the target's
+NEXTN (MTP) layer for comparison, and the saved draft served by the DSPARK worker (the number the
+offline walk predicts).
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from sglang.train.dspark_data import FeatureSequence
+
+__all__ = ["draft_sequence", "expected_calibration_error", "evaluate_draft",
+           "engine_accept_length", "nextn_spec_kwargs", "dspark_spec_kwargs", "ECE_BINS"]
+
+ECE_BINS = 20
+
+
+@torch.no_grad()
+def draft_sequence(model: Any, seq: FeatureSequence, head: torch.Tensor, chunk: int = 128
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft every anchor of ``seq`` with the serving draft ``model``.
+
+    Returns ``(accepted [N], survival [N, g] or an empty tensor without a confidence head,
+    valid [N, g])`` for the anchors ``p = prompt_len .. T-2``: the greedy accepted count, the
+    predicted prefix survival and which slots have a label inside the sequence.
+    """
+    g = model.gamma
+    tokens = seq.tokens.long()
+    t = int(tokens.numel())
+    dev = model.fc.weight.device
+    cache = model.new_context_cache(1, t, dev)
+    model.write_context(seq.aux.to(dev), torch.arange(t, device=dev),
+                        torch.zeros(t, dtype=torch.long, device=dev), cache)
+    target_next = (seq.final.to(dev, head.dtype) @ head.to(dev).t()).argmax(-1)  # [T]
+    anchors = torch.arange(seq.prompt_len, t - 1, device=dev)
+    accepted, survival, valid_all = [], [], []
+    for start in range(0, anchors.numel(), chunk):
+        p = anchors[start:start + chunk]
+        n = p.numel()
+        zeros = torch.zeros(n, dtype=torch.long, device=dev)
+        prop = model.propose(tokens.to(dev)[p], p, cache, zeros, p, ctx_width=t)
+        pos = p.unsqueeze(1) + torch.arange(g, device=dev)  # the target position of slot k
+        valid = pos + 1 < t
+        match = (prop.draft.tokens == target_next[pos.clamp_max(t - 1)]) & valid
+        accepted.append(torch.cumprod(match.long(), dim=1).sum(1))
+        valid_all.append(valid)
+        if prop.confidence_logits is not None:
+            survival.append(torch.cumprod(torch.sigmoid(prop.confidence_logits), dim=1))
+    acc = torch.cat(accepted).cpu() if accepted else torch.zeros(0, dtype=torch.long)
+    val = torch.cat(valid_all).cpu() if valid_all else torch.zeros(0, g, dtype=torch.bool)
+    surv = torch.cat(survival).cpu() if survival else torch.zeros(0)
+    return acc, surv, val
+
+
+def expected_calibration_error(predicted: torch.Tensor, observed: torch.Tensor,
+                               bins: int = ECE_BINS) -> float:
+    """``sum_b (n_b / N) |mean(predicted_b) - mean(observed_b)|`` over equal-width bins of
+    ``predicted`` in [0, 1] (NaN when there is nothing to score)."""
+    if predicted.shape != observed.shape:
+        raise ValueError(f"predicted {tuple(predicted.shape)} and observed "
+                         f"{tuple(observed.shape)} differ")
+    n = predicted.numel()
+    if n == 0:
+        return float("nan")
+    idx = (predicted.clamp(0, 1) * bins).long().clamp_max(bins - 1)
+    # sum_b (n_b / N) |mean_b(pred) - mean_b(obs)| = sum_b |sum_b(pred) - sum_b(obs)| / N
+    pred_sum = torch.bincount(idx, weights=predicted.double(), minlength=bins)
+    obs_sum = torch.bincount(idx, weights=observed.double(), minlength=bins)
+    return float((pred_sum - obs_sum).abs().sum() / n)
+
+
+def _walk(accepted: torch.Tensor, num_anchors: int) -> Tuple[int, int]:
+    """(committed tokens, rounds) of a greedy decode along one sequence whose anchor ``i``
+    (0-based from the first generated token) accepts ``accepted[i]`` drafts."""
+    committed = rounds = 0
+    i = 0
+    while i < num_anchors:
+        step = 1 + int(accepted[i])
+        step = min(step, num_anchors - i)  # tokens left after this anchor
+        committed += step
+        rounds += 1
+        i += step
+    return committed, rounds
+
+
+@torch.no_grad()
+def evaluate_draft(model: Any, seqs: Sequence[FeatureSequence], head: torch.Tensor
+                   ) -> Dict[str, Any]:
+    """All metrics of the module docstring over ``seqs`` (held-out greedy sequences)."""
+    g = model.gamma
+    committed = rounds = 0
+    all_acc: List[torch.Tensor] = []
+    all_surv: List[torch.Tensor] = []
+    all_valid: List[torch.Tensor] = []
+    for seq in seqs:
+        acc, surv, valid = draft_sequence(model, seq, head)
+        c, r = _walk(acc, acc.numel())
+        committed, rounds = committed + c, rounds + r
+        all_acc.append(acc)
+        all_valid.append(valid)
+        if surv.numel():
+            all_surv.append(surv)
+    acc = torch.cat(all_acc) if all_acc else torch.zeros(0, dtype=torch.long)
+    valid = torch.cat(all_valid) if all_valid else torch.zeros(0, g, dtype=torch.bool)
+    observed = torch.arange(g).unsqueeze(0) < acc.unsqueeze(1)  # prefix of k+1 accepted
+    slot_accept = [float(observed[valid[:, k], k].float().mean()) if valid[:, k].any()
+                   else float("nan") for k in range(g)]
+    result: Dict[str, Any] = {
+        "sequences": len(seqs),
+        "anchors": int(acc.numel()),
+        "gamma": g,
+        "accept_length": committed / rounds if rounds else float("nan"),
+        "verify_rounds": rounds,
+        "accept_length_all_anchors": float(1 + acc.float().mean()) if acc.numel() else
+        float("nan"),
+        "slot_accept": slot_accept,
+    }
+    if all_surv:
+        surv = torch.cat(all_surv)
+        ece = [expected_calibration_error(surv[valid[:, k], k], observed[valid[:, k], k].float())
+               for k in range(g)]
+        result["ece"] = ece
+        result["mean_ece"] = float(torch.tensor(ece).nanmean())
+        result["mean_predicted_survival"] = [float(surv[valid[:, k], k].mean())
+                                             if valid[:, k].any() else float("nan")
+                                             for k in range(g)]
+    return result
+
+
+def engine_accept_length(target_path: str, prompts: Sequence[List[int]], max_new_tokens: int,
+                         spec_kwargs: Dict[str, Any], engine_kwargs: Dict[str, Any],
+                         reference_outputs: Sequence[List[int]] = ()) -> Dict[str, Any]:
+    """Greedy speculative decoding of ``prompts`` through ``sglang.Engine`` with the
+    speculative ``spec_kwargs`` (``ServerArgs`` fields, e.g. NEXTN with ``gamma`` chained MTP
+    drafts, or DSPARK with a draft folder); returns the server-wide ``avg_spec_accept_length``
+    (committed tokens per verify round) and, when ``reference_outputs`` are given, the fraction
+    of requests whose output equals them (greedy speculative decoding is lossless, so this
+    should be 1)."""
+    from sglang.srt.entrypoints.engine import Engine
+
+    params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
+    with Engine(model_path=target_path, **spec_kwargs, **engine_kwargs) as engine:
+        engine.flush_cache()  # the counters start at zero
+        outs = engine.generate(input_ids=[list(p) for p in prompts],
+                               sampling_params=[params] * len(prompts))
+        states = engine.get_server_info()["internal_states"]
+    result: Dict[str, Any] = {**{k: v for k, v in spec_kwargs.items()
+                                 if isinstance(v, (int, str))},
+                              "requests": len(prompts),
+                              "accept_length": float(states[0]["avg_spec_accept_length"])}
+    if reference_outputs:
+        same = sum(list(o["output_ids"]) == list(r) for o, r in zip(outs, reference_outputs))
+        result["matches_plain_greedy"] = same / max(len(outs), 1)
+    return result
+
+
+def nextn_spec_kwargs(gamma: int) -> Dict[str, Any]:
+    """Engine flags of NEXTN with ``gamma`` chained MTP drafts per round (verify width
+    ``gamma + 1``), the NEXTN configuration comparable with a gamma-token DSpark block."""
+    return {"speculative_algorithm": "NEXTN", "speculative_num_steps": gamma,
+            "speculative_eagle_topk": 1, "speculative_num_draft_tokens": gamma + 1}
+
+
+def dspark_spec_kwargs(draft_path: str) -> Dict[str, Any]:
+    """Engine flags serving the DSpark draft folder ``draft_path``."""
+    return {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": draft_path}
