@@ -56,14 +56,18 @@ ab)
   ;;
 served)
   # CONFIGS: "model:graphs:steps[:overlap]" (model flash12|bundled, graphs 1|0, NEXTN steps with
-  # 0 = none, overlap 1|0 with 1 the default).
+  # 0 = none or "dspark" (DSPARK with the model's dspark/ draft), overlap 1|0, 1 the default).
   port=30600
   for cfg in ${CONFIGS:-flash12:1:0 flash12:1:3 flash12:0:0 bundled:1:0 bundled:1:3}; do
     IFS=: read -r model graphs steps overlap <<< "$cfg"
     oargs=$([ "${overlap:-1}" = 1 ] && echo "" || echo "--disable-overlap-schedule")
     margs=$([ $model = flash12 ] && echo "$FLASH12" || echo "")
     gargs=$([ $graphs = 1 ] && echo "" || echo "--disable-cuda-graph")
-    spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
+    case $steps in
+      0) spec="" ;;
+      dspark) spec="--speculative-algorithm DSPARK" ;;  # the model's dspark/ draft
+      *) spec="--speculative-algorithm NEXTN --speculative-num-steps $steps" ;;
+    esac
     port=$((port + 1))
     # Own process group: killing it ends the scheduler children too, so the next server finds the
     # GPU memory free.
@@ -79,7 +83,7 @@ served)
     echo "== served $model $TAG graphs=$graphs nextn=$steps overlap=${overlap:-1}"
     timeout 120 python3 -m sglang.bench_serving --backend sglang --port $port --dataset-name random-ids \
       --random-input-len 1024 --random-output-len 256 --random-range-ratio 1.0 --num-prompts 3 \
-      --max-concurrency 1 --disable-tqdm --output-file "$OUT/served.jsonl" 2>&1 | grep -E "Mean TPOT|Median TPOT|Accept length|Output token throughput"
+      --max-concurrency 1 --disable-tqdm --output-file "$OUT/served.jsonl" 2>&1 | grep -E "Mean TPOT|Median TPOT|Accept|Output token throughput"
     kill -- -$pid 2>/dev/null || echo "could not signal the server's process group $pid"
     ( sleep 60; kill -9 -- -$pid 2>/dev/null ) & killer=$!  # the drain is bounded anyway
     wait $pid 2>/dev/null; kill $killer 2>/dev/null
