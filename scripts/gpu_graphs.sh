@@ -13,6 +13,8 @@
 #                 (CONFIGS: "model:graphs:steps[:overlap]"; servers capture batch sizes 1, 2, 4:
 #                 --cuda-graph-max-bs 4, the batch-1 setting, keeps each start short); one JSON
 #                 line per run in $OUT/served.jsonl
+#   STAGE=dspark  the fused norm / router kernel tests on CUDA, then the gpu-marked DSpark gate
+#                 (graphs == plain greedy, seeded, pollution, no host sync in replayed rounds)
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
 # FUSED=1 also sets SGLANG_TRITON_RMSNORM=1 SGLANG_TRITON_ROUTER=1; PHASES=1 captures a NEXTN
 # round as one graph per phase (SGLANG_ROUND_GRAPH_PER_PHASE=1); SPECS (default "0 3 4 5")
@@ -33,6 +35,13 @@ gates)
   timeout ${GATES_TIMEOUT:-420} python3 -m pytest -v -s -m gpu ${GATES:-test/srt/test_cuda_graph_runner.py test/srt/test_graph_refill.py test/kernels/test_mla_decode.py test/kernels/test_round_prep.py} \
     -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/gates.log" \
     | grep -E "PASS|FAIL|first differing|refill|Error|error|passed|failed" | cut -c1-400
+  ;;
+dspark)
+  timeout 150 python3 -m pytest -q test/kernels/test_rmsnorm.py test/kernels/test_moe_router.py \
+    -p no:cacheprovider 2>&1 | tee "$OUT/fusion_kernels.log" | grep -E "FAIL|Error|passed|failed"
+  timeout ${GATES_TIMEOUT:-300} python3 -m pytest -v -s -m gpu test/srt/test_dspark_worker.py \
+    -p no:cacheprovider --durations=3 2>&1 | tee "$OUT/dspark_gates.log" \
+    | grep -E "DSPARK|PASS|FAIL|Error|passed|failed" | cut -c1-400
   ;;
 ab)
   for steps in ${SPECS:-0 3 4 5}; do

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import os
+import warnings
 from types import SimpleNamespace
 from typing import Any, Dict, List, Tuple
 
@@ -426,3 +427,78 @@ def test_draft_found_in_the_target_dspark_subfolder(tmp_path, prompts, ref):
     assert sched.draft_worker.round_tokens == 3
     ids, spec = run(sched, [greedy("sub", prompts[2], 8)])
     assert ids["sub"] == ref[2][:8] and spec["sub"][2] == spec["sub"][0] * 2
+
+
+# ------------------------------------------------------------------------------ GPU (real graphs)
+@pytest.mark.gpu
+@pytest.mark.parametrize("planner", [False, True], ids=["full-window", "sps-planner"])
+def test_graphs_equal_plain_greedy_on_cuda(ckpts, planner):
+    """The DSpark gate on the GPU, bf16, the bundled draft (``dspark/``), default kernels:
+    greedy DSPARK through CUDA graphs with overlap == plain greedy decoding without graphs or
+    overlap over 256 tokens, at batch 1 and at batch 4 with staggered arrivals; seeded sampled
+    DSPARK through graphs == eager DSPARK; then penalised sampled requests through the same
+    graphs and the greedy batch again, unchanged (state pollution). While the rounds are
+    launched the CUDA sync debug mode is ``error``: a round that synchronised the host with the
+    device (a device-to-host read) would raise."""
+    from test_cuda_graph_runner import _gpu_prompts
+
+    kw = dict(device="cuda", dtype="bfloat16", max_total_tokens=16384, max_running_requests=8)
+    spec = dict(speculative_algorithm="DSPARK")
+    if planner:
+        spec["speculative_dspark_sps_table_path"] = ckpts["sps"]
+    plain = make_scheduler(MODEL, disable_cuda_graph=True, disable_overlap_schedule=True, **kw)
+    prompts = _gpu_prompts(plain.tokenizer)
+    greedy_reqs = lambda: [greedy(f"g{i}", p, 256) for i, p in enumerate(prompts)]  # noqa: E731
+    seeded = lambda: [request(f"s{i}", p, max_new_tokens=64, temperature=0.8,  # noqa: E731
+                              top_p=0.9, sampling_seed=11 + i, ignore_eos=True)
+                      for i, p in enumerate(prompts)]
+    want1, _ = run(plain, greedy_reqs()[:1])
+    want4, _ = run(plain, greedy_reqs(), stagger=2)
+    del plain
+    eager = make_scheduler(MODEL, disable_cuda_graph=True, disable_overlap_schedule=True,
+                           **kw, **spec)
+    want_s, _ = run(eager, seeded(), stagger=1)
+    del eager
+    torch.cuda.empty_cache()
+    graphed = make_scheduler(MODEL, **kw, **spec)
+    runner = graphed.round_worker.graph_runner
+    assert runner is not None, "no CUDA graph runner"
+    inner = graphed.draft_worker.forward_round
+    checked = {"rounds": 0, "syncs": []}
+
+    def launch_without_sync(*args: Any, **kwargs: Any) -> Any:
+        # Rounds that capture a new graph synchronise by design; every replayed round counts.
+        graphs, replays = len(runner.graphs), runner.num_replays
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = inner(*args, **kwargs)
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+        if len(runner.graphs) == graphs and runner.num_replays > replays:
+            checked["rounds"] += 1
+            checked["syncs"] += [str(w.message) for w in caught if "synchroniz" in str(w.message)]
+        return out
+
+    graphed.draft_worker.forward_round = launch_without_sync
+    got1, spec1 = run(graphed, greedy_reqs()[:1])
+    got4, _ = run(graphed, greedy_reqs(), stagger=2)
+    got_s, _ = run(graphed, seeded(), stagger=1)
+    run(graphed, [request(f"p{i}", p, max_new_tokens=32, temperature=0.9,
+                          frequency_penalty=0.4, ignore_eos=True)
+                  for i, p in enumerate(prompts)], stagger=1)
+    again, _ = run(graphed, greedy_reqs(), stagger=2)
+    ct, correct, _ = spec1["g0"]
+    print(f"DSPARK planner={planner}: batch-1 accept length {256 / ct:.2f} "
+          f"({correct} drafts accepted in {ct} rounds), replays {runner.num_replays}")
+    for label, w, g in (("batch 1", want1, got1), ("batch 4", want4, got4),
+                        ("seeded", want_s, got_s), ("after pollution", want4, again)):
+        diff = {rid: next((j for j, (a, b) in enumerate(zip(w[rid], g[rid])) if a != b), None)
+                for rid in w}
+        print(f"DSPARK planner={planner} {label}: first differing token {diff}")
+        assert g == w, f"DSPARK planner={planner} {label}: first differing token {diff}"
+    assert runner.num_replays > 0 and not runner.failed, runner.failed
+    print(f"DSPARK planner={planner}: {checked['rounds']} replayed rounds launched, "
+          f"{len(checked['syncs'])} host syncs")
+    assert checked["rounds"] > 100 and not checked["syncs"], checked["syncs"][:3]
