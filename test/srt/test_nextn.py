@@ -462,10 +462,16 @@ def test_greedy_lossless_on_cuda(prompts, dtype, kernels):
     the MoE and the KDA recurrence through the project's Triton kernels."""
     kw = dict(device="cuda", dtype=dtype, max_total_tokens=8192, max_running_requests=8,
               moe_runner_backend=kernels, linear_attn_decode_backend=kernels)
-    base = run(make_scheduler(MODEL, **kw), [greedy(f"g{i}", prompts[i], GEN) for i in range(4)])
+    plain = make_scheduler(MODEL, **kw)
+    base = run(plain, [greedy(f"g{i}", prompts[i], GEN) for i in range(4)])
+    solo = run(plain, [greedy("solo", prompts[0], GEN)])  # batch 1 throughout
     for steps in (1, 3, 5):
         sched = make_scheduler(MODEL, speculative_algorithm="NEXTN",
                                speculative_num_steps=steps, **kw)
+        got1 = run(sched, [greedy("solo", prompts[0], GEN)])
+        diff1 = next((j for j, (a, b) in enumerate(zip(solo.ids["solo"], got1.ids["solo"]))
+                      if a != b), None)
+        print(f"{dtype} steps {steps}: batch 1, first differing token {diff1}")
         got = run(sched, [greedy(f"g{i}", prompts[i], GEN) for i in range(4)], stagger=2)
         first_diff = {rid: next((j for j, (a, b) in enumerate(zip(ids, got.ids[rid])) if a != b),
                                 None) for rid, ids in base.ids.items()}

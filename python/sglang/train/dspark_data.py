@@ -149,14 +149,20 @@ def generate_with_engine(target_path: str, prompts: Sequence[List[int]],
     """Generated token ids of ``prompts[i]`` under ``settings[i]``, one batched
     :meth:`sglang.Engine.generate` call (the engine batches up to ``max_running_requests``)."""
     from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.managers.io_struct import MAX_BATCH_SIZE
 
     if len(prompts) != len(settings):
         raise ValueError(f"{len(prompts)} prompts but {len(settings)} settings")
     if not prompts:
         return []
     params = [s.params(max_new_tokens, seed * 1_000_003 + i) for i, s in enumerate(settings)]
+    outs: List[Dict[str, Any]] = []
     with Engine(model_path=target_path, **engine_kwargs) as engine:
-        outs = engine.generate(input_ids=[list(p) for p in prompts], sampling_params=params)
+        # A request carries at most MAX_BATCH_SIZE prompts (io_struct); the engine still batches
+        # each slice up to its max_running_requests.
+        for i in range(0, len(prompts), MAX_BATCH_SIZE):
+            outs += engine.generate(input_ids=[list(p) for p in prompts[i:i + MAX_BATCH_SIZE]],
+                                    sampling_params=params[i:i + MAX_BATCH_SIZE])
     return [list(o["output_ids"]) for o in outs]
 
 

@@ -160,12 +160,15 @@ def engine_accept_length(target_path: str, prompts: Sequence[List[int]], max_new
     of requests whose output equals them (greedy speculative decoding is lossless, so this
     should be 1)."""
     from sglang.srt.entrypoints.engine import Engine
+    from sglang.srt.managers.io_struct import MAX_BATCH_SIZE
 
     params = {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}
     with Engine(model_path=target_path, **spec_kwargs, **engine_kwargs) as engine:
         engine.flush_cache()  # the counters start at zero
-        outs = engine.generate(input_ids=[list(p) for p in prompts],
-                               sampling_params=[params] * len(prompts))
+        outs = []
+        for i in range(0, len(prompts), MAX_BATCH_SIZE):  # the per-request cap of io_struct
+            chunk = [list(p) for p in prompts[i:i + MAX_BATCH_SIZE]]
+            outs += engine.generate(input_ids=chunk, sampling_params=[params] * len(chunk))
         states = engine.get_server_info()["internal_states"]
     result: Dict[str, Any] = {**{k: v for k, v in spec_kwargs.items()
                                  if isinstance(v, (int, str))},
