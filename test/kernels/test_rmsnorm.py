@@ -81,9 +81,10 @@ def test_bad_inputs_are_rejected():
 
 
 @pytest.mark.slow  # every norm of a model in the interpreter; the kernel tests above are fast
-def test_model_with_triton_norms_matches_torch_norms():
+def test_model_with_triton_norms_matches_torch_norms(monkeypatch):
     """The bundled model with every norm on the kernel gives the reference norms' logits and
     greedy tokens (prefill and decode)."""
+    monkeypatch.setenv("SGLANG_TRITON_RMSNORM", "0")  # the torch norms first (auto: on CUDA)
     from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.test.runner_utils import greedy_logits
@@ -101,6 +102,16 @@ def test_model_with_triton_norms_matches_torch_norms():
     for a, b in zip(ref, got):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
+def test_flag_values_resolve_per_device():
+    """auto: the kernels on CUDA only; explicit values win; anything else names the variable."""
+    from sglang.srt.configs.engine_defaults import resolve_fused_kernel_flag as resolve
+
+    assert resolve("X", "auto", "cuda") and not resolve("X", " AUTO ", "cpu")
+    assert resolve("X", "1", "cpu") and not resolve("X", "off", "cuda")
+    with pytest.raises(ValueError, match="SGLANG_TRITON_RMSNORM='maybe'"):
+        resolve("SGLANG_TRITON_RMSNORM", "maybe", "cuda")
 
 
 def test_flag_needs_cuda_or_the_interpreter(monkeypatch):

@@ -205,20 +205,20 @@ class Envs:
     )
     SGLANG_TRITON_RMSNORM = EnvField(
         "SGLANG_TRITON_RMSNORM",
-        bool,
-        False,
+        str,
+        "auto",
         "Run every RMSNorm (with its residual add) and the KDA output norm (with its gate) as "
         "one Triton launch (sgl_kernel.rmsnorm) instead of the torch reference's six or seven "
-        "kernels. Needs CUDA (or TRITON_INTERPRET=1).",
+        "kernels. auto: on for CUDA, off elsewhere; 1 elsewhere needs TRITON_INTERPRET=1.",
     )
     SGLANG_TRITON_ROUTER = EnvField(
         "SGLANG_TRITON_ROUTER",
-        bool,
-        False,
+        str,
+        "auto",
         "Run each MoE router's selection (sigmoid, bias, group-limited top-k, weights) as one "
         "Triton kernel (sgl_kernel.moe_router) instead of about twenty torch kernels; routers "
-        "whose expert / group counts are not powers of two keep the torch code. Needs CUDA "
-        "(or TRITON_INTERPRET=1).",
+        "whose expert / group counts are not powers of two keep the torch code. auto: on for "
+        "CUDA, off elsewhere; 1 elsewhere needs TRITON_INTERPRET=1.",
     )
     SGLANG_TORCH_PROFILER_DIR = EnvField(
         "SGLANG_TORCH_PROFILER_DIR",

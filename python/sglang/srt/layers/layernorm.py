@@ -2,7 +2,7 @@
 
 Both normalise in fp32 and cast the result back to the input dtype (docs/model.md §8). The torch
 code here is the reference; :func:`set_norm_backend` switches a model's norms to one Triton
-launch each (``sgl_kernel.rmsnorm``, opt-in ``SGLANG_TRITON_RMSNORM=1`` until measured).
+launch each (``sgl_kernel.rmsnorm``; ``SGLANG_TRITON_RMSNORM``, on by default on CUDA).
 """
 from __future__ import annotations
 

@@ -32,6 +32,7 @@ from sglang.srt.configs.engine_defaults import (
     CPU_DEFAULT_MAX_TOTAL_TOKENS,
     DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_MEM_FRACTION_STATIC,
+    resolve_fused_kernel_flag,
     resolve_kernel_backend,
     torch_dtype,
 )
@@ -255,8 +256,10 @@ class ModelRunner:
                                                             self.device.type)
         self.moe_runner_backend = set_moe_runner_backend(self.model, moe_runner_backend,
                                                          self.device)
-        self.triton_norms = set_norm_backend(self.model, envs.SGLANG_TRITON_RMSNORM.get(),
-                                             self.device)
+        self.triton_norms = set_norm_backend(
+            self.model, resolve_fused_kernel_flag("SGLANG_TRITON_RMSNORM",
+                                                  envs.SGLANG_TRITON_RMSNORM.get(),
+                                                  self.device.type), self.device)
         self._init_pools(draft_extra_mla_layers, max_total_tokens, mem_fraction_static,
                          req_to_token_pool, token_to_kv_pool_allocator, token_to_kv_pool,
                          kda_state_pool)

@@ -11,7 +11,8 @@ from typing import Optional
 import torch
 from torch import nn
 
-from sglang.srt.configs.engine_defaults import KERNEL_BACKEND_CHOICES, resolve_kernel_backend
+from sglang.srt.configs.engine_defaults import (KERNEL_BACKEND_CHOICES, resolve_fused_kernel_flag,
+                                                resolve_kernel_backend)
 from sglang.srt.distributed import (
     divide,
     get_tensor_model_parallel_rank,
@@ -192,7 +193,9 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device)
     chosen = resolve_kernel_backend(backend, device.type)
     if chosen == "triton":
         require_triton_runtime("--moe-runner-backend triton", device.type)
-    grouped_mm, triton_router = envs.SGLANG_MOE_GROUPED_MM.get(), envs.SGLANG_TRITON_ROUTER.get()
+    grouped_mm = envs.SGLANG_MOE_GROUPED_MM.get()
+    triton_router = resolve_fused_kernel_flag("SGLANG_TRITON_ROUTER",
+                                              envs.SGLANG_TRITON_ROUTER.get(), device.type)
     if triton_router:
         require_triton_runtime("SGLANG_TRITON_ROUTER=1", device.type)
         from sgl_kernel.moe_router import router_kernel_supports
