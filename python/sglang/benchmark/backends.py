@@ -1,6 +1,6 @@
 """Benchmark clients: one coroutine per backend that sends a request and times its stream.
 
-- ``sglang``: ``POST /generate`` with SGLang's native payload (reference/sglang.md §6.2).
+- ``sglang``: ``POST /generate`` with SGLang's native payload (upstream SGLang's field names).
 - ``sglang-oai``: ``POST /v1/completions``; ``sglang-oai-chat``: ``POST /v1/chat/completions``.
 Both OpenAI clients ask for ``stream_options.continuous_usage_stats`` so that every chunk carries
 the cumulative completion-token count and multi-token chunks split their ITL like the native one.
@@ -88,6 +88,19 @@ async def _post_and_time(
     return out
 
 
+def read_spec_meta(meta: Dict[str, Any], out: RequestFuncOutput) -> None:
+    """Copy the speculative fields of a ``/generate`` chunk's ``meta_info`` into ``out`` (only
+    the finishing chunk carries them; read before any early return, whatever its text)."""
+    if meta.get("spec_verify_ct") is not None:
+        out.spec_verify_ct = int(meta["spec_verify_ct"])
+    for name in ("spec_correct_drafts_histogram", "spec_cap_lens_histogram"):
+        if meta.get(name) is not None:
+            setattr(out, name, [int(n) for n in meta[name]])
+    for name in ("spec_cap_length", "spec_block_accept_length"):
+        if meta.get(name) is not None:
+            setattr(out, name, float(meta[name]))
+
+
 async def async_request_sglang_generate(
     session: aiohttp.ClientSession, inp: RequestFuncInput
 ) -> RequestFuncOutput:
@@ -112,6 +125,7 @@ async def async_request_sglang_generate(
 
     def on_data(data, now, timer, out):
         meta = data.get("meta_info", {})
+        read_spec_meta(meta, out)
         if inp.ids_only:
             if int(meta.get("completion_tokens", 0)) <= out.output_len:
                 return

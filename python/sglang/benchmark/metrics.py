@@ -1,6 +1,6 @@
 """Per-request timings and the aggregate metrics of a serving benchmark (SGLang's definitions).
 
-Definitions (reference/sglang.md §6.3):
+Definitions (as upstream SGLang's bench_serving defines them):
 - TTFT: send -> first chunk with non-empty text.
 - ITL: for each later chunk, the gap since the previous chunk split evenly over the new tokens in
   it, one entry per token (so speculative multi-token chunks give several equal values).
@@ -9,6 +9,12 @@ Definitions (reference/sglang.md §6.3):
   1-second buckets from the earliest request start; the fullest bucket.
 - Peak concurrent requests: most requests in flight in any 1-second bucket.
 - Concurrency: sum(E2E) / duration.
+- Speculative rows (sglang backend, from the finishing chunks' ``meta_info``): the accept
+  histogram is the sum of the requests' ``spec_correct_drafts_histogram`` ([k]: verify rounds
+  that accepted k drafts); the mean cap length is the mean planned verify length over all those
+  rounds (from the summed ``spec_cap_lens_histogram``); the block accept length is the requests'
+  ``spec_block_accept_length`` weighted by their verify rounds (= output tokens committed by
+  verify rounds / verify rounds, over all requests).
 """
 from __future__ import annotations
 
@@ -33,6 +39,12 @@ class RequestFuncOutput:
     start_time: float = 0.0
     spec_accept_length: Optional[float] = None
     error: str = ""
+    # Speculative metrics of the finishing chunk (None when the server sent none).
+    spec_verify_ct: Optional[int] = None
+    spec_correct_drafts_histogram: Optional[List[int]] = None
+    spec_cap_lens_histogram: Optional[List[int]] = None
+    spec_cap_length: Optional[float] = None
+    spec_block_accept_length: Optional[float] = None
 
 
 class StreamTimer:
@@ -106,6 +118,11 @@ class BenchmarkMetrics:
     accept_length: Optional[float]
     max_output_tokens_per_s: float
     max_concurrent_requests: int
+    # Speculative aggregates (aggregate_spec_metrics); None when no request carried them.
+    spec_correct_drafts_histogram: Optional[List[int]] = None
+    spec_cap_length: Optional[float] = None
+    spec_cap_lens_histogram: Optional[List[int]] = None
+    spec_block_accept_length: Optional[float] = None
 
 
 def _stats_ms(values: Sequence[float], name: str) -> Dict[str, float]:
@@ -118,6 +135,45 @@ def _stats_ms(values: Sequence[float], name: str) -> Dict[str, float]:
         f"p90_{name}_ms": float(np.percentile(arr, 90)),
         f"p95_{name}_ms": float(np.percentile(arr, 95)),
         f"p99_{name}_ms": float(np.percentile(arr, 99)),
+    }
+
+
+def _sum_histograms(hists: Sequence[Sequence[int]]) -> Optional[List[int]]:
+    """Bin-wise sum (shorter histograms count as zero beyond their end); None for none."""
+    if not hists:
+        return None
+    total = [0] * max(len(h) for h in hists)
+    for h in hists:
+        for k, n in enumerate(h):
+            total[k] += int(n)
+    return total
+
+
+def aggregate_spec_metrics(outputs: Sequence[RequestFuncOutput]) -> Dict[str, Any]:
+    """The benchmark's speculative aggregates over the successful outputs (module docstring):
+    ``spec_correct_drafts_histogram``, ``spec_cap_length``, ``spec_cap_lens_histogram`` and
+    ``spec_block_accept_length``, each None when no request reported it."""
+    ok = [o for o in outputs if o.success]
+    accept = _sum_histograms([o.spec_correct_drafts_histogram for o in ok
+                              if o.spec_correct_drafts_histogram is not None])
+    caps = _sum_histograms([o.spec_cap_lens_histogram for o in ok
+                            if o.spec_cap_lens_histogram is not None])
+    cap_length = None
+    if caps is not None and sum(caps) > 0:
+        cap_length = sum(k * n for k, n in enumerate(caps)) / sum(caps)
+    block_tokens = block_rounds = 0.0
+    for o in ok:
+        if o.spec_block_accept_length is None:
+            continue
+        rounds = o.spec_verify_ct if o.spec_verify_ct is not None else \
+            sum(o.spec_correct_drafts_histogram or [])
+        block_tokens += o.spec_block_accept_length * rounds
+        block_rounds += rounds
+    return {
+        "spec_correct_drafts_histogram": accept,
+        "spec_cap_length": cap_length,
+        "spec_cap_lens_histogram": caps,
+        "spec_block_accept_length": block_tokens / block_rounds if block_rounds else None,
     }
 
 
@@ -206,6 +262,7 @@ def calculate_metrics(
         accept_length=accept_length,
         max_output_tokens_per_s=peak_tokens,
         max_concurrent_requests=peak_requests,
+        **aggregate_spec_metrics(outputs),
     )
 
 
@@ -244,6 +301,14 @@ def format_table(
     row("Concurrency:", m.concurrency)
     if m.accept_length:
         row("Accept length:", float(m.accept_length))
+    if m.spec_correct_drafts_histogram is not None:  # [k]: rounds that accepted k drafts
+        row("Accept histogram:", str(m.spec_correct_drafts_histogram))
+    if m.spec_cap_length is not None:
+        row("Mean cap length:", float(m.spec_cap_length))
+    if m.spec_cap_lens_histogram is not None:  # [l]: rounds planned with l drafts
+        row("Cap length histogram:", str(m.spec_cap_lens_histogram))
+    if m.spec_block_accept_length is not None:
+        row("Block accept length:", float(m.spec_block_accept_length))
     for title, key, extra_max in (
         ("End-to-End Latency", "E2E Latency", None),
         ("Time to First Token", "TTFT", None),

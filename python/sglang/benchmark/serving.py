@@ -240,6 +240,12 @@ async def benchmark(
         "accept_length": metrics.accept_length,
         "max_output_tokens_per_s": metrics.max_output_tokens_per_s,
         "max_concurrent_requests": metrics.max_concurrent_requests,
+        # Summed over the requests' finishing chunks (None without speculation or for a
+        # backend that does not report them).
+        "spec_correct_drafts_histogram": metrics.spec_correct_drafts_histogram,
+        "spec_cap_length": metrics.spec_cap_length,
+        "spec_cap_lens_histogram": metrics.spec_cap_lens_histogram,
+        "spec_block_accept_length": metrics.spec_block_accept_length,
     }
     for name in ("e2e_latency", "ttft", "tpot", "itl"):
         for stat in ("mean", "median", "std", "p90", "p95", "p99"):

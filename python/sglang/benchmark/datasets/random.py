@@ -1,4 +1,4 @@
-"""Synthetic ``random`` / ``random-ids`` datasets (reference/sglang.md §6.5).
+"""Synthetic ``random`` / ``random-ids`` datasets (as upstream SGLang's bench_serving builds them).
 
 Unlike upstream, ``random`` does not sample ShareGPT (that would need a download): it draws token
 ids from the tokenizer's ordinary (non-special) vocabulary and decodes them to text. The server

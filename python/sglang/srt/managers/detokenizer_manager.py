@@ -140,6 +140,7 @@ class IncrementalDetokenizer:
             input_token_logprobs_idx=recv.input_token_logprobs_idx,
             input_top_logprobs_val=recv.input_top_logprobs_val,
             input_top_logprobs_idx=recv.input_top_logprobs_idx,
+            output_hidden_states=recv.output_hidden_states,
         )
 
 

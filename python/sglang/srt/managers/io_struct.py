@@ -37,6 +37,10 @@ MAX_BATCH_SIZE = 512
 # model's answer as if it were the adapter's.
 UNSUPPORTED_FEATURES = ("lora_path", "return_hidden_states", "custom_logit_processor",
                         "return_routed_experts", "token_ids_logprob", "session_params")
+# Of those, the ones ``/generate`` and ``Engine.generate`` implement: only the OpenAI-compatible
+# routes (which check UNSUPPORTED_FEATURES themselves) still refuse them, since they do not
+# build upstream's per-choice ``hidden_states`` yet.
+GENERATE_SUPPORTED_FEATURES = ("return_hidden_states",)
 
 
 def is_set(value: Any) -> bool:
@@ -48,9 +52,10 @@ def is_set(value: Any) -> bool:
 
 
 def check_unsupported_features(fields: Dict[str, Any]) -> None:
-    """``ValueError`` naming the first field of :data:`UNSUPPORTED_FEATURES` that is set."""
+    """``ValueError`` naming the first field of :data:`UNSUPPORTED_FEATURES` that is set
+    (those of :data:`GENERATE_SUPPORTED_FEATURES` excepted)."""
     for name in UNSUPPORTED_FEATURES:
-        if is_set(fields.get(name)):
+        if name not in GENERATE_SUPPORTED_FEATURES and is_set(fields.get(name)):
             raise ValueError(f"'{name}' is not supported by this server (leave it unset or null)")
 
 
@@ -84,11 +89,13 @@ class GenerateReqInput:
     return_text_in_logprobs: bool = False
     stream: bool = False
     log_metrics: bool = True
+    # The final-normed hidden states that feed the LM head, in meta_info["hidden_states"]
+    # (per prompt of a batch, as a list); plain decoding only (refused with speculation).
+    return_hidden_states: Union[List[bool], bool] = False
     # Accepted for compatibility with SGLang clients (bench_serving sends some of them) only
     # while unset: a set value is refused in normalization (see UNSUPPORTED_FEATURES).
     lora_path: Optional[Any] = None
     return_routed_experts: bool = False
-    return_hidden_states: bool = False
     custom_logit_processor: Optional[Any] = None
     token_ids_logprob: Optional[Any] = None
     session_params: Optional[Any] = None
@@ -166,6 +173,8 @@ class GenerateReqInput:
         self.return_logprob = self._expand("return_logprob", self.return_logprob, False, bool)
         self.logprob_start_len = self._expand("logprob_start_len", self.logprob_start_len, -1, int)
         self.top_logprobs_num = self._expand("top_logprobs_num", self.top_logprobs_num, 0, int)
+        self.return_hidden_states = self._expand("return_hidden_states",
+                                                 self.return_hidden_states, False, bool)
         for k in (self.top_logprobs_num if not self.is_single else [self.top_logprobs_num]):
             if not 0 <= k <= MAX_TOP_LOGPROBS:
                 raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}], got {k}")
@@ -209,6 +218,7 @@ class GenerateReqInput:
             return_logprob=self.return_logprob[i],
             logprob_start_len=self.logprob_start_len[i],
             top_logprobs_num=self.top_logprobs_num[i],
+            return_hidden_states=self.return_hidden_states[i],
         )
         item.is_single, item.batch_size = True, 1
         return item
@@ -247,6 +257,7 @@ class TokenizedGenerateReqInput:
     logprob_start_len: int = -1
     top_logprobs_num: int = 0
     stream: bool = False
+    return_hidden_states: bool = False
 
 
 @dataclass
@@ -417,6 +428,9 @@ class BatchTokenIDOutput:
     input_token_logprobs_idx: List[List[int]] = field(default_factory=list)
     input_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     input_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    # Hidden states (requests that asked; else an empty list): the new entries as CPU tensors,
+    # a prompt chunk's rows ``[n, H]`` (chunks in order) or one decode row ``[H]`` each.
+    output_hidden_states: List[List[Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -438,3 +452,4 @@ class BatchStrOutput:
     input_token_logprobs_idx: List[List[int]] = field(default_factory=list)
     input_top_logprobs_val: List[List[List[float]]] = field(default_factory=list)
     input_top_logprobs_idx: List[List[List[int]]] = field(default_factory=list)
+    output_hidden_states: List[List[Any]] = field(default_factory=list)  # as BatchTokenIDOutput's

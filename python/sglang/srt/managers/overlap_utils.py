@@ -184,6 +184,9 @@ class RoundOutput:
     token_logprobs: Optional[List[List[float]]] = None  # per committed token
     top_logprobs_val: Optional[List[List[List[float]]]] = None
     top_logprobs_idx: Optional[List[List[List[int]]]] = None
+    # The verify length each request's round was planned with (how many drafts it could
+    # accept at most), for workers that plan one; None otherwise. Speculative metrics only.
+    cap_lens: Optional[List[int]] = None
 
 
 class PendingRound:

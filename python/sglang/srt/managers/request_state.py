@@ -83,6 +83,7 @@ def build_tokenized_request(obj: GenerateReqInput, tokenizer: Any, vocab_size: i
         rid=obj.rid, input_text=obj.text, input_ids=input_ids, sampling_params=sp,
         return_logprob=obj.return_logprob, logprob_start_len=obj.logprob_start_len,
         top_logprobs_num=obj.top_logprobs_num, stream=obj.stream,
+        return_hidden_states=obj.return_hidden_states,
     )
 
 
@@ -116,7 +117,9 @@ class ReqState:
         self.out_top: List[list] = []
         self.in_lp: List[list] = []
         self.in_top: List[Optional[list]] = []
-        self.spec: Optional[Dict[str, int]] = None  # speculative counters (finishing chunk)
+        self.spec: Optional[Dict[str, Any]] = None  # speculative counters (finishing chunk)
+        # meta_info["hidden_states"] as upstream: [prompt rows [P][H]], then one [H] per step.
+        self.hidden_states: List[list] = []
 
     # ---------------------------------------------------------------- producer side
     def post(self, out: BatchStrOutput, i: int) -> None:
@@ -129,17 +132,40 @@ class ReqState:
             list(zip(out.input_token_logprobs_val[i], out.input_token_logprobs_idx[i])),
             list(zip(out.input_top_logprobs_val[i], out.input_top_logprobs_idx[i])),
         )
+        if out.output_hidden_states and out.output_hidden_states[i]:
+            # Tensors to float lists here, on the receiving thread, not on the event loop;
+            # queued first, so they are in place when the update below wakes the waiter.
+            rows = [t.tolist() for t in out.output_hidden_states[i]]
+            self._call(self._apply_hidden_states, rows)
         self._call(self._apply, item)
+
+    def _apply_hidden_states(self, entries: List[list]) -> None:
+        # A prompt's chunks join into its one entry (chunked prefill sends each chunk's rows).
+        for entry in entries:
+            if entry and isinstance(entry[0], list):  # a prompt chunk's rows
+                if not self.hidden_states:
+                    self.hidden_states.append([])
+                self.hidden_states[0].extend(entry)
+            else:  # one decode step's row
+                self.hidden_states.append(entry)
 
     def post_spec_metrics(self, out: SpecMetricsOutput, i: int) -> None:
         """Queue the speculative counters of the ``i``-th entry (before the finishing update,
         in the order the messages arrived)."""
-        spec = {"spec_verify_ct": out.spec_verify_ct[i],
-                "spec_num_correct_drafts": out.spec_num_correct_drafts[i],
-                "spec_num_proposed_drafts": out.spec_num_proposed_drafts[i]}
+        spec: Dict[str, Any] = {
+            "spec_verify_ct": out.spec_verify_ct[i],
+            "spec_num_correct_drafts": out.spec_num_correct_drafts[i],
+            "spec_num_proposed_drafts": out.spec_num_proposed_drafts[i],
+            "spec_correct_drafts_histogram": (list(out.spec_correct_drafts_histogram[i])
+                                              if out.spec_correct_drafts_histogram else []),
+        }
+        if out.spec_cap_lens_histogram is not None and out.spec_cap_lens_histogram[i]:
+            spec.update(spec_cap_lens_histogram=list(out.spec_cap_lens_histogram[i]),
+                        spec_num_cap_tokens=out.spec_num_cap_tokens[i],
+                        spec_num_block_accept_tokens=out.spec_num_block_accept_tokens[i])
         self._call(self._apply_spec, spec)
 
-    def _apply_spec(self, spec: Dict[str, int]) -> None:
+    def _apply_spec(self, spec: Dict[str, Any]) -> None:
         self.spec = spec
 
     def fail(self, reason: str) -> None:
@@ -189,17 +215,42 @@ class ReqState:
         return [None if row is None else self._entries(list(zip(row[0], row[1]))) for row in rows]
 
     def _spec_meta(self) -> Dict[str, Any]:
-        """Upstream's speculative meta_info fields; the accept length counts the prefill's
-        first token in the numerator although it was not verified (as upstream)."""
-        ct, correct = self.spec["spec_verify_ct"], self.spec["spec_num_correct_drafts"]
-        proposed = self.spec["spec_num_proposed_drafts"]
-        return {
+        """Upstream's speculative meta_info fields, over the request's ``spec_verify_ct``
+        verify rounds:
+
+        * ``spec_accept_length`` = ``completion_tokens / spec_verify_ct``: it counts the
+          prefill's first token in the numerator although it was not verified (as upstream).
+        * ``spec_correct_drafts_histogram[k]``: rounds that accepted exactly ``k`` drafts (bonus
+          token excluded), ``k = 0 ..`` the drafts proposed per round; it sums to
+          ``spec_verify_ct`` and ``sum(k * h[k])`` is ``spec_num_correct_drafts``.
+
+        Only when the worker plans a verify length ("cap": the most drafts a round may accept,
+        ``0 ..`` the drafts proposed, bonus not counted) per round (DSPARK):
+
+        * ``spec_cap_length``: the mean planned length per round;
+          ``spec_cap_lens_histogram[l]``: rounds planned with length ``l``.
+        * ``spec_block_accept_length``: output tokens the verify rounds committed (each round's
+          accepted drafts + its bonus token, minus tokens past the request's finish point) /
+          ``spec_verify_ct``. Unlike ``spec_accept_length`` it leaves out the prefill's first
+          token, so it is the mean tokens a round gave the output: ``(completion_tokens - 1)
+          / spec_verify_ct``.
+        """
+        spec = self.spec
+        ct, correct = spec["spec_verify_ct"], spec["spec_num_correct_drafts"]
+        proposed = spec["spec_num_proposed_drafts"]
+        meta: Dict[str, Any] = {
             "spec_verify_ct": ct,
             "spec_accept_length": self.completion_tokens / ct,
             "spec_num_correct_drafts": correct,
             "spec_num_proposed_drafts": proposed,
             "spec_accept_rate": correct / proposed if proposed else 0.0,
+            "spec_correct_drafts_histogram": spec["spec_correct_drafts_histogram"],
         }
+        if "spec_cap_lens_histogram" in spec:
+            meta.update(spec_cap_length=spec["spec_num_cap_tokens"] / ct,
+                        spec_cap_lens_histogram=spec["spec_cap_lens_histogram"],
+                        spec_block_accept_length=spec["spec_num_block_accept_tokens"] / ct)
+        return meta
 
     def to_output(self) -> Dict[str, Any]:
         """SGLang's output dict with cumulative text and ids."""
@@ -222,4 +273,6 @@ class ReqState:
             if self.obj.top_logprobs_num > 0:
                 meta["input_top_logprobs"] = self._top_entries(self.in_top)
                 meta["output_top_logprobs"] = self._top_entries(self.out_top)
+        if self.obj.return_hidden_states:
+            meta["hidden_states"] = list(self.hidden_states)
         return {"text": self.text, "output_ids": list(self.output_ids), "meta_info": meta}

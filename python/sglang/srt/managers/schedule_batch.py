@@ -100,6 +100,7 @@ class Req:
         top_logprobs_num: int = 0,
         stream: bool = False,
         eos_token_ids: Optional[Set[int]] = None,
+        return_hidden_states: bool = False,
     ):
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -123,6 +124,13 @@ class Req:
         self.kv_committed_slots: Optional[List[torch.Tensor]] = None
         self.spec_verify_ct = 0
         self.spec_num_correct_drafts = 0
+        # Per verify round (scheduler_round.py): [k] = rounds that accepted k drafts; output
+        # tokens the rounds committed; and, when the worker plans a verify length (cap) per
+        # round, [l] = rounds planned with l drafts and the sum of the planned lengths.
+        self.spec_correct_drafts_histogram: List[int] = []
+        self.spec_num_block_accept_tokens = 0
+        self.spec_cap_lens_histogram: List[int] = []
+        self.spec_num_cap_tokens = 0
 
         # Logprobs. Input logprobs cover prompt tokens logprob_start_len .. end (-1: none).
         self.return_logprob = return_logprob
@@ -136,6 +144,11 @@ class Req:
         self.input_token_logprobs_idx: List[int] = []
         self.input_top_logprobs_val: List[List[float]] = []
         self.input_top_logprobs_idx: List[List[int]] = []
+
+        # Hidden states not yet sent to the detokenizer (CPU tensors): each prefill chunk's
+        # rows [n, H], then one row [H] per decode step (the input token's, as upstream).
+        self.return_hidden_states = return_hidden_states
+        self.hidden_states: List[torch.Tensor] = []
 
         # What has been streamed to the detokenizer already.
         self.sent_output_len = 0

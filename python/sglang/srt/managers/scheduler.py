@@ -44,6 +44,7 @@ from sglang.srt.managers.utils import (
     load_tokenizer,
     set_parent_death_signal,
 )
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 logger = logging.getLogger(__name__)
@@ -194,7 +195,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
         req = Req(recv.rid, recv.input_text, recv.input_ids, recv.sampling_params,
                   return_logprob=recv.return_logprob, logprob_start_len=recv.logprob_start_len,
                   top_logprobs_num=recv.top_logprobs_num, stream=recv.stream,
-                  eos_token_ids=self.eos_token_ids)
+                  eos_token_ids=self.eos_token_ids,
+                  return_hidden_states=recv.return_hidden_states)
         error = self._admission_error(req)
         if error is not None:
             req.finished_reason = FINISH_ABORT(error, status_code=400, err_type="BadRequestError")
@@ -207,6 +209,9 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
         sp = req.sampling_params
         if n == 0:
             return "the prompt is empty"
+        if req.return_hidden_states and self.spec_enabled:  # verify rounds do not hand them out
+            return ("'return_hidden_states' is not supported with speculative decoding "
+                    f"(--speculative-algorithm {self.server_args.speculative_algorithm})")
         bad = [t for t in req.origin_input_ids if not 0 <= t < self.vocab_size]
         if bad:
             return f"input id {bad[0]} is outside the vocabulary [0, {self.vocab_size})"
@@ -337,6 +342,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
         whose prompt completes, and the worker's prompt work (its future map, a draft)."""
         self.forward_ct += 1
         forward_batch = batch.prepare_for_extend()
+        if any(r.return_hidden_states for r in batch.reqs):  # the LM head's input: no extra work
+            forward_batch.capture_hidden_mode = CaptureHiddenMode.FULL
         rows = batch.sample_rows
         if rows is not None and len(rows) == len(batch.reqs):
             rows = None  # every request gets a token: no row selection needed

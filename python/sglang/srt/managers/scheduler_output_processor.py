@@ -1,4 +1,5 @@
-"""Scheduler half that consumes forward results: new tokens, logprobs, finish, outputs.
+"""Scheduler half that consumes forward results: new tokens, logprobs, hidden states, finish,
+outputs.
 
 Split out of ``scheduler.py`` (as upstream's ``SchedulerOutputProcessorMixin``) to keep files
 short. Methods read scheduler state (``self.running_batch``, pools, tokenizer, counters) and are
@@ -6,7 +7,7 @@ mixed into :class:`~sglang.srt.managers.scheduler.Scheduler`.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List
+from typing import TYPE_CHECKING, Any, List, Optional
 
 import torch
 
@@ -35,6 +36,8 @@ class SchedulerOutputProcessorMixin:
         batch.commit_forward()
         if any(r.wants_input_logprobs() for r in batch.reqs):
             self._add_input_logprobs(batch, chunk_starts, result.logits_output.next_token_logits)
+        if any(r.return_hidden_states for r in batch.reqs):
+            self._add_prefill_hidden_states(batch, result.logits_output.hidden_states)
 
         rows = batch.sample_rows or []
         if rows:  # (the round worker's prefill advanced the sampling state on the device)
@@ -79,6 +82,35 @@ class SchedulerOutputProcessorMixin:
                 for entry in lp.top_logprobs:
                     r.input_top_logprobs_val.append([v for v, _ in entry] if entry else [])
                     r.input_top_logprobs_idx.append([i for _, i in entry] if entry else [])
+
+    # ------------------------------------------------------------------ hidden states
+    def _add_prefill_hidden_states(self, batch: ScheduleBatch,
+                                   hidden: Optional[torch.Tensor]) -> None:
+        """This chunk's rows ``[n, H]`` of the requests that asked, in one device-to-host copy
+        (a prefill is read on the host anyway); every chunk of a prompt adds its rows."""
+        if self.tp_rank != 0:
+            return  # only rank 0 reports outputs: the others would only pile them up
+        if hidden is None:
+            raise RuntimeError("the prefill asked for hidden states but the forward returned "
+                               "none (capture_hidden_mode lost on the way)")
+        spans, offset = [], 0
+        for r, n in zip(batch.reqs, batch.extend_lens):
+            if r.return_hidden_states:
+                spans.append((r, offset, n))
+            offset += n
+        host = torch.cat([hidden[o:o + n] for _, o, n in spans]).cpu()
+        for (r, _, _), rows in zip(spans, torch.split(host, [n for _, _, n in spans])):
+            # Its own storage: a pickled view would carry the whole batch's rows along.
+            r.hidden_states.append(rows.clone() if len(spans) > 1 else rows)
+
+    def _append_round_hidden_states(self, r: Req, out: Any, b: int) -> None:
+        """Request ``b``'s row of a decode round (its input token's hidden state), if it asked
+        (``out.hidden_states``: per request a host row or None; only the plain worker's rounds
+        that were given hidden rows carry it)."""
+        rows = getattr(out, "hidden_states", None)
+        if r.return_hidden_states and self.tp_rank == 0 and rows is not None and \
+                rows[b] is not None:
+            r.hidden_states.append(rows[b])
 
     # ------------------------------------------------------------------ shared
     def _append_tokens(self, reqs: List[Req], result: "GenerationBatchResult") -> None:
@@ -147,6 +179,8 @@ class SchedulerOutputProcessorMixin:
             out.input_top_logprobs_val.append(r.input_top_logprobs_val if send_input else [])
             out.input_top_logprobs_idx.append(r.input_top_logprobs_idx if send_input else [])
             r.sent_input_logprobs = r.sent_input_logprobs or send_input
+            out.output_hidden_states.append(r.hidden_states)
+            r.hidden_states = []  # sent: the scheduler keeps no copy
             r.sent_output_len = len(r.output_ids)
         self.send_to_detokenizer(out)
 

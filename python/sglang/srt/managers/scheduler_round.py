@@ -21,9 +21,12 @@ orders produce the same tokens. Consequences the bookkeeping handles:
 * A prefill (or chunk) is launched like a round but consumed right away (its first token is
   needed to admit the request into the running batch).
 
-Speculative metrics (as upstream): per request ``spec_verify_ct`` and accepted drafts, sent with
-the finishing output; server-wide ``avg_spec_accept_length`` = committed tokens / (requests x
-rounds), reset by ``flush_cache``.
+Speculative metrics (as upstream): per request ``spec_verify_ct``, accepted drafts and the
+histogram of accepted drafts per round (plus, when the worker plans a verify length per round,
+the histogram and sum of those "cap" lengths and the tokens the rounds committed), sent with the
+finishing output; server-wide ``avg_spec_accept_length`` = committed tokens / (requests x
+rounds) and the accepted-drafts histogram over every (request, round) pair counted, reset by
+``flush_cache``. Every count comes from the host copies a round already makes.
 """
 from __future__ import annotations
 
@@ -92,6 +95,9 @@ class SchedulerRoundMixin:
         self.spec_num_accept_tokens = 0  # committed tokens over all (request, round) pairs
         self.spec_num_verify_reqs = 0  # (request, round) pairs
         self.spec_num_correct_drafts = 0
+        # [k]: (request, round) pairs that accepted k drafts; [l]: pairs planned with cap l.
+        self.spec_correct_drafts_histogram: List[int] = []
+        self.spec_cap_lens_histogram: List[int] = []
 
     def avg_spec_accept_length(self) -> float:
         """Committed tokens per request per round since the last flush (0 before any round)."""
@@ -128,10 +134,14 @@ class SchedulerRoundMixin:
         slots, round_cache_loc, bound = batch.prepare_for_round(
             worker.round_tokens, worker.round_cache_loc_buffer(len(batch.reqs)))
         want_lp = [r for r in batch.reqs if r.return_logprob]
+        # Rows whose hidden states the round returns: only the plain worker takes them (a
+        # speculative server refuses such requests at admission).
+        hidden = [b for b, r in enumerate(batch.reqs) if r.return_hidden_states]
         result = worker.forward_round(
             slots, round_cache_loc, batch.sampling_info, seq_lens_bound=bound,
             return_logprob=bool(want_lp),
-            top_logprobs_num=max([r.top_logprobs_num for r in want_lp], default=0))
+            top_logprobs_num=max([r.top_logprobs_num for r in want_lp], default=0),
+            **({"hidden_state_rows": hidden} if hidden else {}))
         return LaunchedRound(list(batch.reqs), result)
 
     def _consume_pending_round(self) -> None:
@@ -157,13 +167,11 @@ class SchedulerRoundMixin:
             r.kv_committed_slots.append(loc[:a].clone())
             to_free.append(loc[a:])
             r.kv_len += a
+            committed = self._append_round_tokens(r, out, b)
+            self._append_round_hidden_states(r, out, b)
             if self.spec_enabled:
-                r.spec_verify_ct += 1
-                r.spec_num_correct_drafts += a - 1
-                self.spec_num_accept_tokens += a
-                self.spec_num_verify_reqs += 1
-                self.spec_num_correct_drafts += a - 1
-            self._append_round_tokens(r, out, b)
+                self._count_spec_round(r, a, committed,
+                                       None if out.cap_lens is None else out.cap_lens[b])
             active.append(r)
         self.token_to_kv_pool_allocator.free(torch.cat(to_free))
         self._finish_and_stream(active)
@@ -173,8 +181,30 @@ class SchedulerRoundMixin:
                 self.running_batch = None
         self._log_decode_stats()
 
-    def _append_round_tokens(self, r: Req, out: Any, b: int) -> None:
-        """Append request ``b``'s committed tokens until it finishes (the rest is discarded)."""
+    def _count_spec_round(self, r: Req, accept_len: int, committed: int,
+                          cap: Optional[int]) -> None:
+        """One verify round of ``r`` into its counters and the server's: ``accept_len`` tokens
+        committed on the device (accepted drafts + the bonus), ``committed`` of them appended
+        to the output (fewer when the request finished inside the round), planned verify
+        length ``cap`` (None: the worker plans none)."""
+        bins = self.round_worker.proposed_per_round + 1
+        correct = accept_len - 1
+        r.spec_verify_ct += 1
+        r.spec_num_correct_drafts += correct
+        r.spec_num_block_accept_tokens += committed
+        self.spec_num_accept_tokens += accept_len
+        self.spec_num_verify_reqs += 1
+        self.spec_num_correct_drafts += correct
+        for hist in (r.spec_correct_drafts_histogram, self.spec_correct_drafts_histogram):
+            _bump(hist, correct, bins, "accepted drafts")
+        if cap is not None:
+            r.spec_num_cap_tokens += cap
+            for hist in (r.spec_cap_lens_histogram, self.spec_cap_lens_histogram):
+                _bump(hist, cap, bins, "planned verify length")
+
+    def _append_round_tokens(self, r: Req, out: Any, b: int) -> int:
+        """Append request ``b``'s committed tokens until it finishes (the rest is discarded);
+        the number appended."""
         for i, token in enumerate(out.tokens[b]):
             r.output_ids.append(token)
             self.num_generated_tokens += 1
@@ -186,7 +216,8 @@ class SchedulerRoundMixin:
                     r.output_top_logprobs_idx.append(out.top_logprobs_idx[b][i][: r.top_logprobs_num])
             r.check_finished(self.tokenizer)
             if r.finished():
-                return
+                return i + 1
+        return len(out.tokens[b])
 
     def spec_metrics_message(self, reqs: List[Req]) -> Optional[SpecMetricsOutput]:
         """Counters of the finished requests among ``reqs`` (None if there are none)."""
@@ -194,21 +225,47 @@ class SchedulerRoundMixin:
         if not self.spec_enabled or not done:
             return None
         per_round = self.round_worker.proposed_per_round
+        capped = any(r.spec_cap_lens_histogram for r in done)
         return SpecMetricsOutput(
             rids=[r.rid for r in done],
             spec_verify_ct=[r.spec_verify_ct for r in done],
             spec_num_correct_drafts=[r.spec_num_correct_drafts for r in done],
-            spec_num_proposed_drafts=[r.spec_verify_ct * per_round for r in done])
+            spec_num_proposed_drafts=[r.spec_verify_ct * per_round for r in done],
+            spec_correct_drafts_histogram=[r.spec_correct_drafts_histogram for r in done],
+            spec_cap_lens_histogram=[r.spec_cap_lens_histogram for r in done] if capped else None,
+            spec_num_cap_tokens=[r.spec_num_cap_tokens for r in done] if capped else None,
+            spec_num_block_accept_tokens=[r.spec_num_block_accept_tokens for r in done]
+            if capped else None)
 
     def spec_internal_state(self) -> Dict[str, Any]:
         """Speculative entries of ``get_internal_state`` (empty without speculation)."""
         if not self.spec_enabled:
             return {}
+        bins = self.round_worker.proposed_per_round + 1
+        caps = {"spec_cap_lens_histogram": _padded(self.spec_cap_lens_histogram, bins)} \
+            if self.spec_cap_lens_histogram else {}
         return {
             "avg_spec_accept_length": self.avg_spec_accept_length(),
+            "spec_correct_drafts_histogram": _padded(self.spec_correct_drafts_histogram, bins),
+            **caps,
             "spec_num_verify_reqs": self.spec_num_verify_reqs,
             "spec_num_accept_tokens": self.spec_num_accept_tokens,
             "speculative_num_steps": self.server_args.speculative_num_steps,
             "speculative_num_draft_tokens": self.server_args.speculative_num_draft_tokens,
             **self.round_worker.internal_state(),  # the algorithm's own entries
         }
+
+
+def _bump(hist: List[int], k: int, bins: int, what: str) -> None:
+    """``hist[k] += 1`` in a histogram of ``bins`` bins (zero-filled on first use)."""
+    if not 0 <= k < bins:
+        raise RuntimeError(f"speculative round reported {what} {k}, outside 0..{bins - 1} "
+                           "(the drafts it proposes per round)")
+    if len(hist) < bins:
+        hist.extend([0] * (bins - len(hist)))
+    hist[k] += 1
+
+
+def _padded(hist: List[int], bins: int) -> List[int]:
+    """A copy of ``hist`` with ``bins`` bins (all zero before the first count)."""
+    return list(hist) + [0] * (bins - len(hist))

@@ -10,20 +10,26 @@ Plain decoding runs as one-token "rounds" with the same interface as a speculati
 token and position from the worker's :class:`~sglang.srt.managers.overlap_utils.FutureMap` on the
 device and writes its sampled token back there, so the scheduler can launch step ``k + 1``
 before it has read step ``k``'s token.
+
+Hidden states (``return_hidden_states``): a round given ``hidden_state_rows`` also returns
+those requests' final-normed hidden states (the LM head's input, one row per request: its input
+token's). Such a round runs eagerly, never as a graph replay: the graphs are captured without
+that output, and a round nobody asked for keeps its graph and gains no copy or host read.
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput, last_token_indices
 from sglang.srt.layers.sampler import Sampler, SamplerOutput
-from sglang.srt.managers.overlap_utils import FutureMap, PendingRound, host_to_device
+from sglang.srt.managers.overlap_utils import FutureMap, PendingRound, RoundOutput, host_to_device
 from sglang.srt.model_executor.cuda_graph_runner import GraphedRoundMixin
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
 from sglang.srt.model_executor.model_runner import ModelRunner, runner_kwargs_from_server_args
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -44,6 +50,35 @@ class GenerationBatchResult:
     def next_token_ids(self) -> Optional[torch.Tensor]:
         """Sampled ids ``[rows]`` (None when nothing was sampled)."""
         return None if self.sampler_output is None else self.sampler_output.next_token_ids
+
+
+@dataclass
+class DecodeRoundOutput(RoundOutput):
+    """A plain decode round's outcome with, per request, its hidden-state row ``[H]`` (a CPU
+    tensor; None for the requests that did not ask)."""
+
+    hidden_states: Optional[List[Optional[torch.Tensor]]] = None
+
+
+class HiddenStatesPendingRound(PendingRound):
+    """A :class:`PendingRound` that also copies the hidden states of the rounds' rows
+    ``rows`` (``tensors["hidden_states"] [len(rows), H]``); :meth:`wait` gives a
+    :class:`DecodeRoundOutput`."""
+
+    def __init__(self, tensors: Dict[str, torch.Tensor], rows: Sequence[int],
+                 on_current_stream: bool = False):
+        super().__init__(tensors, on_current_stream)
+        self.rows = list(rows)
+
+    def wait(self) -> DecodeRoundOutput:
+        """:meth:`PendingRound.wait`, plus the hidden rows by request."""
+        out = super().wait()
+        host = self.host_copy.wait()["hidden_states"]
+        per_req: List[Optional[torch.Tensor]] = [None] * len(out.accept_lens)
+        for j, b in enumerate(self.rows):
+            per_req[b] = host[j].clone()  # own storage: not the round's whole pinned buffer
+        fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
+        return DecodeRoundOutput(**fields, hidden_states=per_req)
 
 
 class TpModelWorker(GraphedRoundMixin):
@@ -77,6 +112,8 @@ class TpModelWorker(GraphedRoundMixin):
         self.sampler = Sampler()
         # Plain decode's relay: the next input token and the committed length per slot.
         self.future_map = FutureMap(self.model_runner.req_to_token_pool.size, self.device)
+        # (host rows, device rows) of the round being launched that returns hidden states.
+        self._hidden_rows: Optional[Tuple[List[int], torch.Tensor]] = None
 
     # Pool handles (the scheduler does the slot bookkeeping).
     @property
@@ -148,17 +185,22 @@ class TpModelWorker(GraphedRoundMixin):
 
     def _decode_phase(self, prev: Dict[str, torch.Tensor], slots: torch.Tensor,
                       loc: torch.Tensor, sampling_info: SamplingBatchInfo, seq_lens_bound: int,
-                      return_logprob: bool = False) -> Dict[str, torch.Tensor]:
+                      return_logprob: bool = False,
+                      hidden_rows: Optional[torch.Tensor] = None) -> Dict[str, torch.Tensor]:
         """The device work of one decode step (fixed shapes, no host reads: a CUDA graph
         captures it): input token and position from the future map, the KV slot into the
         request->token map, forward, sampling, the new token and length back into the map.
         Returns ``accept_len [B]`` (ones), ``tokens [B, 1]`` and, for logprobs, the sampler's
-        ``logprobs [B, V]`` (of the logits before this step's tokens enter the penalties)."""
+        ``logprobs [B, V]`` (of the logits before this step's tokens enter the penalties);
+        with ``hidden_rows [R]`` (eager rounds only) also those rows' ``hidden_states [R, H]``."""
         prefix, tokens = self.future_map.assign_round(
             self.model_runner.req_to_token_pool.req_to_token, slots, loc, with_tokens=True)
         batch = ForwardBatch.for_decode(tokens, slots, prefix + 1, loc[:, 0],
                                         seq_lens_upper_bound=seq_lens_bound)
-        logits = self.model_runner.forward(batch).next_token_logits
+        if hidden_rows is not None:
+            batch.capture_hidden_mode = CaptureHiddenMode.LAST
+        logits_output = self.model_runner.forward(batch)
+        logits = logits_output.next_token_logits
         sampled = self.sampler(logits, sampling_info, return_logprob=return_logprob)
         next_ids = sampled.next_token_ids
         sampling_info.append_tokens(next_ids)
@@ -166,13 +208,51 @@ class TpModelWorker(GraphedRoundMixin):
         out = {"accept_len": torch.ones_like(next_ids), "tokens": next_ids.unsqueeze(1)}
         if return_logprob:
             out["logprobs"] = sampled.logprobs
+        if hidden_rows is not None:
+            out["hidden_states"] = logits_output.hidden_states[hidden_rows]
         return out
+
+    def forward_round(self, req_pool_indices: torch.Tensor, round_cache_loc: torch.Tensor,
+                      sampling_info: SamplingBatchInfo, seq_lens_bound: Optional[int] = None,
+                      return_logprob: bool = False, top_logprobs_num: int = 0,
+                      hidden_state_rows: Optional[Sequence[int]] = None) -> PendingRound:
+        """:meth:`GraphedRoundMixin.forward_round`; with ``hidden_state_rows`` (indices into
+        the round's requests) the round runs eagerly and its :meth:`PendingRound.wait` gives a
+        :class:`DecodeRoundOutput` with those rows' hidden states."""
+        rows = sorted(set(hidden_state_rows or ()))
+        b = int(req_pool_indices.shape[0])
+        if rows and not 0 <= rows[0] <= rows[-1] < b:
+            raise ValueError(f"forward_round: hidden_state_rows {rows} outside the round's "
+                             f"{b} requests")
+        if rows:
+            self._hidden_rows = (rows, host_to_device(rows, self.device))
+        try:
+            return super().forward_round(req_pool_indices, round_cache_loc, sampling_info,
+                                         seq_lens_bound, return_logprob, top_logprobs_num)
+        finally:
+            self._hidden_rows = None
+
+    def round_needs_eager(self) -> bool:
+        """A round returning hidden states runs eagerly: no graph holds that output (nor is
+        one captured with it)."""
+        return self._hidden_rows is not None
+
+    def round_body(self, slots: torch.Tensor, loc: torch.Tensor, info: SamplingBatchInfo,
+                   bound: int, return_logprob: bool = False) -> Dict[str, torch.Tensor]:
+        """The decode step; with the hidden-state rows of the round being launched (eager
+        only) the step also returns those rows' hidden states."""
+        if self._hidden_rows is None:
+            return super().round_body(slots, loc, info, bound, return_logprob)
+        return self._decode_phase({}, slots, loc, info, bound, return_logprob,
+                                  hidden_rows=self._hidden_rows[1])
 
     def pending_round(self, out: Dict[str, torch.Tensor], loc: torch.Tensor,
                       return_logprob: bool, top_logprobs_num: int,
                       on_current_stream: bool = False) -> PendingRound:
         """Start the host copies of a step's outputs; the chosen tokens' logprobs and the top
-        ones are picked here from the body's ``logprobs`` (after a graph replay, too)."""
+        ones are picked here from the body's ``logprobs`` (after a graph replay, too); the
+        hidden states ``out["hidden_states"]`` of the round being launched with hidden-state
+        rows (an eager round, :meth:`round_needs_eager`)."""
         copies = {"accept_len": out["accept_len"], "tokens": out["tokens"], "loc": loc}
         if return_logprob:
             lp = out["logprobs"]
@@ -181,4 +261,7 @@ class TpModelWorker(GraphedRoundMixin):
                 k = min(top_logprobs_num, self.vocab_size)
                 val, idx = lp.topk(k, dim=-1)
                 copies["top_val"], copies["top_idx"] = val.unsqueeze(1), idx.unsqueeze(1)
+        if "hidden_states" in out:
+            copies["hidden_states"] = out["hidden_states"]
+            return HiddenStatesPendingRound(copies, self._hidden_rows[0], on_current_stream)
         return PendingRound(copies, on_current_stream=on_current_stream)

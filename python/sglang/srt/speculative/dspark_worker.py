@@ -194,7 +194,8 @@ class _RoundStats:
 
 
 class _DSparkPendingRound(PendingRound):
-    """A :class:`PendingRound` that also counts the round's planned verify lengths."""
+    """A :class:`PendingRound` whose output also has the round's planned verify lengths
+    (``RoundOutput.cap_lens``, read with its other host copies), counted into the stats."""
 
     def __init__(self, tensors: Dict[str, torch.Tensor], stats: _RoundStats,
                  on_current_stream: bool = False):
@@ -202,10 +203,11 @@ class _DSparkPendingRound(PendingRound):
         self._stats: Optional[_RoundStats] = stats
 
     def wait(self) -> RoundOutput:
-        """As :meth:`PendingRound.wait`; the first call also updates the statistics."""
+        """As :meth:`PendingRound.wait`, with ``cap_lens``; the first call updates the stats."""
         out = super().wait()
+        out.cap_lens = self.host_copy.wait()["verify_len"].tolist()
         if self._stats is not None:
-            self._stats.add(self.host_copy.wait()["verify_len"].tolist(), out.accept_lens)
+            self._stats.add(out.cap_lens, out.accept_lens)
             self._stats = None
         return out
 

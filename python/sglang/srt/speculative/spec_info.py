@@ -7,7 +7,7 @@
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import IntEnum, auto
 from typing import List, Optional
 
@@ -50,9 +50,23 @@ class SpeculativeAlgorithm(IntEnum):
 
 @dataclass
 class SpecMetricsOutput:
-    """Speculative counters of requests that finish in the token message that follows."""
+    """Speculative counters of requests that finish in the token message that follows.
+
+    The ``cap`` fields are ``None`` unless the speculative worker plans a verify length per
+    request per round (a "cap" on how many drafts that round may accept, ``0 ..`` the drafts
+    proposed); then they hold one entry per request like the others.
+    """
 
     rids: List[str]
     spec_verify_ct: List[int]  # verify rounds that counted toward the request
     spec_num_correct_drafts: List[int]  # accepted draft tokens (bonus tokens excluded)
     spec_num_proposed_drafts: List[int]  # spec_verify_ct * (num_draft_tokens - 1)
+    # [request][k]: the request's verify rounds that accepted exactly k drafts, k = 0 .. the
+    # drafts proposed per round.
+    spec_correct_drafts_histogram: List[List[int]] = field(default_factory=list)
+    # [request][l]: the request's rounds whose planned verify length (cap) was l.
+    spec_cap_lens_histogram: Optional[List[List[int]]] = None
+    spec_num_cap_tokens: Optional[List[int]] = None  # sum of the planned verify lengths
+    # Output tokens committed by the request's verify rounds (the prefill's first token and
+    # tokens past the finish point excluded).
+    spec_num_block_accept_tokens: Optional[List[int]] = None
