@@ -1,9 +1,10 @@
 """Unsupported features are refused, not ignored; per-choice seeds and client rids on ``/v1``.
 
-Through one real tiny server: fields of features this engine lacks (LoRA, hidden states, custom
-logit processors, constrained decoding, function calling) are a 400 in the one error shape that
-names the field, on ``/generate`` and ``/v1`` alike, and nothing reaches the scheduler; unset
-(``null`` / ``false``) they are accepted. A chat message without content is refused. ``n > 1``
+Through one real tiny server: fields of features this engine lacks (LoRA, custom logit
+processors, constrained decoding, function calling) are a 400 in the one error shape that names
+the field, on ``/generate`` and ``/v1`` alike, and nothing reaches the scheduler; unset
+(``null`` / ``false``) they are accepted. Hidden states are served on ``/generate`` (see
+test_hidden_states.py) and still refused on ``/v1``. A chat message without content is refused. ``n > 1``
 with ``seed`` gives distinct, reproducible choices (choice ``i`` samples with
 ``choice_seed(seed, i)``), and a client's ``rid`` on ``/v1`` is kept, so ``/abort_request``
 reaches the request.
@@ -41,7 +42,6 @@ GEN = {"text": "hi", "sampling_params": _greedy(1)}
 GENERATE_REFUSED = [
     ({"lora_path": "my-adapter"}, "lora_path"),
     ({"lora_path": [None, "my-adapter"], "text": ["a", "b"]}, "lora_path"),
-    ({"return_hidden_states": True}, "return_hidden_states"),
     ({"custom_logit_processor": "{\"callable\": \"x\"}"}, "custom_logit_processor"),
     ({"return_routed_experts": True}, "return_routed_experts"),
     ({"token_ids_logprob": [1, 2]}, "token_ids_logprob"),
@@ -75,6 +75,14 @@ def test_generate_accepts_unset_features(server):
     r = _post(server, "/generate", {"text": ["a", "b"], "lora_path": [None, None],
                                     "sampling_params": _greedy(1)})
     assert r.status_code == 200 and len(r.json()) == 2, r.text
+
+
+def test_generate_serves_hidden_states_and_checks_the_type(server):
+    r = _post(server, "/generate", {**GEN, "return_hidden_states": True})
+    assert r.status_code == 200, r.text
+    assert len(r.json()["meta_info"]["hidden_states"]) == 1  # max_new_tokens 1: the prompt's
+    _assert_error(_post(server, "/generate", {**GEN, "return_hidden_states": "true"}), 400,
+                  "return_hidden_states", "boolean")
 
 
 # ----------------------------------------------------------------------------- /v1

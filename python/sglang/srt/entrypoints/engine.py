@@ -161,12 +161,13 @@ class Engine:
     # ------------------------------------------------------------------ generation
     def _make_request(self, prompt, sampling_params, input_ids, return_logprob,
                       logprob_start_len, top_logprobs_num, stream, rid,
-                      return_text_in_logprobs) -> GenerateReqInput:
+                      return_text_in_logprobs, return_hidden_states) -> GenerateReqInput:
         return GenerateReqInput(
             text=prompt, input_ids=input_ids, sampling_params=sampling_params, rid=rid,
             return_logprob=return_logprob, logprob_start_len=logprob_start_len,
             top_logprobs_num=top_logprobs_num, stream=stream,
             return_text_in_logprobs=return_text_in_logprobs,
+            return_hidden_states=return_hidden_states,
         )
 
     def generate(
@@ -180,16 +181,21 @@ class Engine:
         stream: bool = False,
         rid: Optional[Union[str, List[str]]] = None,
         return_text_in_logprobs: bool = False,
+        return_hidden_states: Union[bool, List[bool]] = False,
     ) -> Union[Dict[str, Any], List[Dict[str, Any]], Iterator[Dict[str, Any]]]:
         """Generate for one prompt (a dict) or a batch (a list of dicts).
 
         ``stream=True`` returns an iterator of dicts with cumulative ``text`` (batch: each dict
-        has an ``index``). Raises ``ValueError`` for invalid requests.
+        has an ``index``). ``return_hidden_states`` (per prompt as a list) adds
+        ``meta_info["hidden_states"]``: the prompt's final-normed hidden states (one float list
+        per prompt token) as the first entry, then one row per decode step (``prompt_len +
+        output_len - 1`` rows in all; cumulative when streaming, as upstream). Raises
+        ``ValueError`` for invalid requests.
         """
         self._check_open()
         obj = self._make_request(prompt, sampling_params, input_ids, return_logprob,
                                  logprob_start_len, top_logprobs_num, stream, rid,
-                                 return_text_in_logprobs)
+                                 return_text_in_logprobs, return_hidden_states)
         agen = self.tokenizer_manager.generate_request(obj)
         if stream:
             return self._iterate(agen)
@@ -220,12 +226,13 @@ class Engine:
         stream: bool = False,
         rid: Optional[Union[str, List[str]]] = None,
         return_text_in_logprobs: bool = False,
+        return_hidden_states: Union[bool, List[bool]] = False,
     ) -> Union[Dict[str, Any], List[Dict[str, Any]], AsyncIterator[Dict[str, Any]]]:
         """Async :meth:`generate` for the caller's event loop (stream: an async iterator)."""
         self._check_open()
         obj = self._make_request(prompt, sampling_params, input_ids, return_logprob,
                                  logprob_start_len, top_logprobs_num, stream, rid,
-                                 return_text_in_logprobs)
+                                 return_text_in_logprobs, return_hidden_states)
         agen = self.tokenizer_manager.generate_request(obj)
         if stream:
             return agen

@@ -373,6 +373,11 @@ class GraphedRoundMixin:
             return None
         return runner.refill.loc_buffer(bs)
 
+    def round_needs_eager(self) -> bool:
+        """True when the round being launched asks for an output no graph holds (it then runs
+        eagerly and no graph is captured for it); False by default."""
+        return False
+
     def round_body(self, slots: torch.Tensor, loc: torch.Tensor, info: SamplingBatchInfo,
                    bound: int, return_logprob: bool = False) -> Dict[str, torch.Tensor]:
         """The device work of one round: its phases in order (fixed shapes, no host reads)."""
@@ -446,7 +451,7 @@ class GraphedRoundMixin:
         stream, ahead of the next replay), else run eagerly."""
         out = None
         runner = self.graph_runner
-        if runner is not None:
+        if runner is not None and not self.round_needs_eager():
             key = runner.key(int(slots.shape[0]), info, return_logprob, bound)
             if key is not None:
                 out = runner.replay(key, slots, loc, info)
