@@ -16,7 +16,7 @@
 #   STAGE=dspark  the fused norm / router kernel tests on CUDA, then the gpu-marked DSpark gate
 #                 (graphs == plain greedy, seeded, pollution, no host sync in replayed rounds)
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
-# FUSED=1 also sets SGLANG_TRITON_RMSNORM=1 SGLANG_TRITON_ROUTER=1; PHASES=1 captures a NEXTN
+# FUSED (default 1) sets SGLANG_TRITON_RMSNORM / SGLANG_TRITON_ROUTER to 1 (0 with FUSED=0); PHASES=1 captures a NEXTN
 # round as one graph per phase (SGLANG_ROUND_GRAPH_PER_PHASE=1); SPECS (default "0 3 4 5")
 # the NEXTN steps of the 12-layer A/B rows (0: no speculation); BUNDLED=0 skips the bundled rows;
 # AB_ARGS: more graph_ab.py options (e.g. --seam-ab 2: the seam variants), AB_TIMEOUT seconds each.
@@ -24,9 +24,11 @@ set -uo pipefail
 source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names
 FLASH12="--model-path ling-3.0-flash --load-format dummy --json-model-override-args '{\"num_hidden_layers\": 12}'"
 K=${KERNELS:-triton}
-[ "${FUSED:-0}" = 1 ] && export SGLANG_TRITON_RMSNORM=1 SGLANG_TRITON_ROUTER=1
+# The norm / router kernels are on by default on CUDA; FUSED=0 turns them off for an A/B.
+[ "${FUSED:-1}" = 1 ] && export SGLANG_TRITON_RMSNORM=1 SGLANG_TRITON_ROUTER=1 \
+  || export SGLANG_TRITON_RMSNORM=0 SGLANG_TRITON_ROUTER=0
 [ "${PHASES:-0}" = 1 ] && export SGLANG_ROUND_GRAPH_PER_PHASE=1
-TAG="$K$([ "${FUSED:-0}" = 1 ] && echo +fused)$([ "${PHASES:-0}" = 1 ] && echo +phases)"
+TAG="$K$([ "${FUSED:-1}" = 1 ] && echo +fused)$([ "${PHASES:-0}" = 1 ] && echo +phases)"
 KARGS="--moe-runner-backend $K --linear-attn-decode-backend $K --attention-backend $([ $K = triton ] && echo triton || echo torch_native)"
 date -u; git log --oneline -1
 
