@@ -419,25 +419,6 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
             self.last_gen_throughput = tokens / (now - self._tput_time)
         self._tput_tokens, self._tput_time = self.num_generated_tokens, now
 
-    def _log_decode_stats(self) -> None:
-        self._decode_steps += 1
-        if self._decode_steps % self.server_args.decode_log_interval != 0:
-            return
-        self._update_throughput()
-        if self.tp_rank == 0:
-            used = self.max_total_num_tokens - self.token_to_kv_pool_allocator.available_size()
-            running = 0 if self.running_batch is None else self.running_batch.batch_size()
-            spec = ""
-            if self.spec_enabled:
-                drafts = self.spec_num_verify_reqs * self.round_worker.proposed_per_round
-                spec = (f"accept len: {self.avg_spec_accept_length():.2f}, accept rate: "
-                        f"{self.spec_num_correct_drafts / max(drafts, 1):.2f}, ")
-            logger.info(
-                "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %s"
-                "gen throughput (token/s): %.2f, #queue-req: %d", running, used,
-                used / self.max_total_num_tokens, spec, self.last_gen_throughput,
-                len(self.waiting_queue))
-
     # ------------------------------------------------------------------ control
     def flush_cache(self) -> FlushCacheReqOutput:
         """Reset the pools (and the forward counter); refused unless idle."""

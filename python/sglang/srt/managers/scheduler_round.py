@@ -30,6 +30,7 @@ rounds) and the accepted-drafts histogram over every (request, round) pair count
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
@@ -44,6 +45,8 @@ from sglang.srt.speculative.spec_info import SpecMetricsOutput
 if TYPE_CHECKING:
     from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
 
+# The scheduler's logger: the decode log line keeps the name it has upstream.
+logger = logging.getLogger("sglang.srt.managers.scheduler")
 
 @dataclass
 class LaunchedRound:
@@ -218,6 +221,27 @@ class SchedulerRoundMixin:
             if r.finished():
                 return i + 1
         return len(out.tokens[b])
+
+    def _log_decode_stats(self) -> None:
+        """Every ``--decode-log-interval`` rounds: the decode log line (as upstream's), with
+        the accept length and rate under speculation."""
+        self._decode_steps += 1
+        if self._decode_steps % self.server_args.decode_log_interval != 0:
+            return
+        self._update_throughput()
+        if self.tp_rank == 0:
+            used = self.max_total_num_tokens - self.token_to_kv_pool_allocator.available_size()
+            running = 0 if self.running_batch is None else self.running_batch.batch_size()
+            spec = ""
+            if self.spec_enabled:
+                drafts = self.spec_num_verify_reqs * self.round_worker.proposed_per_round
+                spec = (f"accept len: {self.avg_spec_accept_length():.2f}, accept rate: "
+                        f"{self.spec_num_correct_drafts / max(drafts, 1):.2f}, ")
+            logger.info(
+                "Decode batch. #running-req: %d, #token: %d, token usage: %.2f, %s"
+                "gen throughput (token/s): %.2f, #queue-req: %d", running, used,
+                used / self.max_total_num_tokens, spec, self.last_gen_throughput,
+                len(self.waiting_queue))
 
     def spec_metrics_message(self, reqs: List[Req]) -> Optional[SpecMetricsOutput]:
         """Counters of the finished requests among ``reqs`` (None if there are none)."""
