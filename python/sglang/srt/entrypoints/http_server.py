@@ -15,15 +15,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import os
-import signal
 import threading
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Dict, Optional
 
-import requests
 import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
@@ -58,7 +55,6 @@ logger = logging.getLogger(__name__)
 
 # Top-level /generate fields that select the response shape: checked here, before use.
 _BOOL_FIELDS = ("stream", "return_text_in_logprobs", "log_metrics")
-WARMUP_MAX_NEW_TOKENS = 8  # as upstream's warmup for generation models
 
 
 @dataclass
@@ -426,57 +422,6 @@ async def openai_v1_chat_completions(raw_request: Request) -> Response:
 
 
 # ----------------------------------------------------------------------------- launch
-def _warmup_payload(tm: Any) -> Dict[str, Any]:
-    sampling = {"temperature": 0.0, "max_new_tokens": WARMUP_MAX_NEW_TOKENS}
-    if getattr(tm, "tokenizer", None) is None:
-        vocab = tm.model_config.vocab_size
-        return {"input_ids": [t % vocab for t in (1, 2, 3, 4)], "sampling_params": sampling}
-    return {"text": "The capital city of France is", "sampling_params": sampling}
-
-
-def _fail(reason: str) -> None:
-    """Stop serving because the server is unusable; ``launch_server`` then raises ``reason``."""
-    logger.error("%s; shutting down", reason)
-    _st().failure = reason
-    os.kill(os.getpid(), signal.SIGTERM)  # the graceful shutdown path (nothing is in flight)
-
-
-def _wait_and_warmup(server_args: Any, tm: Any, on_ready: Optional[Any] = None) -> None:
-    """Wait for the HTTP port, send the warmup request, mark the server warmed up (the health
-    checks answer 200 from then on) and log the URL; SIGTERM self on failure."""
-    url = server_args.url()
-    headers = {"Authorization": f"Bearer {server_args.api_key}"} if server_args.api_key else {}
-    deadline = time.time() + 600
-    while True:
-        try:
-            if requests.get(f"{url}/model_info", headers=headers, timeout=5).status_code == 200:
-                break
-        except requests.RequestException:
-            pass
-        if _st().shutting_down:
-            return
-        if time.time() > deadline:
-            _fail(f"the HTTP server did not come up at {url}")
-            return
-        time.sleep(0.2)
-    if not server_args.skip_server_warmup:
-        try:
-            r = requests.post(f"{url}/generate", json=_warmup_payload(tm), headers=headers,
-                              timeout=600)
-            if r.status_code != 200:
-                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
-        except Exception as e:  # noqa: BLE001 - any failure means the server is unusable
-            if not _st().shutting_down:  # else a signal cut the warmup short: not a failure
-                _fail(f"the warmup request failed: {e}")
-            return
-    if _st().shutting_down:
-        return
-    _st().warmed_up = True
-    logger.info("The server is fired up and ready to roll! Serving at %s", url)
-    if on_ready is not None:
-        on_ready()
-
-
 def _begin_shutdown() -> None:
     # Called on the event loop when the drain starts: the health checks turn 503 at once.
     _st().shutting_down = True
@@ -506,7 +451,7 @@ def launch_server(server_args: Any, on_ready: Optional[Any] = None) -> None:
                                 access_log=server_args.log_level == "debug")
         server = lifecycle.GracefulServer(config, gate, grace_s, abort_all=tm.abort_all_requests,
                                           on_drain=_begin_shutdown)
-        threading.Thread(target=_wait_and_warmup, args=(server_args, tm, on_ready),
+        threading.Thread(target=lifecycle.wait_and_warmup, args=(server_args, tm, _st(), on_ready),
                          name="warmup", daemon=True).start()
         server.run()
     finally:

@@ -17,12 +17,14 @@ import asyncio
 import errno
 import logging
 import math
+import os
 import signal
 import socket
 import time
 from types import FrameType
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import requests
 import uvicorn
 
 from sglang.srt.entrypoints.openai.serving_base import create_error_response
@@ -182,3 +184,63 @@ class GracefulServer(uvicorn.Server):
             except Exception as e:  # noqa: BLE001 - the backend is gone; uvicorn cancels below
                 logger.error("could not abort the requests in flight: %s", e)
         self.should_exit = True
+
+
+# ----------------------------------------------------------------------------- warm-up
+WARMUP_MAX_NEW_TOKENS = 8  # as upstream's warmup for generation models
+
+
+def warmup_payload(tm: Any) -> Dict[str, Any]:
+    """The warm-up ``/generate`` body: a short greedy prompt (token ids without a tokenizer)."""
+    sampling = {"temperature": 0.0, "max_new_tokens": WARMUP_MAX_NEW_TOKENS}
+    if getattr(tm, "tokenizer", None) is None:
+        vocab = tm.model_config.vocab_size
+        return {"input_ids": [t % vocab for t in (1, 2, 3, 4)], "sampling_params": sampling}
+    return {"text": "The capital city of France is", "sampling_params": sampling}
+
+
+def fail_server(state: Any, reason: str) -> None:
+    """Stop serving because the server is unusable: ``state.failure`` (which
+    ``launch_server`` raises after the shutdown) and SIGTERM to this process, the graceful
+    path (nothing is in flight)."""
+    logger.error("%s; shutting down", reason)
+    state.failure = reason
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def wait_and_warmup(server_args: Any, tm: Any, state: Any,
+                    on_ready: Optional[Callable[[], None]] = None) -> None:
+    """Wait for the HTTP port, send the warm-up request, set ``state.warmed_up`` (the health
+    checks answer 200 from then on) and log the URL; :func:`fail_server` on failure. ``state``
+    has ``shutting_down`` (set by a signal: stop quietly), ``warmed_up`` and ``failure``."""
+    url = server_args.url()
+    headers = {"Authorization": f"Bearer {server_args.api_key}"} if server_args.api_key else {}
+    deadline = time.time() + 600
+    while True:
+        try:
+            if requests.get(f"{url}/model_info", headers=headers, timeout=5).status_code == 200:
+                break
+        except requests.RequestException:
+            pass
+        if state.shutting_down:
+            return
+        if time.time() > deadline:
+            fail_server(state, f"the HTTP server did not come up at {url}")
+            return
+        time.sleep(0.2)
+    if not server_args.skip_server_warmup:
+        try:
+            r = requests.post(f"{url}/generate", json=warmup_payload(tm), headers=headers,
+                              timeout=600)
+            if r.status_code != 200:
+                raise RuntimeError(f"HTTP {r.status_code}: {r.text[:500]}")
+        except Exception as e:  # noqa: BLE001 - any failure means the server is unusable
+            if not state.shutting_down:  # else a signal cut the warmup short: not a failure
+                fail_server(state, f"the warmup request failed: {e}")
+            return
+    if state.shutting_down:
+        return
+    state.warmed_up = True
+    logger.info("The server is fired up and ready to roll! Serving at %s", url)
+    if on_ready is not None:
+        on_ready()
