@@ -143,3 +143,16 @@ def submit_staggered(sched: Scheduler, reqs: List[TokenizedGenerateReqInput], st
         if after_each is not None:
             after_each(i)
     sched.run_until_idle()
+
+
+def held_out_prompts(tokenizer: Any, n: int = 3, length: int = 24) -> List[List[int]]:
+    """``n`` prompts of ``length`` tokens from held-out Python files (never trained on), each
+    starting at a function definition a third of the way into its file."""
+    from sglang.train.data import HELD_OUT_FILES, stdlib_root
+
+    out = []
+    for name in HELD_OUT_FILES[:n]:
+        text = (stdlib_root() / name).read_text(encoding="utf-8")
+        start = text.find("\ndef ", len(text) // 3) + 1
+        out.append(tokenizer.encode(text[start:start + 1000])[:length])
+    return out

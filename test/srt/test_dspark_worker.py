@@ -26,7 +26,8 @@ from typing import Any, Dict, List, Tuple
 import pytest
 import torch
 
-from engine_test_utils import make_scheduler, refuse_host_reads, sampling, submit_staggered
+from engine_test_utils import (held_out_prompts, make_scheduler, refuse_host_reads, sampling,
+                               submit_staggered)
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
 from sglang.srt.managers.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
@@ -37,7 +38,6 @@ from sglang.srt.speculative.dspark_worker import DSparkWorker, dspark_setup
 from sglang.srt.speculative.registry import get_spec_worker_class
 from sglang.srt.speculative.spec_info import SpecMetricsOutput
 from sglang.test.random_dspark_checkpoint import tiny_dspark_config, write_random_dspark_checkpoint
-from sglang.train.data import HELD_OUT_FILES, stdlib_root
 from test_cuda_graph_runner import _requests, _run
 
 MODEL = str(BUNDLED_MODEL_DIR)
@@ -102,13 +102,7 @@ def plain() -> Scheduler:
 @pytest.fixture(scope="module")
 def prompts(plain) -> List[List[int]]:
     """Three 24-token prompts from held-out Python files, each at a function definition."""
-    tok = plain.tokenizer
-    out = []
-    for name in HELD_OUT_FILES[:3]:
-        text = (stdlib_root() / name).read_text(encoding="utf-8")
-        start = text.find("\ndef ", len(text) // 3) + 1
-        out.append(tok.encode(text[start:start + 1000])[:24])
-    return out
+    return held_out_prompts(plain.tokenizer)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,7 @@ from typing import Any, Dict, List, Tuple
 
 import pytest
 
-from engine_test_utils import make_scheduler, sampling, submit_staggered
+from engine_test_utils import held_out_prompts, make_scheduler, sampling, submit_staggered
 from sglang.benchmark.backends import read_spec_meta
 from sglang.benchmark.metrics import (
     RequestFuncOutput,
@@ -37,7 +37,6 @@ from sglang.srt.managers.io_struct import (
 from sglang.srt.managers.request_state import ReqState
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.speculative.spec_info import SpecMetricsOutput
-from sglang.train.data import HELD_OUT_FILES, stdlib_root
 
 MODEL = str(BUNDLED_MODEL_DIR)
 VOCAB = ModelConfig.from_path(MODEL).vocab_size
@@ -58,13 +57,7 @@ def prompts() -> List[List[int]]:
     from sglang.srt.managers.utils import load_tokenizer
     from sglang.srt.server_args import ServerArgs
 
-    tok = load_tokenizer(ServerArgs(device="cpu"))
-    out = []
-    for name in HELD_OUT_FILES[:3]:
-        text = (stdlib_root() / name).read_text(encoding="utf-8")
-        start = text.find("\ndef ", len(text) // 3) + 1
-        out.append(tok.encode(text[start:start + 1000])[:24])
-    return out
+    return held_out_prompts(load_tokenizer(ServerArgs(device="cpu")))
 
 
 @pytest.fixture(scope="module")
