@@ -20,33 +20,41 @@ accepted count ``a(p)`` of a round anchored at ``p`` does not depend on earlier 
 * ``ece`` per slot: expected calibration error (20 equal-width bins) of the predicted prefix
   survival ``prod_{i<=k} sigmoid(conf_i)`` against the observed prefix acceptance, and its mean.
 
+:func:`confidence_rounds` returns the same rounds with the confidence head's raw logits, the
+input of the STS calibration (``python -m sglang.benchmark.dspark_sts_fit``).
+
 :func:`engine_accept_length` measures the same prompts through ``sglang.Engine``: the target's
 NEXTN (MTP) layer for comparison, and the saved draft served by the DSPARK worker (the number the
 offline walk predicts).
 """
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
 from sglang.train.dspark_data import FeatureSequence
 
-__all__ = ["draft_sequence", "expected_calibration_error", "evaluate_draft",
+__all__ = ["draft_sequence", "ConfidenceRounds", "confidence_rounds",
+           "expected_calibration_error", "evaluate_draft",
            "engine_accept_length", "nextn_spec_kwargs", "dspark_spec_kwargs", "ECE_BINS"]
 
 ECE_BINS = 20
 
 
-@torch.no_grad()
-def draft_sequence(model: Any, seq: FeatureSequence, head: torch.Tensor, chunk: int = 128
-                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Draft every anchor of ``seq`` with the serving draft ``model``.
+class ConfidenceRounds(NamedTuple):
+    """The simulated rounds of every anchor of some held-out sequences, concatenated."""
 
-    Returns ``(accepted [N], survival [N, g] or an empty tensor without a confidence head,
-    valid [N, g])`` for the anchors ``p = prompt_len .. T-2``: the greedy accepted count, the
-    predicted prefix survival and which slots have a label inside the sequence.
-    """
+    accepted: torch.Tensor  # [N] int64: greedy accepted drafts of the round anchored there
+    confidence_logits: torch.Tensor  # [N, g] float: the confidence head's raw logits
+    verify_lens: torch.Tensor  # [N] int64: slots with a label inside the sequence (<= g)
+
+
+@torch.no_grad()
+def _draft_anchors(model: Any, seq: FeatureSequence, head: torch.Tensor, chunk: int
+                   ) -> Tuple[torch.Tensor, Optional[torch.Tensor], torch.Tensor]:
+    """``(accepted [N], confidence logits [N, g] or None, valid [N, g])`` on the CPU for the
+    anchors ``p = prompt_len .. T-2`` of ``seq`` (see :func:`draft_sequence`)."""
     g = model.gamma
     tokens = seq.tokens.long()
     t = int(tokens.numel())
@@ -56,7 +64,7 @@ def draft_sequence(model: Any, seq: FeatureSequence, head: torch.Tensor, chunk: 
                         torch.zeros(t, dtype=torch.long, device=dev), cache)
     target_next = (seq.final.to(dev, head.dtype) @ head.to(dev).t()).argmax(-1)  # [T]
     anchors = torch.arange(seq.prompt_len, t - 1, device=dev)
-    accepted, survival, valid_all = [], [], []
+    accepted, logits, valid_all = [], [], []
     for start in range(0, anchors.numel(), chunk):
         p = anchors[start:start + chunk]
         n = p.numel()
@@ -68,11 +76,51 @@ def draft_sequence(model: Any, seq: FeatureSequence, head: torch.Tensor, chunk: 
         accepted.append(torch.cumprod(match.long(), dim=1).sum(1))
         valid_all.append(valid)
         if prop.confidence_logits is not None:
-            survival.append(torch.cumprod(torch.sigmoid(prop.confidence_logits), dim=1))
+            logits.append(prop.confidence_logits)
     acc = torch.cat(accepted).cpu() if accepted else torch.zeros(0, dtype=torch.long)
     val = torch.cat(valid_all).cpu() if valid_all else torch.zeros(0, g, dtype=torch.bool)
-    surv = torch.cat(survival).cpu() if survival else torch.zeros(0)
+    conf = torch.cat(logits).cpu() if logits else None
+    if conf is None and model.has_confidence_head:
+        conf = torch.zeros(0, g)  # a sequence without anchors
+    return acc, conf, val
+
+
+@torch.no_grad()
+def draft_sequence(model: Any, seq: FeatureSequence, head: torch.Tensor, chunk: int = 128
+                   ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Draft every anchor of ``seq`` with the serving draft ``model``.
+
+    Returns ``(accepted [N], survival [N, g] or an empty tensor without a confidence head,
+    valid [N, g])`` for the anchors ``p = prompt_len .. T-2``: the greedy accepted count, the
+    predicted prefix survival and which slots have a label inside the sequence.
+    """
+    acc, conf, val = _draft_anchors(model, seq, head, chunk)
+    surv = torch.cumprod(torch.sigmoid(conf), dim=1) if conf is not None and conf.numel() \
+        else torch.zeros(0)
     return acc, surv, val
+
+
+@torch.no_grad()
+def confidence_rounds(model: Any, seqs: Sequence[FeatureSequence], head: torch.Tensor,
+                      chunk: int = 128) -> ConfidenceRounds:
+    """The greedy rounds of every anchor of ``seqs`` with the confidence head's raw logits, in
+    the form :func:`sglang.srt.speculative.dspark_sts.fit_sts` takes (``verify_lens``: slot
+    ``k`` counts as verified when the sequence has a label for it). The draft needs a
+    confidence head."""
+    if not model.has_confidence_head:
+        raise ValueError("the draft has no confidence head (enable_confidence_head is false): "
+                         "there is nothing to calibrate")
+    g = model.gamma
+    accepted, logits, lens = [], [], []
+    for seq in seqs:
+        acc, conf, val = _draft_anchors(model, seq, head, chunk)
+        accepted.append(acc)
+        logits.append(conf.float())
+        lens.append(val.sum(1))
+    if not accepted:
+        return ConfidenceRounds(torch.zeros(0, dtype=torch.long), torch.zeros(0, g),
+                                torch.zeros(0, dtype=torch.long))
+    return ConfidenceRounds(torch.cat(accepted), torch.cat(logits), torch.cat(lens))
 
 
 def expected_calibration_error(predicted: torch.Tensor, observed: torch.Tensor,
