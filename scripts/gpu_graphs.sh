@@ -15,6 +15,10 @@
 #                 line per run in $OUT/served.jsonl
 #   STAGE=dspark  the fused norm / router kernel tests on CUDA, then the gpu-marked DSpark gate
 #                 (graphs == plain greedy, seeded, pollution, no host sync in replayed rounds)
+#   STAGE=dspark-train  train a DSpark draft for the bundled model on the GPU
+#                 (python -m sglang.train.dspark, TRAIN_BUDGET seconds of training, default 200;
+#                 PROMPTS per sampling setting, default 512) into $OUT/dspark, then NEXTN-3 vs
+#                 DSPARK served with that draft, in the same call
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
 # FUSED (default 1) sets SGLANG_TRITON_RMSNORM / SGLANG_TRITON_ROUTER to 1 (0 with FUSED=0); PHASES=1 captures a NEXTN
 # round as one graph per phase (SGLANG_ROUND_GRAPH_PER_PHASE=1); SPECS (default "0 3 4 5")
@@ -44,6 +48,17 @@ dspark)
   timeout ${GATES_TIMEOUT:-300} python3 -m pytest -v -s -m gpu test/srt/test_dspark_worker.py \
     -p no:cacheprovider --durations=3 2>&1 | tee "$OUT/dspark_gates.log" \
     | grep -E "DSPARK|PASS|FAIL|Error|passed|failed" | cut -c1-400
+  ;;
+dspark-train)
+  timeout $(( ${TRAIN_BUDGET:-200} + 300 )) python3 -m sglang.train.dspark \
+    --target-path python/sglang/assets/tiny-bailing-v3 --output-dir "$OUT/dspark" \
+    --target-layer-ids 1 3 4 --device cuda --prompts-per-setting ${PROMPTS:-512} --batch-seqs 32 \
+    --steps 20000 --time-budget-s ${TRAIN_BUDGET:-200} --eval-served --compare-nextn \
+    > "$OUT/train_dspark.log" 2>&1
+  echo "train rc=$?"; tail -3 "$OUT/train_dspark.log"
+  [ -f "$OUT/dspark/model.safetensors" ] || exit 1
+  cp "$OUT/dspark/config.json" "$OUT/dspark/model.safetensors" python/sglang/assets/tiny-bailing-v3/dspark/
+  STAGE=served CONFIGS="bundled:1:3 bundled:1:dspark" bash "$0"
   ;;
 ab)
   for steps in ${SPECS:-0 3 4 5}; do
