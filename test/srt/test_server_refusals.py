@@ -4,7 +4,8 @@ Through one real tiny server: fields of features this engine lacks (LoRA, custom
 processors, constrained decoding, function calling) are a 400 in the one error shape that names
 the field, on ``/generate`` and ``/v1`` alike, and nothing reaches the scheduler; unset
 (``null`` / ``false``) they are accepted. Hidden states are served on ``/generate`` (see
-test_hidden_states.py) and still refused on ``/v1``. A chat message without content is refused. ``n > 1``
+test_hidden_states.py) and on ``/v1`` (each choice's last hidden state, streamed as one more
+chunk per choice). A chat message without content is refused. ``n > 1``
 with ``seed`` gives distinct, reproducible choices (choice ``i`` samples with
 ``choice_seed(seed, i)``), and a client's ``rid`` on ``/v1`` is kept, so ``/abort_request``
 reaches the request.
@@ -86,8 +87,7 @@ def test_generate_serves_hidden_states_and_checks_the_type(server):
 
 
 # ----------------------------------------------------------------------------- /v1
-V1_REFUSED = [("lora_path", "my-adapter"), ("return_hidden_states", True),
-              ("custom_logit_processor", "x"), ("regex", "[ab]+"), ("json_schema", "{}"),
+V1_REFUSED = [("lora_path", "my-adapter"), ("custom_logit_processor", "x"), ("regex", "[ab]+"), ("json_schema", "{}"),
               ("ebnf", "root ::= \"a\""), ("structural_tag", "{}")]
 
 
@@ -106,6 +106,38 @@ def test_v1_accepts_unset_features(server):
     assert r.status_code == 200, r.text
     r = _post(server, "/v1/chat/completions", _chat("hi", tool_choice=None, functions=None, **unset))
     assert r.status_code == 200, r.text
+
+
+def _sse(r: requests.Response) -> List[Dict[str, Any]]:
+    lines = [ln[len("data: "):] for ln in r.text.splitlines() if ln.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(ln) for ln in lines[:-1]]
+
+
+def test_v1_serves_each_choices_last_hidden_state(server):
+    """As upstream: ``hidden_states`` = the last generated token's row (the model's hidden
+    size), absent unless asked; streamed as one more chunk per choice; a non-bool is a 400."""
+    body = {"prompt": "def f(x):", "max_tokens": 4, "temperature": 0, "n": 2}
+    plain = _post(server, "/v1/completions", body).json()
+    assert all("hidden_states" not in c for c in plain["choices"])
+    got = _post(server, "/v1/completions", {**body, "return_hidden_states": True}).json()
+    assert [c["text"] for c in got["choices"]] == [c["text"] for c in plain["choices"]]
+    rows = [c["hidden_states"] for c in got["choices"]]
+    assert len(rows) == 2 and all(len(r) == len(rows[0]) > 0 for r in rows)
+    assert rows[0] == rows[1]  # greedy: both choices end in the same state
+    chat = _post(server, "/v1/chat/completions",
+                 _chat("hi", max_tokens=3, temperature=0, return_hidden_states=True)).json()
+    assert len(chat["choices"][0]["hidden_states"]) == len(rows[0])
+    events = _sse(_post(server, "/v1/completions",
+                        {**body, "stream": True, "return_hidden_states": True}))
+    tail = [e["choices"][0] for e in events if "hidden_states" in e["choices"][0]]
+    assert sorted(c["index"] for c in tail) == [0, 1] and tail[0]["hidden_states"] == rows[0]
+    events = _sse(_post(server, "/v1/chat/completions",
+                        _chat("hi", max_tokens=3, temperature=0, stream=True,
+                              return_hidden_states=True)))
+    assert events[-1]["choices"][0]["hidden_states"] == chat["choices"][0]["hidden_states"]
+    _assert_error(_post(server, "/v1/completions", {**body, "return_hidden_states": "yes"}),
+                  400, "return_hidden_states")
 
 
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

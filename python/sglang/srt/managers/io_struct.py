@@ -35,12 +35,8 @@ MAX_BATCH_SIZE = 512
 # unset (``null`` / ``false``, as SGLang clients such as bench_serving send them) and refused,
 # naming the field, when set: silently ignoring e.g. a LoRA adapter would return the base
 # model's answer as if it were the adapter's.
-UNSUPPORTED_FEATURES = ("lora_path", "return_hidden_states", "custom_logit_processor",
-                        "return_routed_experts", "token_ids_logprob", "session_params")
-# Of those, the ones ``/generate`` and ``Engine.generate`` implement: only the OpenAI-compatible
-# routes (which check UNSUPPORTED_FEATURES themselves) still refuse them, since they do not
-# build upstream's per-choice ``hidden_states`` yet.
-GENERATE_SUPPORTED_FEATURES = ("return_hidden_states",)
+UNSUPPORTED_FEATURES = ("lora_path", "custom_logit_processor", "return_routed_experts",
+                        "token_ids_logprob", "session_params")
 
 
 def is_set(value: Any) -> bool:
@@ -52,10 +48,9 @@ def is_set(value: Any) -> bool:
 
 
 def check_unsupported_features(fields: Dict[str, Any]) -> None:
-    """``ValueError`` naming the first field of :data:`UNSUPPORTED_FEATURES` that is set
-    (those of :data:`GENERATE_SUPPORTED_FEATURES` excepted)."""
+    """``ValueError`` naming the first field of :data:`UNSUPPORTED_FEATURES` that is set."""
     for name in UNSUPPORTED_FEATURES:
-        if name not in GENERATE_SUPPORTED_FEATURES and is_set(fields.get(name)):
+        if is_set(fields.get(name)):
             raise ValueError(f"'{name}' is not supported by this server (leave it unset or null)")
 
 

@@ -3,9 +3,11 @@
 Field names follow OpenAI's API and SGLang's ``entrypoints/openai/protocol.py``; SGLang's sampling
 extensions (``top_k``, ``min_p``, ``ignore_eos``, ...) are accepted on both request types. Unknown
 request keys are ignored, as upstream does, so that clients sending newer fields keep working.
-Fields of features this server does not implement (LoRA, hidden states, custom logit processors,
-constrained decoding, legacy ``functions``) are declared so that the handlers can refuse them
-when set (``serving_base.check_unsupported_fields``) instead of ignoring them.
+Fields of features this server does not implement (LoRA, custom logit processors, constrained
+decoding, legacy ``functions``) are declared so that the handlers can refuse them when set
+(``serving_base.check_unsupported_fields``) instead of ignoring them. ``return_hidden_states``
+(plain decoding only) gives each choice ``hidden_states``: the last generated token's final
+hidden state, as upstream (absent from choices that did not ask).
 """
 from __future__ import annotations
 
@@ -13,7 +15,8 @@ import time
 import uuid
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, StrictBool, StrictInt, model_serializer,
+                      model_validator)
 
 
 def _now() -> int:
@@ -103,9 +106,9 @@ class SamplingExtensions(BaseModel):
     no_stop_trim: StrictBool = False
     # One rid per choice (a string when there is one choice); kept, so /abort_request finds it.
     rid: Optional[Union[str, List[str]]] = None
+    return_hidden_states: StrictBool = False  # each choice's last hidden state
     # Declared only to be refused when set (see the module docstring).
     lora_path: Optional[Any] = None
-    return_hidden_states: Optional[Any] = None
     custom_logit_processor: Optional[Any] = None
     regex: Optional[Any] = None
     json_schema: Optional[Any] = None
@@ -118,6 +121,20 @@ class SamplingExtensions(BaseModel):
         if not 1 <= self.n <= 128:
             raise ValueError(f"n must be in [1, 128], got {self.n}")
         return self
+
+
+class HiddenStatesChoice(BaseModel):
+    """A response choice with upstream's optional ``hidden_states``: serialised only when set,
+    so that responses of requests without ``return_hidden_states`` keep their shape."""
+
+    hidden_states: Optional[List[float]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_hidden_states(self, handler: Any) -> Dict[str, Any]:
+        data = handler(self)
+        if data.get("hidden_states") is None:
+            data.pop("hidden_states", None)
+        return data
 
 
 # ----------------------------------------------------------------------------- completions
@@ -141,7 +158,7 @@ class LogProbs(BaseModel):
     top_logprobs: List[Optional[Dict[str, float]]] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(BaseModel):
+class CompletionResponseChoice(HiddenStatesChoice):
     """One choice of a non-streamed completion."""
 
     index: int
@@ -162,7 +179,7 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class CompletionResponseStreamChoice(BaseModel):
+class CompletionResponseStreamChoice(HiddenStatesChoice):
     """The text delta of one choice in a stream chunk."""
 
     index: int
@@ -251,7 +268,7 @@ class ChatCompletionMessage(BaseModel):
     content: Optional[str] = None
 
 
-class ChatCompletionResponseChoice(BaseModel):
+class ChatCompletionResponseChoice(HiddenStatesChoice):
     """One choice of a non-streamed chat completion."""
 
     index: int
@@ -279,7 +296,7 @@ class DeltaMessage(BaseModel):
     content: Optional[str] = None
 
 
-class ChatCompletionResponseStreamChoice(BaseModel):
+class ChatCompletionResponseStreamChoice(HiddenStatesChoice):
     """The delta of one choice in a chat stream chunk."""
 
     index: int

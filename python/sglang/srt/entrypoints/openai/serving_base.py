@@ -169,6 +169,14 @@ def check_unsupported_fields(request: Any) -> None:
             raise ValueError(f"'{name}' is not supported by this server (leave it unset or null)")
 
 
+def last_hidden_state(meta: Dict[str, Any]) -> List[float]:
+    """A choice's ``hidden_states`` (``return_hidden_states``), as upstream: the last generated
+    token's row of ``meta_info["hidden_states"]`` (whose first entry holds the prompt's rows);
+    empty while no token after the first has one."""
+    rows = meta.get("hidden_states") or []
+    return list(rows[-1]) if len(rows) > 1 else []
+
+
 def check_top_logprobs(name: str, value: Optional[int]) -> None:
     """``ValueError`` unless ``value`` is None or in ``[0, MAX_TOP_LOGPROBS]``."""
     if value is not None and not 0 <= value <= MAX_TOP_LOGPROBS:

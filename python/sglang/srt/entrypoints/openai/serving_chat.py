@@ -44,6 +44,7 @@ from sglang.srt.entrypoints.openai.serving_base import (
     choice_rids,
     fan_out,
     finish_reason_to_openai,
+    last_hidden_state,
     sampling_params_per_choice,
     sse_event,
     token_logprob_entries,
@@ -171,6 +172,7 @@ class OpenAIServingChat(OpenAIServingBase):
             top_logprobs_num=request.top_logprobs or 0,
             return_text_in_logprobs=True,
             stream=request.stream,
+            return_hidden_states=request.return_hidden_states,
         )
 
     # --- shaping ------------------------------------------------------------------------
@@ -201,6 +203,7 @@ class OpenAIServingChat(OpenAIServingBase):
                 logprobs=self._logprobs(request, meta, 0),
                 finish_reason=reason,
                 matched_stop=matched,
+                hidden_states=last_hidden_state(meta) if request.return_hidden_states else None,
             ))
         usage = usage_from_metas([o["meta_info"] for o in outputs], request.n)
         resp = ChatCompletionResponse(model=request.model, choices=choices, usage=usage)
@@ -246,6 +249,9 @@ class OpenAIServingChat(OpenAIServingBase):
                 continue
             yield chunk(index, DeltaMessage(content=delta or None), meta,
                         logprobs=logprobs, finish_reason=reason, matched_stop=matched)
+        if request.return_hidden_states:  # as upstream: one more chunk per choice at the end
+            for index in sorted(metas):
+                yield chunk(index, DeltaMessage(), hidden_states=last_hidden_state(metas[index]))
         if options is not None and options.include_usage:
             ordered = [metas[i] for i in sorted(metas)]
             final = ChatCompletionStreamResponse(

@@ -26,6 +26,7 @@ from sglang.srt.entrypoints.openai.serving_base import (
     choice_rids,
     fan_out,
     finish_reason_to_openai,
+    last_hidden_state,
     sampling_params_per_choice,
     sse_event,
     token_logprob_entries,
@@ -74,6 +75,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
             top_logprobs_num=request.logprobs or 0,
             return_text_in_logprobs=True,
             stream=request.stream,
+            return_hidden_states=request.return_hidden_states,
         )
 
     # --- shaping ------------------------------------------------------------------------
@@ -115,6 +117,7 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 logprobs=self._logprobs(request, meta, 0, len(prefixes[i])),
                 finish_reason=reason,
                 matched_stop=matched,
+                hidden_states=last_hidden_state(meta) if request.return_hidden_states else None,
             ))
         usage = usage_from_metas([o["meta_info"] for o in outputs], request.n)
         resp = CompletionResponse(model=request.model, choices=choices, usage=usage)
@@ -161,6 +164,13 @@ class OpenAIServingCompletion(OpenAIServingBase):
                 )],
             )
             yield sse_event(chunk.model_dump_json())
+        if request.return_hidden_states:  # as upstream: one more chunk per choice at the end
+            for index in sorted(metas):
+                chunk = CompletionStreamResponse(
+                    id=rid, created=created, model=request.model,
+                    choices=[CompletionResponseStreamChoice(
+                        index=index, text="", hidden_states=last_hidden_state(metas[index]))])
+                yield sse_event(chunk.model_dump_json())
         if options is not None and options.include_usage:
             ordered = [metas[i] for i in sorted(metas)]
             final = CompletionStreamResponse(
