@@ -21,6 +21,7 @@ def summarize(folder: Path) -> Dict[str, Any]:
     args = log.get("args", {})
     return {"draft": folder.name, "block_size": cfg["block_size"],
             "alpha_accept": args.get("alpha_accept"), "alpha_ce": args.get("alpha_ce"),
+            "alpha_tv": args.get("alpha_tv"),
             "steps": log["train"]["num_steps"], "train_seconds": log["train"]["seconds"],
             "accept_length": ev["accept_length"], "prefix_acceptance": ev.get("slot_accept"),
             "ece": ev.get("mean_ece")}
@@ -32,11 +33,12 @@ def main(argv: Optional[List[str]] = None) -> int:
     ap.add_argument("--json", type=Path, default=None, help="also write the rows as JSON lines")
     args = ap.parse_args(argv)
     rows = [summarize(f) for f in args.folders]
-    print(f"{'draft':<18}{'block':>6}{'alpha_accept':>13}{'steps':>7}{'accept len':>11}  "
+    print(f"{'draft':<18}{'block':>6}{'ce/l1/accept':>14}{'steps':>7}{'accept len':>11}  "
           f"prefix acceptance (slots 1..)")
     for r in rows:
         pa = ", ".join(f"{x:.3f}" for x in (r["prefix_acceptance"] or [])[:8])
-        print(f"{r['draft']:<18}{r['block_size']:>6}{str(r['alpha_accept']):>13}{r['steps']:>7}"
+        alphas = f"{r['alpha_ce']}/{r['alpha_tv']}/{r['alpha_accept']}"
+        print(f"{r['draft']:<18}{r['block_size']:>6}{alphas:>14}{r['steps']:>7}"
               f"{r['accept_length']:>11.3f}  {pa}")
     if args.json:
         args.json.write_text("".join(json.dumps(r) + "\n" for r in rows))
