@@ -193,6 +193,7 @@ def test_async_generate_in_another_loop(engine):
     assert chunks[-1]["output_ids"] == one["output_ids"]
 
 
+@pytest.mark.slow  # two engines (~16 s); test_tp.py checks TP=2 == TP=1 in the fast set
 def test_tp2_matches_tp1(engine, ckpt):
     prompts = [[17, 99, 230, 401, 12], [5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15]]
     params = _greedy(8, ignore_eos=True)

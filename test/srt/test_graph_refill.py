@@ -149,6 +149,7 @@ def test_glue_is_ignored_for_workers_that_plan_attention_on_the_host(monkeypatch
     assert any("rebuilds its attention plan" in m for m in caplog.messages)
 
 
+@pytest.mark.slow  # ~14 s each; "changed" (the default) runs in test_cuda_graph_runner
 @pytest.mark.parametrize("mode", ["full", "glue"])  # "changed" (the default): test_cuda_graph_runner
 def test_every_refill_mode_equals_eager_through_the_scheduler(mode):
     env = envs.SGLANG_GRAPH_FULL_REFILL if mode == "full" else envs.SGLANG_ENABLE_METADATA_GLUE_GRAPH

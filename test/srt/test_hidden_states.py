@@ -248,6 +248,7 @@ def test_engine_generate_batch_and_stream(ref):
             engine.generate(input_ids=PROMPT, sampling_params=GREEDY, return_hidden_states="on")
 
 
+@pytest.mark.slow  # its own server (~16 s); test_server_refusals serves hidden states over HTTP
 def test_generate_over_http(tmp_path, ref):
     base_url = f"http://127.0.0.1:{find_available_port(DEFAULT_PORT_FOR_SRT_TEST_RUNNER + 300)}"
     log_path = tmp_path / "server.log"

@@ -293,7 +293,9 @@ def test_nextn_validation(kwargs, message):
 @pytest.mark.parametrize(
     "kwargs, message",
     [
-        ({}, "--speculative-draft-model-path"),
+        # The bundled model carries a dspark/ draft; the dummy Flash preset has none.
+        ({"model_path": "ling-3.0-flash", "load_format": "dummy"},
+         "--speculative-draft-model-path"),
         ({"speculative_draft_model_path": "d", "speculative_num_steps": 3},
          "--speculative-num-steps is NEXTN-only"),
         ({"speculative_draft_model_path": "d", "speculative_num_draft_tokens": 8},

@@ -422,6 +422,7 @@ def test_missing_bundled_model_message(tmp_path):
 
 
 # ----------------------------------------------------------------------------- shutdown
+@pytest.mark.slow  # a second server that must fail its warm-up (~18 s)
 def test_failed_warmup_exits_nonzero_without_orphans(server):
     # A context shorter than the warmup prompt: the server starts, its warmup gets a 400, and it
     # must stop itself cleanly with a non-zero exit code and the reason.

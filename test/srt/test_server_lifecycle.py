@@ -314,6 +314,7 @@ def test_health_is_503_until_the_warmup_is_done_and_signals_drain(launch):
     assert "aborting 1 request(s) still in flight" in srv.log()
 
 
+@pytest.mark.slow  # ~30 s of grace periods; the drain itself is in the fast SIGTERM test
 def test_sigterm_with_a_client_that_stopped_reading_exits_after_the_grace_period(launch):
     # --skip-server-warmup: /health answers 200 as soon as the server is up.
     srv = launch({"SGLANG_GRACEFUL_SHUTDOWN_TIMEOUT": str(STUCK_GRACE_S)},

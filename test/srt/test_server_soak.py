@@ -198,6 +198,7 @@ KINDS = {"generate": _generate, "sampled": _sampled, "stream": _stream, "batch":
 
 
 # ----------------------------------------------------------------------------- the soak
+@pytest.mark.slow  # 200 mixed requests (~35 s with the server); CI runs it in the slow step
 def test_soak_leaves_every_slot_free_and_greedy_output_unchanged(server):
     control = requests.post(f"{server.base_url}/generate", json=CONTROL, timeout=120).json()
     before = _state(server)

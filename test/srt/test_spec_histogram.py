@@ -271,6 +271,7 @@ def test_bench_reads_finishing_chunk_meta():
             out.spec_cap_length, out.spec_block_accept_length) == (2, [1, 1], [0, 2], 1.0, 1.5)
 
 
+@pytest.mark.slow  # a real DSPARK server (~25 s); the aggregation is unit-tested above
 def test_bench_serving_against_a_dspark_server(sps_path, tmp_path):
     """bench_serving's summed histograms (after its --flush-cache) equal the server's lifetime
     ones, and the rows and JSON keys are there."""
