@@ -156,10 +156,18 @@ def mtp_loss(model: torch.nn.Module, batch: torch.Tensor, distill: float) -> tor
     with torch.no_grad():
         logits, hidden = model(batch[:, :-1])
     mtp_logits, _ = model.mtp_forward(hidden[:, :t - 1], batch[:, 1:t])
+    return mtp_distill_loss(mtp_logits, logits[:, 1:t], batch[:, 2:], distill)
+
+
+def mtp_distill_loss(mtp_logits: torch.Tensor, target_logits: torch.Tensor,
+                     labels: torch.Tensor, distill: float) -> torch.Tensor:
+    """The terms of :func:`mtp_loss` from its tensors: ``mtp_logits, target_logits [B, T', V]``
+    (the MTP's and the target's distributions of the same next token) and ``labels [B, T']``
+    (the true tokens): ``(1 - distill) * CE + distill * KL(target || mtp)``."""
     logq = F.log_softmax(mtp_logits.float(), dim=-1).flatten(0, 1)
-    loss = (1 - distill) * F.nll_loss(logq, batch[:, 2:].flatten())
+    loss = (1 - distill) * F.nll_loss(logq, labels.flatten())
     if distill > 0:
-        logp = F.log_softmax(logits[:, 1:t].float(), dim=-1).flatten(0, 1)
+        logp = F.log_softmax(target_logits.float(), dim=-1).flatten(0, 1)
         loss = loss + distill * F.kl_div(logq, logp, log_target=True, reduction="batchmean")
     return loss
 
