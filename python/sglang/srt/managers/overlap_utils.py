@@ -187,6 +187,9 @@ class RoundOutput:
     # The verify length each request's round was planned with (how many drafts it could
     # accept at most), for workers that plan one; None otherwise. Speculative metrics only.
     cap_lens: Optional[List[int]] = None
+    # Per request its hidden-state row [H] (CPU) when the round was launched with hidden-state
+    # rows (``return_hidden_states``), None for the others; None when no request asked.
+    hidden_states: Optional[List[Optional[torch.Tensor]]] = None
 
 
 class PendingRound:

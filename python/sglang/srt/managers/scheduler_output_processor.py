@@ -107,7 +107,7 @@ class SchedulerOutputProcessorMixin:
         """Request ``b``'s row of a decode round (its input token's hidden state), if it asked
         (``out.hidden_states``: per request a host row or None; only the plain worker's rounds
         that were given hidden rows carry it)."""
-        rows = getattr(out, "hidden_states", None)
+        rows = out.hidden_states
         if r.return_hidden_states and self.tp_rank == 0 and rows is not None and \
                 rows[b] is not None:
             r.hidden_states.append(rows[b])

@@ -18,7 +18,6 @@ that output, and a round nobody asked for keeps its graph and gains no copy or h
 """
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
@@ -52,33 +51,25 @@ class GenerationBatchResult:
         return None if self.sampler_output is None else self.sampler_output.next_token_ids
 
 
-@dataclass
-class DecodeRoundOutput(RoundOutput):
-    """A plain decode round's outcome with, per request, its hidden-state row ``[H]`` (a CPU
-    tensor; None for the requests that did not ask)."""
-
-    hidden_states: Optional[List[Optional[torch.Tensor]]] = None
-
-
 class HiddenStatesPendingRound(PendingRound):
-    """A :class:`PendingRound` that also copies the hidden states of the rounds' rows
-    ``rows`` (``tensors["hidden_states"] [len(rows), H]``); :meth:`wait` gives a
-    :class:`DecodeRoundOutput`."""
+    """A :class:`PendingRound` that also copies the hidden states of the round's rows
+    ``rows`` (``tensors["hidden_states"] [len(rows), H]``) into
+    :attr:`RoundOutput.hidden_states`."""
 
     def __init__(self, tensors: Dict[str, torch.Tensor], rows: Sequence[int],
                  on_current_stream: bool = False):
         super().__init__(tensors, on_current_stream)
         self.rows = list(rows)
 
-    def wait(self) -> DecodeRoundOutput:
+    def wait(self) -> RoundOutput:
         """:meth:`PendingRound.wait`, plus the hidden rows by request."""
         out = super().wait()
         host = self.host_copy.wait()["hidden_states"]
         per_req: List[Optional[torch.Tensor]] = [None] * len(out.accept_lens)
         for j, b in enumerate(self.rows):
             per_req[b] = host[j].clone()  # own storage: not the round's whole pinned buffer
-        fields = {f.name: getattr(out, f.name) for f in dataclasses.fields(out)}
-        return DecodeRoundOutput(**fields, hidden_states=per_req)
+        out.hidden_states = per_req
+        return out
 
 
 class TpModelWorker(GraphedRoundMixin):
@@ -218,7 +209,7 @@ class TpModelWorker(GraphedRoundMixin):
                       hidden_state_rows: Optional[Sequence[int]] = None) -> PendingRound:
         """:meth:`GraphedRoundMixin.forward_round`; with ``hidden_state_rows`` (indices into
         the round's requests) the round runs eagerly and its :meth:`PendingRound.wait` gives a
-        :class:`DecodeRoundOutput` with those rows' hidden states."""
+        :attr:`RoundOutput.hidden_states` with those rows' hidden states."""
         rows = sorted(set(hidden_state_rows or ()))
         b = int(req_pool_indices.shape[0])
         if rows and not 0 <= rows[0] <= rows[-1] < b:
