@@ -96,7 +96,7 @@ def read_spec_meta(meta: Dict[str, Any], out: RequestFuncOutput) -> None:
     for name in ("spec_correct_drafts_histogram", "spec_cap_lens_histogram"):
         if meta.get(name) is not None:
             setattr(out, name, [int(n) for n in meta[name]])
-    for name in ("spec_cap_length", "spec_block_accept_length"):
+    for name in ("spec_accept_length", "spec_cap_length", "spec_block_accept_length"):
         if meta.get(name) is not None:
             setattr(out, name, float(meta[name]))
 
@@ -133,8 +133,6 @@ async def async_request_sglang_generate(
             return
         out.generated_text = data.get("text", "")
         out.output_len = int(meta.get("completion_tokens", out.output_len + 1))
-        if meta.get("spec_accept_length") is not None:
-            out.spec_accept_length = meta["spec_accept_length"]
         timer.on_chunk(now, out.output_len)
 
     return await _post_and_time(session, inp, payload, on_data)
