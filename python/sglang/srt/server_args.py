@@ -413,22 +413,12 @@ class ServerArgs:
                     "--speculative-draft-model-path is required for --speculative-algorithm "
                     f"DSPARK unless the target checkpoint has a 'dspark/' draft subfolder "
                     f"(none in {target!r})")
-        for flag, value in (
-            ("--speculative-num-steps", self.speculative_num_steps),
-            ("--speculative-num-draft-tokens", self.speculative_num_draft_tokens),
-        ):
-            if value is not None:
-                raise ValueError(
-                    f"{flag} is NEXTN-only; DSPARK's block size comes from the draft checkpoint "
-                    "(or --speculative-dspark-block-size)"
-                )
-        if self.speculative_eagle_topk is not None and self.speculative_eagle_topk != 1:
-            raise ValueError("--speculative-eagle-topk: DSPARK drafts a single chain (topk 1)")
+        from sglang.srt.speculative.dspark_worker import check_nextn_only_flags, load_dspark_tables
+
+        check_nextn_only_flags(self)
         if self.speculative_dspark_block_size is not None:
             _int_at_least("--speculative-dspark-block-size", self.speculative_dspark_block_size, 2)
         # The planner's files exist and parse (their fit to the draft is checked by the worker).
-        from sglang.srt.speculative.dspark_worker import load_dspark_tables
-
         load_dspark_tables(self.speculative_dspark_sps_table_path,
                            self.speculative_dspark_confidence_sts_path)
 

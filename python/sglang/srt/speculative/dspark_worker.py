@@ -97,7 +97,8 @@ from sglang.srt.speculative.spec_utils import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DSparkSetup", "dspark_setup", "load_dspark_tables", "DSparkWorker"]
+__all__ = ["DSparkSetup", "check_nextn_only_flags", "dspark_setup", "load_dspark_tables",
+           "DSparkWorker"]
 
 # Confidence logit a request starts with in the lagged planner's relay (sigmoid ~ 1): before it
 # has two rounds of history its budget assumes every draft survives. Any value works for
@@ -123,16 +124,23 @@ class DSparkSetup:
         return self.config.gamma
 
 
-def dspark_setup(server_args: Any, target_config: ModelConfig) -> DSparkSetup:
-    """Validate the DSPARK flags and the draft for ``target_config``; every problem is a
-    ``ValueError`` naming the flag (or the draft file) it is about."""
+def check_nextn_only_flags(server_args: Any) -> None:
+    """``ValueError`` naming a NEXTN-only flag set with DSPARK (the chain-sizing flags, and an
+    EAGLE top-k other than 1)."""
     for flag, name in _NEXTN_ONLY:
         if getattr(server_args, name, None) is not None:
             raise ValueError(f"{flag} is NEXTN-only; DSPARK's verify window is the draft's block "
                              "size + 1 (--speculative-dspark-block-size)")
     topk = getattr(server_args, "speculative_eagle_topk", None)
     if topk is not None and topk != 1:
-        raise ValueError(f"--speculative-eagle-topk {topk}: NEXTN-only (DSPARK drafts one block)")
+        raise ValueError(f"--speculative-eagle-topk {topk}: NEXTN-only (DSPARK drafts one "
+                         "block, a single chain)")
+
+
+def dspark_setup(server_args: Any, target_config: ModelConfig) -> DSparkSetup:
+    """Validate the DSPARK flags and the draft for ``target_config``; every problem is a
+    ``ValueError`` naming the flag (or the draft file) it is about."""
+    check_nextn_only_flags(server_args)
     draft_flag = getattr(server_args, "speculative_draft_model_path", None)
     try:
         path = find_dspark_draft(target_config.model_path, draft_flag)
