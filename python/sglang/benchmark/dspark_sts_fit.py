@@ -217,7 +217,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     from sglang.srt.models.dspark import load_dspark_draft
     from sglang.srt.speculative.dspark_sts import fit_sts, save_sts_temperatures
     from sglang.train.dspark_eval import confidence_rounds
-    from sglang.train.eval import resolve_device
+    from sglang.train.eval import engine_dtype, resolve_device
 
     args = build_argparser().parse_args(argv)
     _check_args(args)
@@ -229,8 +229,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if not os.path.isfile(os.path.join(target_path, "config.json")):
         raise SystemExit(f"--target-path {target_path!r} has no config.json")
     device = resolve_device(args.device)
-    dtype = args.dtype if args.dtype != "auto" else ("float32" if device.type == "cpu"
-                                                     else "auto")
+    dtype = engine_dtype(device, args.dtype)
     hf_config = ModelConfig.from_path(target_path).hf_config
     draft_path = find_dspark_draft(target_path, args.draft_path)
     config = DSparkDraftConfig.from_path(draft_path, hf_config, args.block_size)

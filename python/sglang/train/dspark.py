@@ -376,7 +376,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.train.dspark_eval import (dspark_spec_kwargs, engine_accept_length,
                                           nextn_spec_kwargs)
-    from sglang.train.eval import resolve_device
+    from sglang.train.eval import engine_dtype, resolve_device
     from sglang.train.tokenizer import MASK_TOKEN, load_tokenizer
 
     args = build_argparser().parse_args(argv)
@@ -386,8 +386,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         torch.set_num_threads(args.num_threads)
     torch.manual_seed(args.seed)
     device = resolve_device(args.device)
-    dtype = args.dtype if args.dtype != "auto" else ("float32" if device.type == "cpu"
-                                                     else "auto")
+    dtype = engine_dtype(device, args.dtype)
     if not Path(args.target_path, "config.json").is_file():
         raise SystemExit(f"--target-path {args.target_path!r} has no config.json")
     hf_config = ModelConfig.from_path(args.target_path).hf_config

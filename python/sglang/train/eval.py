@@ -49,6 +49,14 @@ def resolve_device(name: str) -> torch.device:
     return dev
 
 
+def engine_dtype(device: torch.device, dtype: str = "auto") -> str:
+    """The ``dtype`` an engine or model runner gets for an offline tool: ``auto`` is float32
+    on CPU (the reference precision) and the checkpoint's dtype (``auto``) on CUDA."""
+    if dtype != "auto":
+        return dtype
+    return "float32" if device.type == "cpu" else "auto"
+
+
 def autocast_for(device: torch.device) -> torch.autocast:
     """bf16 autocast on CUDA; a disabled autocast (plain fp32) elsewhere."""
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16,
