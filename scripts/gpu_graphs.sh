@@ -45,7 +45,7 @@ gates)
 dspark)
   timeout 150 python3 -m pytest -q test/kernels/test_rmsnorm.py test/kernels/test_moe_router.py \
     -p no:cacheprovider 2>&1 | tee "$OUT/fusion_kernels.log" | grep -E "FAIL|Error|passed|failed"
-  timeout ${GATES_TIMEOUT:-300} python3 -m pytest -v -s -m gpu test/srt/test_dspark_worker.py \
+  timeout ${GATES_TIMEOUT:-300} python3 -m pytest -v -s -m gpu test/srt/test_dspark_gpu.py \
     -p no:cacheprovider --durations=3 2>&1 | tee "$OUT/dspark_gates.log" \
     | grep -E "DSPARK|PASS|FAIL|Error|passed|failed" | cut -c1-400
   ;;
