@@ -19,6 +19,8 @@
 #                 (python -m sglang.train.dspark, TRAIN_BUDGET seconds of training, default 200;
 #                 PROMPTS per sampling setting, default 512) into $OUT/dspark, then NEXTN-3 vs
 #                 DSPARK served with that draft, in the same call
+#   STAGE=kernels the kernel tests on CUDA, the cold-L2 sweeps of the grouped GEMV and the small-M
+#                 GEMM, and the bf16 NEXTN batch-1 parity print (test_nextn's gpu test)
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
 # FUSED (default 1) sets SGLANG_TRITON_RMSNORM / SGLANG_TRITON_ROUTER to 1 (0 with FUSED=0); PHASES=1 captures a NEXTN
 # round as one graph per phase (SGLANG_ROUND_GRAPH_PER_PHASE=1); SPECS (default "0 3 4 5")
@@ -41,6 +43,16 @@ gates)
   timeout ${GATES_TIMEOUT:-420} python3 -m pytest -v -s -m gpu ${GATES:-test/srt/test_cuda_graph_runner.py test/srt/test_graph_refill.py test/kernels/test_mla_decode.py test/kernels/test_round_prep.py} \
     -p no:cacheprovider --durations=5 2>&1 | tee "$OUT/gates.log" \
     | grep -E "PASS|FAIL|first differing|refill|Error|error|passed|failed" | cut -c1-400
+  ;;
+kernels)
+  timeout ${KTEST_TIMEOUT:-150} python3 -m pytest -q test/kernels test/srt/test_moe.py -p no:cacheprovider \
+    2>&1 | tee "$OUT/kernel_tests.log" | grep -E "FAIL|Error|passed|failed" | cut -c1-300
+  ( cd benchmark/kernels && timeout 150 python3 tune_grouped_gemv.py --tokens 1 --check-tokens 4 \
+    --iters 20 --num-stages 1 3 > "$OUT/tune_grouped_gemv.log" 2>&1; tail -40 "$OUT/tune_grouped_gemv.log" | grep -E "^\||tokens|###" | head -30 )
+  ( cd benchmark/kernels && timeout 120 python3 tune_small_m_gemm.py --rows 1 4 16 --iters 20 \
+    > "$OUT/tune_small_m_gemm.log" 2>&1; tail -9 "$OUT/tune_small_m_gemm.log" )
+  timeout ${NEXTN_TIMEOUT:-150} python3 -m pytest -q -s -m gpu test/srt/test_nextn.py -p no:cacheprovider \
+    2>&1 | tee "$OUT/nextn_gpu.log" | grep -E "differing|passed|failed|Error" | cut -c1-300
   ;;
 dspark)
   timeout 150 python3 -m pytest -q test/kernels/test_rmsnorm.py test/kernels/test_moe_router.py \

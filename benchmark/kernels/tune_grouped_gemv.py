@@ -3,7 +3,7 @@
     python benchmark/kernels/tune_grouped_gemv.py [--tokens 1] [--check-tokens 4 6] [--iters 30]
 
 For each projection (the up-projection with its SwiGLU epilogue, ``W13 [E, 2I, H]``; the
-down-projection, ``W2 [E, H, I]``) every (BLOCK_N, BLOCK_K, num_warps, num_stages) is timed on
+down-projection, ``W2 [E, H, I]``), with the shared expert as one more pair per token, every (BLOCK_N, BLOCK_K, num_warps, num_stages) is timed on
 ``--tokens`` tokens x top-k pairs with L2 flushed before each call (every layer's experts come
 from HBM in the real model), checked against the fp32 reference, and ranked; the best few and the
 current default are then timed at ``--check-tokens`` (NEXTN verify sizes). Bandwidth counts the
@@ -49,10 +49,13 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=2560)
     p.add_argument("--intermediate", type=int, default=768)
     p.add_argument("--topk", type=int, default=8)
-    p.add_argument("--block-n", type=int, nargs="+", default=[8, 16, 32, 64])
-    p.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
+    p.add_argument("--block-n", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--block-k", type=int, nargs="+", default=[256, 512, 1024])
     p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--num-stages", type=int, nargs="+", default=[1, 3])
+    p.add_argument("--no-shared", action="store_true",
+                   help="routed pairs only (default: the shared expert rides as one more pair "
+                        "per token, as the model runs it)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--top", type=int, default=5, help="configs re-timed at --check-tokens")
     args = p.parse_args()
@@ -74,17 +77,23 @@ def main() -> None:
     print(f"{name_dev}, E={e} H={h} I={i} top-{k}, {dt}, cold L2, "
           f"{args.iters} iters; config = BLOCK_N/BLOCK_K/num_warps/num_stages")
     for name, (w, width, limit) in shapes.items():
+        shared_w = None if args.no_shared else w[-1].clone()
+
         def case(tokens: int):
             x = torch.randn(tokens, width, device=dev).to(dt)
-            ids = torch.stack([torch.randperm(e, device=dev)[:k] for _ in range(tokens)]).view(-1)
-            ref = grouped_gemv_reference(x.float(), w.float(), ids, k, swiglu_limit=limit)
-            nbytes = int(ids.unique().numel()) * w[0].numel() * w.element_size()
+            ids = torch.stack([torch.randperm(e - 1, device=dev)[:k] for _ in range(tokens)]).view(-1)
+            sw = None if shared_w is None else shared_w.float()
+            ref = grouped_gemv_reference(x.float(), w.float(), ids, k, swiglu_limit=limit,
+                                         extra_w=sw)
+            experts = int(ids.unique().numel()) + (shared_w is not None)
+            nbytes = experts * w[0].numel() * w.element_size()
             return x, ids, ref, nbytes
 
         def run(cfg: Config, x, ids):
             return lambda: grouped_gemv(x, w, ids, rows_per_x=k, swiglu_limit=limit,
                                         block_n=cfg.block_n, block_k=cfg.block_k,
-                                        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                                        extra_w=shared_w)
 
         x, ids, ref, nbytes = case(args.tokens)
         rows: List[tuple] = []

@@ -69,12 +69,39 @@ def test_swiglu_epilogue_matches_reference(triton_mode, dtype, tol, limit):
         assert got.float().abs().max() <= limit * limit + 1e-3  # both factors were clamped
 
 
+@pytest.mark.parametrize("dtype,tol", [FP32, FP16])
+def test_extra_pairs_ride_the_routed_launch(triton_mode, dtype, tol):
+    """``extra_w``: one more pair per row (the shared expert), with its own SwiGLU clamp (one
+    group clamped, the other not) and its own activation rows (``extra_x``)."""
+    gen = torch.Generator().manual_seed(5)
+    t, e, i, k = 3, 6, 24, 40
+    x = torch.randn(t, k, generator=gen).to(DEVICE, dtype)
+    xs = torch.randn(t, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(e, 2 * i, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
+    sw = (torch.randn(2 * i, k, generator=gen) / k ** 0.5 * 3).to(DEVICE, dtype)
+    ids = torch.randint(0, e, (t * 2,), generator=gen).to(DEVICE)
+    for limit, extra_limit, extra_x in ((0.0, 0.3, None), (0.4, 0.0, xs)):
+        got = triton_mode.grouped_gemv(x, w, ids, rows_per_x=2, swiglu_limit=limit, extra_w=sw,
+                                       extra_limit=extra_limit, extra_x=extra_x)
+        ref = triton_mode.grouped_gemv_reference(x, w, ids, rows_per_x=2, swiglu_limit=limit,
+                                                 extra_w=sw, extra_limit=extra_limit,
+                                                 extra_x=extra_x)
+        assert got.shape == (t * 3, i) and _rel(got, ref) < tol
+    # the shared rows were clamped at 0.3 in the first form: every factor within the limit
+    first = triton_mode.grouped_gemv(x, w, ids, rows_per_x=2, swiglu_limit=0.0, extra_w=sw,
+                                     extra_limit=0.3)
+    assert first[t * 2:].float().abs().max() <= 0.09 + 1e-3
+
+
 def test_grouped_gemv_rejects_bad_shapes(triton_mode):
     x, w = torch.randn(2, 8), torch.randn(3, 4, 8)
     with pytest.raises(ValueError, match="expected x"):
         triton_mode.grouped_gemv(x, torch.randn(3, 4, 9), torch.zeros(2, dtype=torch.int64))
     with pytest.raises(ValueError, match="T \\* rows_per_x"):
         triton_mode.grouped_gemv(x, w, torch.zeros(3, dtype=torch.int64), rows_per_x=2)
+    with pytest.raises(ValueError, match="extra_w must be"):
+        triton_mode.grouped_gemv(x, w, torch.zeros(2, dtype=torch.int64),
+                                 extra_w=torch.randn(4, 9))
     with pytest.raises(ValueError, match="gate; up"):
         triton_mode.grouped_gemv(x, torch.randn(3, 5, 8), torch.zeros(2, dtype=torch.int64),
                                  swiglu_limit=0.0)
@@ -104,27 +131,58 @@ def test_small_m_moe_matches_gather_reference(triton_mode, dtype, tol, limit):
     assert _rel(got, ref) < tol
 
 
-def test_model_with_triton_moe_matches_native(triton_mode, tmp_path):
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 5e-3)])
+def test_small_m_moe_with_shared_expert_matches_native(triton_mode, dtype, tol):
+    """The shared expert as extra pairs of the two launches equals the native path given the
+    shared expert's output (``SiluAndMul`` clamps differ between the two groups)."""
+    from sglang.srt.layers.activation import silu_and_mul
+    from sglang.srt.layers.moe.fused_moe_triton import SharedExpertWeights
+
+    hidden, w13, w2, weights, ids = _moe_inputs(dtype)
+    gen = torch.Generator().manual_seed(3)
+    sw13 = (torch.randn(w13.shape[1:], generator=gen) / 7).to(DEVICE, dtype)
+    sw2 = (torch.randn(w2.shape[1:], generator=gen) / 6).to(DEVICE, dtype)
+    shared_out = ((silu_and_mul((hidden.float() @ sw13.float().t()).to(dtype), 0.3).float()
+                   @ sw2.float().t()).to(dtype))
+    got = fused_moe_small_m(hidden, w13, w2, weights, ids, 0.0,
+                            SharedExpertWeights(sw13, sw2, 0.3))
+    ref = fused_moe_gather(hidden, w13, w2, weights, ids, 0.0, shared=shared_out)
+    assert got.shape == hidden.shape and _rel(got, ref) < tol
+    via_output = fused_moe_small_m(hidden, w13, w2, weights, ids, 0.0, shared=shared_out)
+    assert _rel(via_output, ref) < tol
+
+
+def test_model_with_triton_moe_matches_native(triton_mode, tmp_path, monkeypatch):
     """A whole random tiny model (fp32): prefill logits and a decode step through
-    ``moe_runner_backend='triton'`` equal the torch-native MoE's."""
+    ``moe_runner_backend='triton'`` equal the torch-native MoE's, also with the shared expert
+    riding the routed launches plus the one-kernel combine (``SGLANG_TRITON_MOE_COMBINE``) and
+    the dense projections / LM head through the small-M GEMM (``SGLANG_TRITON_SMALL_M_GEMM``)."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner import ModelRunner
-    from sglang.srt.layers.moe.moe_layer import FusedMoE
+    from sglang.srt.layers.moe.moe_layer import BailingMoE, FusedMoE
     from sglang.test.random_checkpoint import tiny_config, write_random_checkpoint
     from sglang.test.runner_utils import greedy_logits
 
     path = write_random_checkpoint(str(tmp_path / "c"), tiny_config(), seed=4)
     ids = [5, 17, 99, 3, 250, 42]
     logits = {}
-    for backend in ("torch_native", "triton"):
+    for backend, fused in (("torch_native", "0"), ("triton", "0"), ("triton", "1")):
+        monkeypatch.setenv("SGLANG_TRITON_MOE_COMBINE", fused)
+        monkeypatch.setenv("SGLANG_TRITON_SMALL_M_GEMM", fused)
         runner = ModelRunner(ModelConfig.from_path(path), device=DEVICE, dtype=torch.float32,
                              moe_runner_backend=backend, max_running_requests=2,
                              max_total_tokens=64)
         moes = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
         assert moes and all(m.runner_backend == backend for m in moes)
-        logits[backend] = greedy_logits(runner, ids, 1)
-    for got, ref in zip(logits["triton"], logits["torch_native"]):
-        assert _rel(got, ref) < 1e-5
+        assert all(m.fused_combine == (fused == "1") for m in moes)
+        assert runner.small_m_gemm == (fused == "1")
+        if fused == "1":  # the tiny model's shared expert has the routed experts' shape
+            assert all(m._shared_as_pairs() is not None for m in runner.model.modules()
+                       if isinstance(m, BailingMoE))
+        logits[backend + fused] = greedy_logits(runner, ids, 1)
+    for variant in ("triton0", "triton1"):
+        for got, ref in zip(logits[variant], logits["torch_native0"]):
+            assert _rel(got, ref) < 1e-5, variant
 
 
 def test_backend_choice_is_validated(monkeypatch):

@@ -51,6 +51,18 @@ def test_grouped_gemv_sweep_runs_and_ranks_configs():
         assert "2 tokens (4 pairs" in table, table
 
 
+@pytest.mark.slow  # the interpreter
+def test_small_m_gemm_sweep_runs_and_compares_with_the_library():
+    """benchmark/kernels/tune_small_m_gemm.py on one scaled-down shape in the interpreter: the
+    configs are checked against the reference and the summary row has every row count."""
+    stdout = _run("kernels/tune_small_m_gemm.py", "--rows", "1", "3", "--shapes", "mla kv_a",
+                  "--scale", "16", "--block-n", "16", "32", "--block-k", "256", "--num-stages",
+                  "3", "--iters", "1", TRITON_INTERPRET="1")
+    row = re.findall(r"^\| mla kv_a \| 36x2560 \| (\d+/256/4/3) \| (.*) \|$", stdout, re.MULTILINE)
+    assert row and "M=1: best" in row[-1][1] and "M=3: best" in row[-1][1], stdout
+    assert "F.linear" in row[-1][1]
+
+
 @pytest.mark.slow  # the all-reduce itself: the TP tests; a fast script smoke: test_mla_decode
 def test_allreduce_benchmark_smoke_run_on_gloo():
     """benchmark/kernels/bench_allreduce.py --device cpu: 2 gloo ranks check the sum through the

@@ -220,6 +220,34 @@ class Envs:
         "whose expert / group counts are not powers of two keep the torch code. auto: on for "
         "CUDA, off elsewhere; 1 elsewhere needs TRITON_INTERPRET=1.",
     )
+    SGLANG_TRITON_MOE_COMBINE = EnvField(
+        "SGLANG_TRITON_MOE_COMBINE",
+        str,
+        "0",
+        "Triton MoE at decode / verify sizes: the shared expert rides the routed experts' two "
+        "grouped mat-vecs as one more pair per token, and the weighted combine (with the shared "
+        "row) is one kernel (sgl_kernel.moe_combine): three launches per MoE block instead of "
+        "about a dozen. Opt-in (1 or auto = on for CUDA) until measured on the GPU host.",
+    )
+    SGLANG_TRITON_SMALL_M_GEMM = EnvField(
+        "SGLANG_TRITON_SMALL_M_GEMM",
+        str,
+        "0",
+        "Run the dense projections and the LM head of decode / verify batches (up to 64 rows) "
+        "as the batch-invariant Triton GEMM (sgl_kernel.small_m_gemm): a row rounds the same "
+        "alone and beside others, so that bf16 speculative decoding can equal plain decoding "
+        "at batch 1. Opt-in (1 or auto = on for CUDA) until measured on the GPU host; 1 off "
+        "CUDA needs TRITON_INTERPRET=1.",
+    )
+    SGLANG_ENABLE_PDL = EnvField(
+        "SGLANG_ENABLE_PDL",
+        str,
+        "0",
+        "Launch the Triton decode kernels with programmatic dependent launch (sgl_kernel.pdl), "
+        "so that inside a CUDA graph each kernel's launch overlaps its predecessor's tail. "
+        "Opt-in until measured on the GPU host: 1 needs a CUDA device of compute capability "
+        "9.0 or newer; auto turns it on where one is present.",
+    )
     SGLANG_TORCH_PROFILER_DIR = EnvField(
         "SGLANG_TORCH_PROFILER_DIR",
         str,

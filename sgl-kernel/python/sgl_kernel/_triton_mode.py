@@ -3,9 +3,27 @@ fixed when triton is first imported, so read once here), and the launch options 
 from __future__ import annotations
 
 import os
+from typing import NamedTuple, Optional
 
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 # Launch option for kernels whose decode and verify programs must round alike: no mul+add
 # contraction chosen differently by the compiler in one and not the other (the interpreter
 # runs plain numpy and takes no compiler options).
 NO_FP_FUSION = {} if INTERPRETED else {"enable_fp_fusion": False}
+
+
+class LaunchConfig(NamedTuple):
+    """Tile sizes and compiler options of one launch (``None`` = Triton's default)."""
+
+    block_n: int
+    block_k: int
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+
+
+def compiler_options(num_warps: Optional[int], num_stages: Optional[int]) -> dict:
+    """The launch's compiler options that were given (the interpreter takes none)."""
+    if INTERPRETED:
+        return {}
+    opts = {"num_warps": num_warps, "num_stages": num_stages}
+    return {key: val for key, val in opts.items() if val is not None}

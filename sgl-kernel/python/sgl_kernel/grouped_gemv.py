@@ -8,6 +8,9 @@ copied (the torch-native gather path materialises every selected expert's weight
 is read on the host, and the grid depends only on shapes, so the launch can be captured in a CUDA
 graph.
 
+The same launch can carry one more weight for every token (``extra_w``): the shared expert rides
+with the routed ones.
+
 Accumulation is fp32; the result is rounded once to ``out``'s dtype, like a library GEMM with an
 fp32 accumulator. Reference: :func:`grouped_gemv_reference`.
 """
@@ -19,22 +22,34 @@ import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel._triton_mode import INTERPRETED
+from sgl_kernel import pdl
+from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options
 
-__all__ = ["grouped_gemv", "grouped_gemv_reference"]
+__all__ = ["grouped_gemv", "grouped_gemv_reference", "launch_config", "LaunchConfig"]
 
 
 @triton.jit
-def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, rows_per_x,
-                         stride_x, stride_we, stride_wn, stride_o, limit,
-                         SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
+def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, ex_ptr, ew_ptr, out_ptr, N, K, routed_pairs,
+                         rows_per_x, stride_x, stride_we, stride_wn, stride_ex, stride_ewn,
+                         stride_o, limit, extra_limit,
+                         SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_PDL: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
-    expert = tl.load(ids_ptr + pair).to(tl.int64)
-    x_row = x_ptr + (pair // rows_per_x).to(tl.int64) * stride_x
-    w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+    pdl.wait(USE_PDL)  # ids and x come from the kernels before
+    pdl.launch_dependents(USE_PDL)
+    if pair < routed_pairs:  # a routed pair: its expert's rows, its token's activation
+        expert = tl.load(ids_ptr + pair).to(tl.int64)
+        x_row = x_ptr + (pair // rows_per_x).to(tl.int64) * stride_x
+        w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
+        up_rows = N * stride_wn
+        lim = limit
+    else:  # an extra pair (shared expert / dense weight): extra row pair - routed_pairs
+        x_row = ex_ptr + (pair - routed_pairs).to(tl.int64) * stride_ex
+        w_rows = ew_ptr + offs_n.to(tl.int64)[:, None] * stride_ewn
+        up_rows = N * stride_ewn
+        lim = extra_limit
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -45,7 +60,7 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, rows_per_x,
         w = tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
         acc += tl.sum(w * x[None, :], axis=1)
         if SWIGLU:  # the up rows follow the N gate rows
-            w_up = tl.load(w_rows + N * stride_wn + offs_k[None, :], mask=mask,
+            w_up = tl.load(w_rows + up_rows + offs_k[None, :], mask=mask,
                            other=0.0).to(tl.float32)
             acc_up += tl.sum(w_up * x[None, :], axis=1)
     if SWIGLU:
@@ -53,50 +68,84 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, out_ptr, N, K, rows_per_x,
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
         act = gate * tl.sigmoid(gate)
-        if HAS_LIMIT:
-            act = tl.minimum(act, limit)
-            up = tl.minimum(tl.maximum(up, -limit), limit)
+        if HAS_LIMIT:  # a limit of 0 means no clamp (the two pair groups may differ)
+            clamp = lim > 0
+            act = tl.where(clamp, tl.minimum(act, lim), act)
+            up = tl.where(clamp, tl.minimum(tl.maximum(up, -lim), lim), up)
         acc = act * up
     tl.store(out_ptr + pair.to(tl.int64) * stride_o + offs_n,
              acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, rows_per_x: int = 1,
-                 out: Optional[torch.Tensor] = None, block_n: Optional[int] = None,
-                 block_k: Optional[int] = None,
-                 swiglu_limit: Optional[float] = None, num_warps: Optional[int] = None,
-                 num_stages: Optional[int] = None) -> torch.Tensor:
-    """``out [P, N]`` with ``out[p] = w[ids[p]] @ x[p // rows_per_x]``.
+def launch_config(n: int, k: int, swiglu: bool) -> LaunchConfig:
+    """The launch config of an ``[n, k]`` weight (``n`` output rows; SwiGLU reads ``2n``).
 
-    With ``swiglu_limit`` (a float; 0 = no clamp) ``w``'s rows are ``[gate; up]`` (``2N``) and
-    the output is ``silu(gate) * up`` per pair, each clamped at ``swiglu_limit`` as
-    ``sglang.srt.layers.activation.silu_and_mul`` does: the MoE up-projection with its activation
-    in the epilogue (no ``[P, 2N]`` intermediate).
+    A function of the shape only, never of the number of pairs: the blocks fix each output's
+    summation order, so a NEXTN verify row and the decode of the same token round alike. The
+    up-projection (SwiGLU) streams each expert in narrow row blocks so that a few pairs still
+    fill the GPU: 4 rows x 1024 columns measured 21.0 µs against 67.7 µs for 32 x 128 on
+    Ling-3.0-flash's ``[1536, 2560]`` experts at 8 pairs (H200, in a CUDA graph); the other
+    shapes keep 32 x 128 until ``benchmark/kernels/tune_grouped_gemv.py`` has swept them. Under
+    Triton's CPU interpreter one tile per pair (its cost is per program and per op, not per
+    element).
+    """
+    if INTERPRETED:
+        return LaunchConfig(triton.next_power_of_2(n), min(triton.next_power_of_2(k), 1024))
+    if swiglu:
+        return LaunchConfig(4, min(triton.next_power_of_2(k), 1024))
+    return LaunchConfig(32, 128)
+
+
+def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
+                 rows_per_x: int = 1, out: Optional[torch.Tensor] = None,
+                 block_n: Optional[int] = None, block_k: Optional[int] = None,
+                 swiglu_limit: Optional[float] = None, num_warps: Optional[int] = None,
+                 num_stages: Optional[int] = None, extra_w: Optional[torch.Tensor] = None,
+                 extra_limit: float = 0.0,
+                 extra_x: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out [P (+ T'), N]`` with ``out[p] = w[ids[p]] @ x[p // rows_per_x]`` for the ``P``
+    routed pairs, then, with ``extra_w [N, K]``, ``out[P + t] = extra_w @ extra_x[t]`` for every
+    row ``t`` of ``extra_x [T', K]`` (default ``x``).
+
+    The extra pairs are the shared expert riding in the routed experts' launch (one launch for
+    both).
+
+    With ``swiglu_limit`` (a float; 0 = no clamp) the weights' rows are ``[gate; up]`` (``2N``)
+    and the output is ``silu(gate) * up`` per pair, each clamped at ``swiglu_limit`` (at
+    ``extra_limit`` for the extra pairs) as ``sglang.srt.layers.activation.silu_and_mul`` does:
+    the MoE up-projection with its activation in the epilogue (no ``[P, 2N]`` intermediate).
 
     ``x [T, K]`` (last dim contiguous), ``w [E, N, K]`` (last dim contiguous; any expert
     stride, so a TP slice or a view works), ``ids [P]`` integer expert ids with
     ``P = T * rows_per_x`` (``rows_per_x = top_k`` feeds each token to its ``k`` experts).
-    ``out`` defaults to a new ``[P, N]`` tensor in x's dtype. Blocks default to 32 rows x 128
-    columns on the GPU; under Triton's CPU interpreter to one tile per pair (its cost is per
-    program and per op, not per element), unless given; ``num_warps`` / ``num_stages`` default
-    to Triton's (``benchmark/kernels/tune_grouped_gemv.py`` sweeps all four on the GPU). The
-    blocks fix each output's summation order, so they must not depend on ``P``: a NEXTN verify
-    row and the decode of the same token then round alike.
+    ``out`` defaults to a new tensor in x's dtype. Tiles come from :func:`launch_config` unless
+    given (``benchmark/kernels/tune_grouped_gemv.py`` sweeps them on the GPU).
     """
     if x.dim() != 2 or w.dim() != 3 or ids.dim() != 1 or x.shape[1] != w.shape[2]:
         raise ValueError(f"grouped_gemv: expected x [T, K], w [E, N, K], ids [P]; got "
                          f"{tuple(x.shape)}, {tuple(w.shape)}, {tuple(ids.shape)}")
-    if rows_per_x < 1 or ids.shape[0] != x.shape[0] * rows_per_x:
+    _, n, k = w.shape
+    if extra_w is not None and tuple(extra_w.shape) != (n, x.shape[1]):
+        raise ValueError(f"grouped_gemv: extra_w must be [{n}, {x.shape[1]}], got "
+                         f"{tuple(extra_w.shape)}")
+    ex = x if extra_x is None else extra_x
+    if ex.dim() != 2 or ex.shape[1] != x.shape[1] or ex.dtype != x.dtype or ex.stride(1) != 1:
+        raise ValueError(f"grouped_gemv: extra_x must be [T', {x.shape[1]}] in {x.dtype} with a "
+                         f"contiguous last dim, got {tuple(ex.shape)} {ex.dtype}")
+    if extra_w is not None and w.dtype != extra_w.dtype:
+        raise ValueError(f"grouped_gemv: w is {w.dtype} but extra_w is {extra_w.dtype}")
+    routed = ids.shape[0]
+    if rows_per_x < 1 or routed != x.shape[0] * rows_per_x:
         raise ValueError(f"grouped_gemv: ids must have T * rows_per_x = {x.shape[0]} * "
-                         f"{rows_per_x} entries, got {ids.shape[0]}")
-    if x.stride(1) != 1 or w.stride(2) != 1:
-        raise ValueError("grouped_gemv: the last dim of x and w must be contiguous")
-    p, (_, n, k) = ids.shape[0], w.shape
+                         f"{rows_per_x} entries, got {routed}")
+    if x.stride(1) != 1 or w.stride(2) != 1 or (extra_w is not None and extra_w.stride(1) != 1):
+        raise ValueError("grouped_gemv: the last dim of x and the weights must be contiguous")
     swiglu = swiglu_limit is not None
     if swiglu:
         if n % 2:
             raise ValueError(f"grouped_gemv: SwiGLU needs [gate; up] rows, got {n} rows")
         n //= 2
+    p = routed + (ex.shape[0] if extra_w is not None else 0)
     if out is None:
         out = torch.empty(p, n, dtype=x.dtype, device=x.device)
     elif tuple(out.shape) != (p, n) or out.stride(1) != 1:
@@ -104,35 +153,36 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor, rows_per_x
                          f"dim, got {tuple(out.shape)}")
     if p == 0 or n == 0:
         return out
-    block_n = block_n or (triton.next_power_of_2(n) if INTERPRETED else 32)
-    block_k = block_k or (min(triton.next_power_of_2(k), 1024) if INTERPRETED else 128)
-    ids = ids.contiguous()  # the kernel indexes ids[p] densely
-    grid = (p, triton.cdiv(n, block_n))
+    cfg = launch_config(n, k, swiglu)
+    block_n, block_k = block_n or cfg.block_n, block_k or cfg.block_k
+    opts = compiler_options(num_warps or cfg.num_warps, num_stages or cfg.num_stages)
+    ew = extra_w if extra_w is not None else w  # a placeholder when absent: never read
     limit = float(swiglu_limit or 0.0)
-    _grouped_gemv_kernel[grid](x, w, ids, out, n, k, rows_per_x, x.stride(0), w.stride(0),
-                               w.stride(1), out.stride(0), limit, SWIGLU=swiglu,
-                               HAS_LIMIT=limit > 0, BLOCK_N=block_n, BLOCK_K=block_k,
-                               **_launch_options(num_warps, num_stages))
+    pdl_on = pdl.use_pdl(p)
+    _grouped_gemv_kernel[(p, triton.cdiv(n, block_n))](
+        x, w, ids.contiguous(), ex, ew, out, n, k, routed, rows_per_x, x.stride(0), w.stride(0),
+        w.stride(1), ex.stride(0), ew.stride(0), out.stride(0), limit, float(extra_limit),
+        SWIGLU=swiglu, HAS_LIMIT=limit > 0 or extra_limit > 0, USE_PDL=pdl_on, BLOCK_N=block_n, BLOCK_K=block_k,
+        **opts, **pdl.launch_options(pdl_on))
     return out
-
-
-def _launch_options(num_warps: Optional[int], num_stages: Optional[int]) -> dict:
-    """The launch's compiler options that were given (the interpreter takes none)."""
-    if INTERPRETED:
-        return {}
-    opts = {"num_warps": num_warps, "num_stages": num_stages}
-    return {key: val for key, val in opts.items() if val is not None}
 
 
 def grouped_gemv_reference(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                            rows_per_x: int = 1,
-                           swiglu_limit: Optional[float] = None) -> torch.Tensor:
+                           swiglu_limit: Optional[float] = None,
+                           extra_w: Optional[torch.Tensor] = None,
+                           extra_limit: float = 0.0,
+                           extra_x: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Plain-torch :func:`grouped_gemv` (fp32 products, one rounding to x's dtype; the project's
     ``silu_and_mul`` for the SwiGLU form)."""
-    rows = x.float().repeat_interleave(rows_per_x, dim=0)  # [P, K]
-    out = torch.einsum("pnk,pk->pn", w[ids.long()].float(), rows).to(x.dtype)
-    if swiglu_limit is None:
-        return out
     from sglang.srt.layers.activation import silu_and_mul
 
-    return silu_and_mul(out, swiglu_limit)
+    def rows_times(weights: torch.Tensor, rows: torch.Tensor, limit: Optional[float]):
+        out = torch.einsum("pnk,pk->pn", weights.float(), rows.float()).to(x.dtype)
+        return out if swiglu_limit is None else silu_and_mul(out, limit)
+
+    parts = [rows_times(w[ids.long()], x.repeat_interleave(rows_per_x, dim=0), swiglu_limit)]
+    if extra_w is not None:
+        ex = x if extra_x is None else extra_x
+        parts.append(rows_times(extra_w.expand(ex.shape[0], -1, -1), ex, extra_limit))
+    return torch.cat(parts)

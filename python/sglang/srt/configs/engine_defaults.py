@@ -191,6 +191,17 @@ def resolve_fused_kernel_flag(name: str, raw: str, device_type: str) -> bool:
     raise ValueError(f"environment variable {name}={raw!r}: use auto, 1 or 0")
 
 
+def resolve_pdl_flag(raw: str, device_type: str, capability: tuple = (0, 0)) -> bool:
+    """``SGLANG_ENABLE_PDL``: ``auto`` is on for CUDA devices of compute capability 9.0 or newer
+    (programmatic dependent launch needs Hopper); ``1`` there too, an error elsewhere."""
+    wanted = resolve_fused_kernel_flag("SGLANG_ENABLE_PDL", raw, device_type)
+    able = device_type == "cuda" and tuple(capability) >= (9, 0)
+    if wanted and not able and raw.strip().lower() != "auto":
+        raise ValueError(f"SGLANG_ENABLE_PDL={raw!r} needs a CUDA device of compute capability "
+                         f"9.0 or newer, got {device_type} {tuple(capability)}")
+    return wanted and able
+
+
 # --kda-prefill-impl: torch = the chunked reference, fla = fla-core's chunk_kda (CUDA), auto.
 KDA_PREFILL_IMPL_CHOICES = ("auto", "torch", "fla")
 # --attention-backend values this engine implements.

@@ -32,6 +32,8 @@ __all__ = [
     "RowParallelLinear",
     "copy_checked",
     "normal_dummy_init",
+    "linear",
+    "set_linear_backend",
 ]
 
 
@@ -75,8 +77,40 @@ def _new_param(shape: Sequence[int], dtype: torch.dtype) -> nn.Parameter:
     return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
 
 
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+           small_m_gemm: bool = False) -> torch.Tensor:
+    """``F.linear``, or with ``small_m_gemm`` for decode / verify row counts the batch-invariant
+    Triton product (``sgl_kernel.small_m_gemm``: a row rounds the same whatever rows share its
+    launch, so speculative verify rows equal plain decode rows bit for bit)."""
+    if small_m_gemm and x.dim() == 2 and x.dtype == weight.dtype and weight.stride(1) == 1:
+        from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS, small_m_gemm as gemm
+
+        if x.shape[0] <= SMALL_M_MAX_ROWS:
+            return gemm(x.contiguous(), weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def set_linear_backend(model: nn.Module, small_m_gemm: bool, device: torch.device) -> bool:
+    """Point every linear layer and LM-head product of ``model`` at the small-M Triton GEMM
+    (``small_m_gemm``; ``SGLANG_TRITON_SMALL_M_GEMM``) or ``F.linear``; returns the choice.
+    Triton needs CUDA, or ``TRITON_INTERPRET=1`` on CPU (tests)."""
+    from sglang.srt.environ import require_triton_runtime
+
+    if small_m_gemm:
+        require_triton_runtime("SGLANG_TRITON_SMALL_M_GEMM=1", device.type)
+    for module in model.modules():
+        if hasattr(module, "small_m_gemm"):
+            module.small_m_gemm = small_m_gemm
+    return small_m_gemm
+
+
 class LinearBase(nn.Module):
-    """Common state: full (unsharded) sizes, the TP rank/size seen at construction, dtype."""
+    """Common state: full (unsharded) sizes, the TP rank/size seen at construction, dtype.
+
+    ``small_m_gemm`` (set by :func:`set_linear_backend`) routes decode / verify sizes to the
+    batch-invariant Triton product."""
+
+    small_m_gemm = False
 
     def __init__(self, input_size: int, output_size: int, bias: bool,
                  params_dtype: Optional[torch.dtype]):
@@ -117,7 +151,7 @@ class ReplicatedLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [.., in] -> [.., out]``."""
-        return F.linear(x, self.weight, self.bias)
+        return linear(x, self.weight, self.bias, self.small_m_gemm)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -143,7 +177,7 @@ class ColumnParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [.., in] -> [.., out / tp]`` (or ``[.., out]`` with ``gather_output``)."""
-        y = F.linear(x, self.weight, self.bias)
+        y = linear(x, self.weight, self.bias, self.small_m_gemm)
         return tensor_model_parallel_all_gather(y) if self.gather_output else y
 
 
@@ -229,7 +263,7 @@ class RowParallelLinear(LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [.., in / tp]`` (this rank's input block) ``-> [.., out]``."""
-        y = F.linear(x, self.weight)
+        y = linear(x, self.weight, None, self.small_m_gemm)
         if self.reduce_results:
             y = tensor_model_parallel_all_reduce(y)
         # Unreduced partial sums get the bias on one rank only, so the later sum counts it once.

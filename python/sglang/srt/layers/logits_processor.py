@@ -20,13 +20,13 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from sglang.srt.distributed import (
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_gather,
 )
+from sglang.srt.layers.linear import linear
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
 
 __all__ = ["LogitsProcessorOutput", "LogitsProcessor", "last_token_indices"]
@@ -54,6 +54,8 @@ def _wants_all_rows(forward_batch: ForwardBatch) -> bool:
 class LogitsProcessor(nn.Module):
     """Selects rows, applies the (vocab-sharded) LM head, gathers and trims the padding."""
 
+    small_m_gemm = False  # see sglang.srt.layers.linear.set_linear_backend
+
     def __init__(self, vocab_size: int):
         super().__init__()
         self.vocab_size = vocab_size
@@ -74,7 +76,7 @@ class LogitsProcessor(nn.Module):
             rows = hidden_states
         else:
             rows = hidden_states[last_token_indices(forward_batch)]
-        logits = F.linear(rows.to(weight.dtype), weight).float()
+        logits = linear(rows.to(weight.dtype), weight, None, self.small_m_gemm).float()
         if self.tp_size > 1:
             logits = tensor_model_parallel_all_gather(logits, dim=-1)
         if logits.shape[-1] != self.vocab_size:

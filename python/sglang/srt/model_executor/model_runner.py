@@ -32,6 +32,7 @@ from sglang.srt.configs.engine_defaults import (
     CPU_DEFAULT_MAX_TOTAL_TOKENS,
     DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_MEM_FRACTION_STATIC,
+    resolve_pdl_flag,
     resolve_fused_kernel_flag,
     resolve_kernel_backend,
     torch_dtype,
@@ -41,6 +42,7 @@ from sglang.srt.distributed import parallel_state as ps
 from sglang.srt.environ import envs
 from sglang.srt.layers.attention.attention_registry import create_attn_backend
 from sglang.srt.layers.layernorm import set_norm_backend
+from sglang.srt.layers.linear import set_linear_backend
 from sglang.srt.layers.moe.moe_layer import set_moe_runner_backend
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.mem_cache.memory_pool import (
@@ -260,6 +262,11 @@ class ModelRunner:
             self.model, resolve_fused_kernel_flag("SGLANG_TRITON_RMSNORM",
                                                   envs.SGLANG_TRITON_RMSNORM.get(),
                                                   self.device.type), self.device)
+        self.pdl = self._init_pdl()
+        self.small_m_gemm = set_linear_backend(
+            self.model, resolve_fused_kernel_flag("SGLANG_TRITON_SMALL_M_GEMM",
+                                                  envs.SGLANG_TRITON_SMALL_M_GEMM.get(),
+                                                  self.device.type), self.device)
         self._init_pools(draft_extra_mla_layers, max_total_tokens, mem_fraction_static,
                          req_to_token_pool, token_to_kv_pool_allocator, token_to_kv_pool,
                          kda_state_pool)
@@ -269,6 +276,18 @@ class ModelRunner:
         self._grow_rope_tables()
 
     # ------------------------------------------------------------------ init steps
+    def _init_pdl(self) -> bool:
+        """Programmatic dependent launch for the Triton decode kernels (``SGLANG_ENABLE_PDL``),
+        a process-wide switch of ``sgl_kernel.pdl`` set here, before any graph is captured."""
+        cap = (torch.cuda.get_device_capability(self.device) if self.device.type == "cuda"
+               else (0, 0))
+        wanted = resolve_pdl_flag(envs.SGLANG_ENABLE_PDL.get(), self.device.type, cap)
+        if self.device.type != "cuda":
+            return False
+        from sgl_kernel.pdl import set_pdl
+
+        return set_pdl(wanted)
+
     def _init_device(self, device: torch.device) -> torch.device:
         """On CUDA each TP rank owns GPU ``tp_rank`` unless an explicit index was given."""
         if device.type == "cuda":

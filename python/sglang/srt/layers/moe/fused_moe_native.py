@@ -46,7 +46,8 @@ def check_moe_inputs(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
 
 def fused_moe_gather(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                      topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                     limit: float = 0.0) -> torch.Tensor:
+                     limit: float = 0.0,
+                     shared: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Gather the selected experts' weights per pair and bmm; returns ``[T, H]`` in hidden's dtype."""
     check_moe_inputs(hidden, w13, w2, topk_ids, topk_weights)
     k = topk_ids.shape[1]
@@ -55,20 +56,30 @@ def fused_moe_gather(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     h13 = torch.bmm(w13[ids], x).squeeze(-1)  # [P, 2I]
     act = silu_and_mul(h13, limit).unsqueeze(-1)  # [P, I, 1]
     y = torch.bmm(w2[ids], act).squeeze(-1)  # [P, H]
-    return combine_expert_outputs(y, topk_weights)
+    return combine_expert_outputs(y, topk_weights, shared)
 
 
-def combine_expert_outputs(y: torch.Tensor, topk_weights: torch.Tensor) -> torch.Tensor:
-    """``y [T * k, H]`` (pair-major, in the model dtype) -> ``sum_i w_i * y_i`` per token
-    ``[T, H]``: fp32 products and sum, one rounding to y's dtype."""
+def combine_expert_outputs(y: torch.Tensor, topk_weights: torch.Tensor,
+                           shared: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``y [T * k, H]`` (pair-major, in the model dtype) -> ``sum_i w_i * y_i (+ shared)`` per
+    token ``[T, H]``: fp32 products summed slot by slot, then the shared expert's row
+    ``shared [T, H]`` if given, one rounding to y's dtype (the order
+    ``sgl_kernel.moe_combine`` sums in, so the two agree bit for bit)."""
     t, k = topk_weights.shape
-    weighted = y.float().view(t, k, -1) * topk_weights.float().unsqueeze(-1)
-    return weighted.sum(1).to(y.dtype)
+    rows = y.float().view(t, k, -1)
+    weights = topk_weights.float()
+    acc = rows[:, 0] * weights[:, :1]
+    for j in range(1, k):
+        acc = acc + rows[:, j] * weights[:, j:j + 1]
+    if shared is not None:
+        acc = acc + shared.float()
+    return acc.to(y.dtype)
 
 
 def fused_moe_loop(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                    topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                   limit: float = 0.0) -> torch.Tensor:
+                   limit: float = 0.0,
+                   shared: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Loop over the active experts only; returns ``[T, H]`` in hidden's dtype."""
     check_moe_inputs(hidden, w13, w2, topk_ids, topk_weights)
     t, k = topk_ids.shape
@@ -87,6 +98,8 @@ def fused_moe_loop(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         y = silu_and_mul(h13, limit) @ w2[expert].t()  # [n, H]
         out.index_add_(0, tok, y.float() * weight_of_pair[start:start + n, None])
         start += n
+    if shared is not None:
+        out += shared.float()
     return out.to(hidden.dtype)
 
 
@@ -107,7 +120,8 @@ def grouped_mm_supported(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
 
 def fused_moe_grouped_mm(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                          topk_weights: torch.Tensor, topk_ids: torch.Tensor,
-                         limit: float = 0.0) -> torch.Tensor:
+                         limit: float = 0.0,
+                         shared: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Pairs sorted by expert, two grouped GEMMs (``torch._grouped_mm``), no host sync; returns
     ``[T, H]`` in hidden's dtype. Needs :func:`grouped_mm_supported`."""
     check_moe_inputs(hidden, w13, w2, topk_ids, topk_weights)
@@ -122,19 +136,22 @@ def fused_moe_grouped_mm(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tens
     y_sorted = torch._grouped_mm(silu_and_mul(h13, limit), w2.transpose(1, 2), offs=ends)
     y = torch.empty_like(y_sorted)
     y[order] = y_sorted  # back to pair-major (token, slot) order
-    return combine_expert_outputs(y, topk_weights)
+    return combine_expert_outputs(y, topk_weights, shared)
 
 
 def fused_moe(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
               topk_weights: torch.Tensor, topk_ids: torch.Tensor, limit: float = 0.0,
-              gather_max_pairs: Optional[int] = None, grouped_mm: bool = False) -> torch.Tensor:
-    """``sum_i w_i * Expert_{id_i}(x)`` per token, with SwiGLU clamped at ``limit`` (0 = off).
+              gather_max_pairs: Optional[int] = None, grouped_mm: bool = False,
+              shared: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``sum_i w_i * Expert_{id_i}(x) (+ shared)`` per token, with SwiGLU clamped at ``limit``
+    (0 = off); ``shared [T, H]`` (the shared expert's output) joins the fp32 sum before its one
+    rounding.
 
     Up to ``gather_max_pairs`` (token, expert) pairs: gather + bmm; above: the grouped GEMMs when
     ``grouped_mm`` is set and torch's kernel takes the operands, else the loop over experts."""
     max_pairs = GATHER_MAX_PAIRS if gather_max_pairs is None else gather_max_pairs
     if topk_ids.numel() <= max_pairs:
-        return fused_moe_gather(hidden, w13, w2, topk_weights, topk_ids, limit)
+        return fused_moe_gather(hidden, w13, w2, topk_weights, topk_ids, limit, shared)
     if grouped_mm and grouped_mm_supported(hidden, w13, w2):
-        return fused_moe_grouped_mm(hidden, w13, w2, topk_weights, topk_ids, limit)
-    return fused_moe_loop(hidden, w13, w2, topk_weights, topk_ids, limit)
+        return fused_moe_grouped_mm(hidden, w13, w2, topk_weights, topk_ids, limit, shared)
+    return fused_moe_loop(hidden, w13, w2, topk_weights, topk_ids, limit, shared)

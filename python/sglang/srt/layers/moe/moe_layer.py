@@ -32,7 +32,8 @@ from sglang.srt.layers.moe.fused_moe_native import (
     fused_moe,
     grouped_mm_supported,
 )
-from sglang.srt.layers.moe.fused_moe_triton import SMALL_M_MAX_PAIRS, fused_moe_small_m
+from sglang.srt.layers.moe.fused_moe_triton import (SMALL_M_MAX_PAIRS, SharedExpertWeights,
+                                                    fused_moe_small_m)
 from sglang.srt.layers.moe.topk import MoEGate
 from sglang.srt.model_loader.weight_utils import LazyWeight
 
@@ -95,6 +96,8 @@ class FusedMoE(nn.Module):
         # the small-batch paths through torch._grouped_mm instead of the loop over experts).
         self.runner_backend = "torch_native"
         self.grouped_mm = False
+        # SGLANG_TRITON_MOE_COMBINE: the shared expert as extra pairs and the one-kernel combine.
+        self.fused_combine = False
 
     def weight_loader(self, param: nn.Parameter, loaded: LazyWeight, shard_id: str,
                       expert_id: int) -> None:
@@ -120,14 +123,25 @@ class FusedMoE(nn.Module):
         else:
             raise ValueError(f"{loaded.name}: unknown expert shard_id {shard_id!r}")
 
-    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor,
-                topk_ids: torch.Tensor) -> torch.Tensor:
-        """Partial (this rank's intermediate slice) routed output ``[T, H]``; not reduced."""
-        if self.runner_backend == "triton" and topk_ids.numel() <= SMALL_M_MAX_PAIRS:
+    def small_m(self, topk_ids: torch.Tensor) -> bool:
+        """Whether these routes take the Triton small-batch path."""
+        return self.runner_backend == "triton" and topk_ids.numel() <= SMALL_M_MAX_PAIRS
+
+    def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+                shared: Optional[torch.Tensor] = None,
+                shared_weights: Optional[SharedExpertWeights] = None) -> torch.Tensor:
+        """Partial (this rank's intermediate slice) output ``[T, H]``, not reduced: the routed
+        experts plus the shared expert, given as its output ``shared`` (added in the fp32
+        combine) or, on the small-batch Triton path, as ``shared_weights`` run in the same
+        launches."""
+        if self.small_m(topk_ids):
             return fused_moe_small_m(hidden, self.w13_weight, self.w2_weight, topk_weights,
-                                     topk_ids, self.swiglu_limit)
+                                     topk_ids, self.swiglu_limit, shared_weights, shared,
+                                     combine_kernel=self.fused_combine)
+        if shared_weights is not None:
+            raise ValueError("FusedMoE: shared_weights only ride the small-batch Triton path")
         return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                         self.swiglu_limit, grouped_mm=self.grouped_mm)
+                         self.swiglu_limit, grouped_mm=self.grouped_mm, shared=shared)
 
     def extra_repr(self) -> str:
         return (f"backend={self.runner_backend}, grouped_mm={self.grouped_mm}, experts={self.num_experts}, hidden={self.hidden_size}, "
@@ -169,12 +183,28 @@ class BailingMoE(nn.Module):
         pairs = SMALL_M_MAX_PAIRS if experts.runner_backend == "triton" else GATHER_MAX_PAIRS
         return max(pairs // self.gate.top_k, 0)
 
+    def _shared_as_pairs(self) -> Optional[SharedExpertWeights]:
+        """The shared expert's weights when they ride the routed experts' launches
+        (``SGLANG_TRITON_MOE_COMBINE``, and the same per-expert shape and dtype), else None."""
+        mlp = self.shared_experts
+        if mlp is None or not self.experts.fused_combine:
+            return None
+        w13, w2 = mlp.gate_up_proj.weight, mlp.down_proj.weight
+        routed = self.experts.w13_weight
+        if w13.shape != routed.shape[1:] or w13.dtype != routed.dtype or w2.stride(-1) != 1:
+            return None
+        return SharedExpertWeights(w13, w2, mlp.act_fn.limit)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        """``[T, H] -> [T, H]``: routed + shared experts, complete after the one all-reduce."""
+        """``[T, H] -> [T, H]``: routed + shared experts (summed in fp32, one rounding),
+        complete after the one all-reduce."""
         topk = self.gate(hidden)
-        out = self.experts(hidden, topk.topk_weights, topk.topk_ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(hidden)
+        shared_pairs = (self._shared_as_pairs() if self.experts.small_m(topk.topk_ids)
+                        else None)
+        shared = None
+        if self.shared_experts is not None and shared_pairs is None:
+            shared = self.shared_experts(hidden)
+        out = self.experts(hidden, topk.topk_weights, topk.topk_ids, shared, shared_pairs)
         return tensor_model_parallel_all_reduce(out)
 
 
@@ -184,8 +214,9 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device)
     ``auto`` is resolved by ``engine_defaults.resolve_kernel_backend`` (Triton on CUDA). ``triton`` needs CUDA, or ``TRITON_INTERPRET=1`` on CPU
     (tests); batches above ``SMALL_M_MAX_PAIRS`` (token, expert) pairs still take the native path,
     whose large batches use grouped GEMMs when ``SGLANG_MOE_GROUPED_MM`` is set. With
-    ``SGLANG_TRITON_ROUTER`` the routers run their selection as one kernel. Both are read here,
-    once.
+    ``SGLANG_TRITON_ROUTER`` the routers run their selection as one kernel; with
+    ``SGLANG_TRITON_MOE_COMBINE`` the Triton path carries the shared expert and combines in one
+    kernel. All are read here, once.
     """
     if backend not in KERNEL_BACKEND_CHOICES:
         raise ValueError(f"moe runner backend must be one of {KERNEL_BACKEND_CHOICES}, got "
@@ -194,6 +225,8 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device)
     if chosen == "triton":
         require_triton_runtime("--moe-runner-backend triton", device.type)
     grouped_mm = envs.SGLANG_MOE_GROUPED_MM.get()
+    fused_combine = chosen == "triton" and resolve_fused_kernel_flag(
+        "SGLANG_TRITON_MOE_COMBINE", envs.SGLANG_TRITON_MOE_COMBINE.get(), device.type)
     triton_router = resolve_fused_kernel_flag("SGLANG_TRITON_ROUTER",
                                               envs.SGLANG_TRITON_ROUTER.get(), device.type)
     if triton_router:
@@ -202,6 +235,7 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device)
     for module in model.modules():
         if isinstance(module, FusedMoE):
             module.runner_backend, module.grouped_mm = chosen, grouped_mm
+            module.fused_combine = fused_combine
         elif isinstance(module, MoEGate):  # routers whose layout the kernel takes
             module.use_triton = triton_router and router_kernel_supports(
                 module.weight.shape[0], module.num_expert_group)

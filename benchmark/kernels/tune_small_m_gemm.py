@@ -1,0 +1,104 @@
+"""Cold-L2 sweep of ``sgl_kernel.small_m_gemm`` tiles on Ling-3.0-flash's dense shapes, beside
+the library GEMM (``F.linear``, cuBLAS) at the same row counts.
+
+    python benchmark/kernels/tune_small_m_gemm.py [--rows 1 4 16] [--iters 30]
+
+For each ``[N, K]`` weight (the KDA fused projection, the attention outputs, MLA's projections,
+the dense MLP, the LM head) every (BLOCK_N, BLOCK_K, num_warps, num_stages) is timed at the first
+of ``--rows`` with L2 flushed before each call, checked against the fp32 reference, and ranked;
+the best config and the current ``launch_config`` are then timed at every row count, next to
+``F.linear``. Bandwidth counts the weight's bytes. The config is chosen per shape only: the tiles
+fix the summation order, and a decode row must round as its verify row does.
+
+Without CUDA (``TRITON_INTERPRET=1``, fp32, wall-clock times) it is only a smoke run.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import os
+from typing import Dict, List, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from cold_l2 import cold_time_us, flush_buffer  # benchmark/kernels/cold_l2.py
+from sgl_kernel._triton_mode import LaunchConfig
+from sgl_kernel.small_m_gemm import launch_config, small_m_gemm, small_m_gemm_reference
+
+# name -> (N, K) of Ling-3.0-flash (hidden 2560, 32 heads x 128, dense intermediate 6144).
+FLASH_SHAPES: Dict[str, Tuple[int, int]] = {
+    "kda qkvbfg": (5 * 4096 + 32, 2560),
+    "attn out": (2560, 4096),
+    "mla q": (32 * 192, 2560),
+    "mla kv_a": (576, 2560),
+    "dense gate_up": (2 * 6144, 2560),
+    "dense down": (2560, 6144),
+    "lm_head": (157184, 2560),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
+    p.add_argument("--shapes", nargs="*", default=list(FLASH_SHAPES))
+    p.add_argument("--block-n", type=int, nargs="+", default=[16, 32, 64])
+    p.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
+    p.add_argument("--num-warps", type=int, nargs="+", default=[4])
+    p.add_argument("--num-stages", type=int, nargs="+", default=[3, 5])
+    p.add_argument("--iters", type=int, default=30)
+    p.add_argument("--scale", type=int, default=1, help="divide N by this (smoke runs)")
+    args = p.parse_args()
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    on_cuda = torch.cuda.is_available() and not interpreted
+    if not on_cuda and not interpreted:
+        raise SystemExit("tune_small_m_gemm needs CUDA (or TRITON_INTERPRET=1 for a smoke run)")
+    torch.manual_seed(0)
+    dev, dt = ("cuda", torch.bfloat16) if on_cuda else ("cpu", torch.float32)
+    flush = flush_buffer(dev)
+    grid = [LaunchConfig(*c) for c in itertools.product(args.block_n, args.block_k,
+                                                        args.num_warps, args.num_stages)]
+    name_dev = torch.cuda.get_device_name() if on_cuda else "CPU (Triton interpreter)"
+    print(f"{name_dev}, {dt}, cold L2, {args.iters} iters; config = "
+          "BLOCK_N/BLOCK_K/num_warps/num_stages")
+    summary: List[str] = []
+    for name in args.shapes:
+        n, k = FLASH_SHAPES[name]
+        n = max(n // args.scale, 1)
+        w = (torch.randn(n, k, device=dev) / k ** 0.5).to(dt)
+        nbytes = w.numel() * w.element_size()
+        xs = {m: torch.randn(m, k, device=dev).to(dt) for m in args.rows}
+        m0 = args.rows[0]
+        ref = small_m_gemm_reference(xs[m0], w)
+        timed: List[tuple] = []
+        for cfg in grid:
+            try:
+                out = small_m_gemm(xs[m0], w, config=cfg)
+            except Exception as exc:  # a config the compiler rejects (e.g. out of resources)
+                print(f"  {name} {'/'.join(map(str, cfg))}: {type(exc).__name__}")
+                continue
+            err = float((out.float() - ref.float()).norm() / ref.float().norm())
+            if err > 1e-2:
+                raise SystemExit(f"{name} {cfg}: rel. error {err:.2e} vs fp32 reference")
+            timed.append((cold_time_us(lambda: small_m_gemm(xs[m0], w, config=cfg), args.iters,
+                                       flush), cfg))
+        timed.sort(key=lambda r: r[0])
+        best, current = timed[0][1], launch_config(n, k)
+        cells = []
+        for m in args.rows:
+            x = xs[m]
+            t_best = cold_time_us(lambda: small_m_gemm(x, w, config=best), args.iters, flush)
+            t_cur = cold_time_us(lambda: small_m_gemm(x, w), args.iters, flush)
+            t_lib = cold_time_us(lambda: F.linear(x, w), args.iters, flush)
+            cells.append(f"M={m}: best {t_best:.1f} ({nbytes / t_best / 1e3:.0f} GB/s), "
+                         f"current {t_cur:.1f}, F.linear {t_lib:.1f}")
+        line = (f"| {name} | {n}x{k} | {'/'.join(map(str, best))} | "
+                + " ; ".join(cells) + " |")
+        print(line)
+        summary.append(line)
+    print("\n| shape | N x K | best config | us (cold L2) |\n|---|---|---|---|")
+    print("\n".join(summary))
+
+
+if __name__ == "__main__":
+    main()

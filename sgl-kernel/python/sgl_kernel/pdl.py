@@ -1,0 +1,68 @@
+"""Programmatic dependent launch (PDL): one switch and one protocol for every kernel that uses it.
+
+With PDL a kernel may start while the kernel before it on the stream is still running; a CUDA
+graph keeps the property, so a chain of small kernels overlaps each one's launch and prologue with
+its predecessor's tail (measured on the H200: 1.02 -> 0.80 µs per graph node). The protocol that
+keeps this exact, followed by every kernel here:
+
+* the host launches the kernel with ``launch_pdl=True`` (:func:`launch_options`);
+* the kernel calls :func:`wait` before its first read of anything an earlier kernel wrote, and
+  before its first write (an earlier kernel may still read the buffer); reads of data no kernel
+  of the step writes (weights) may come before it;
+* it calls :func:`launch_dependents` only after its own :func:`wait`, so that when a kernel starts,
+  every kernel two or more places before it has finished.
+
+Only small launches (at most :data:`PDL_MAX_ROWS` rows: decode and verify) use it: there the
+launch floor rivals the arithmetic, while a prefill kernel saturates the GPU on its own. The
+switch is process-wide (:func:`set_pdl`), set once from the engine's configuration; Triton's CPU
+interpreter has no PDL, so it never turns on there.
+"""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from sgl_kernel._triton_mode import INTERPRETED
+
+__all__ = ["PDL_MAX_ROWS", "set_pdl", "pdl_enabled", "use_pdl", "launch_options", "wait",
+           "launch_dependents"]
+
+PDL_MAX_ROWS = 512
+_ENABLED = False
+
+
+def set_pdl(enabled: bool) -> bool:
+    """Turn PDL on or off for the kernels launched from now on; returns the state in force (off
+    under the interpreter, whatever was asked)."""
+    global _ENABLED
+    _ENABLED = bool(enabled) and not INTERPRETED
+    return _ENABLED
+
+
+def pdl_enabled() -> bool:
+    """Whether :func:`set_pdl` turned PDL on."""
+    return _ENABLED
+
+
+def use_pdl(rows: int) -> bool:
+    """Whether a launch over ``rows`` rows (tokens, pairs) uses PDL: on, and a small launch."""
+    return _ENABLED and rows <= PDL_MAX_ROWS
+
+
+def launch_options(pdl: bool) -> dict:
+    """The launch keyword that makes a launch programmatic-dependent (none when ``pdl`` is off)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def wait(PDL: tl.constexpr):
+    """Block until the kernels this one depends on have finished and their writes are visible."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def launch_dependents(PDL: tl.constexpr):
+    """Let the next kernel on the stream start (call after :func:`wait`)."""
+    if PDL:
+        tl.extra.cuda.gdc_launch_dependents()

@@ -1,0 +1,113 @@
+"""Batch-invariant ``x @ w.T`` for a few rows: the dense projections and the LM head of decode
+and verify.
+
+A library GEMM picks its algorithm by the row count, so one token's output rounds differently
+when it is computed alone (a decode, ``M = 1``) and beside others (a NEXTN or DSpark verify,
+``M = 4 .. 16``): enough to flip a greedy token after a few dozen steps in bf16, so speculative
+decoding stops being bit-equal to plain decoding at batch 1. Here every launch uses the same tile
+of ``BLOCK_M = 16`` rows (a tensor-core tile; absent rows are masked) and a tile config fixed by
+the weight's shape (:func:`launch_config`), so a row's result depends on its own values only:
+bit for bit the same at any ``M``. At these sizes the product is weight streaming; the padded
+rows cost tensor-core work only.
+
+Accumulation is fp32 (``tl.dot`` with ``ieee`` precision for fp32 inputs), bias added in fp32,
+one rounding to x's dtype. Reference: :func:`small_m_gemm_reference`.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_kernel import pdl
+from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options
+
+__all__ = ["small_m_gemm", "small_m_gemm_reference", "launch_config", "SMALL_M_MAX_ROWS",
+           "BLOCK_M"]
+
+BLOCK_M = 16
+# Decode and verify batches (DSpark's 16-wide verify x 4 requests); prefill keeps the library GEMM.
+SMALL_M_MAX_ROWS = 64
+
+
+@triton.jit
+def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
+                         stride_om, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         DOT_PRECISION: tl.constexpr):
+    # Axis 0 walks the weight's row blocks (many programs), axis 1 the 16-row tiles of x.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+    mask_n, mask_m = offs_n < N, offs_m < M
+    w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
+    x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
+    pdl.wait(USE_PDL)  # x comes from the kernel before
+    pdl.launch_dependents(USE_PDL)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def launch_config(n: int, k: int) -> LaunchConfig:
+    """The tiles of an ``[n, k]`` weight: a function of the shape only (never of ``M``), which
+    is what makes the product batch-invariant. On the GPU one tile for every shape (16 weight
+    rows x 256 columns, 4 warps, 4 stages) until ``benchmark/kernels/tune_small_m_gemm.py`` has
+    swept them on the H200; under the CPU interpreter the largest tiles (its cost is per
+    program and per op)."""
+    if INTERPRETED:
+        return LaunchConfig(min(triton.next_power_of_2(n), 128),
+                            min(triton.next_power_of_2(k), 256))
+    return LaunchConfig(16, 256, 4, 4)
+
+
+def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                 out: Optional[torch.Tensor] = None,
+                 config: Optional[LaunchConfig] = None) -> torch.Tensor:
+    """``x [M, K] @ w [N, K].T (+ bias [N])`` -> ``[M, N]`` in x's dtype, batch-invariant.
+
+    ``x`` and ``w`` share a dtype and have contiguous last dims (``w`` may be a row slice);
+    ``config`` overrides :func:`launch_config` (the tuning script's sweep)."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"small_m_gemm: expected x [M, K] and w [N, K], got {tuple(x.shape)} "
+                         f"and {tuple(w.shape)}")
+    if x.dtype != w.dtype or x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"small_m_gemm: x ({x.dtype}) and w ({w.dtype}) must share a dtype and "
+                         "have contiguous last dims")
+    (m, k), n = x.shape, w.shape[0]
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"small_m_gemm: bias must be [{n}], got {tuple(bias.shape)}")
+    if out is None:
+        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (m, n) or out.stride(1) != 1:
+        raise ValueError(f"small_m_gemm: out must be [{m}, {n}] with a contiguous last dim")
+    if m == 0 or n == 0:
+        return out
+    cfg = config or launch_config(n, k)
+    opts = compiler_options(cfg.num_warps, cfg.num_stages)
+    pdl_on = pdl.use_pdl(m)
+    _small_m_gemm_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, BLOCK_M))](
+        x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0),
+        out.stride(0), HAS_BIAS=bias is not None, USE_PDL=pdl_on, BLOCK_M=BLOCK_M,
+        BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32: the default,
+        **opts, **pdl.launch_options(pdl_on))  # which 16-bit inputs ignore
+    return out
+
+
+def small_m_gemm_reference(x: torch.Tensor, w: torch.Tensor,
+                           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Plain-torch :func:`small_m_gemm`: fp32 product (and bias), one rounding to x's dtype."""
+    out = x.float() @ w.float().t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

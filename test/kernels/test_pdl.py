@@ -1,0 +1,79 @@
+"""sgl_kernel.pdl and SGLANG_ENABLE_PDL: the switch never turns on under the interpreter (its
+gdc calls would raise there), the launch keyword follows it and the row gate, and the flag's
+values resolve per device (compute capability 9.0 or newer)."""
+from __future__ import annotations
+
+import pytest
+
+from kernel_test_utils import ON_CUDA, needs_triton
+
+pytestmark = needs_triton
+
+
+def test_switch_and_row_gate():
+    from sgl_kernel import pdl
+
+    try:
+        on = pdl.set_pdl(True)
+        assert on == pdl.pdl_enabled() == (ON_CUDA and not pdl.INTERPRETED)
+        assert pdl.use_pdl(1) == on and not pdl.use_pdl(pdl.PDL_MAX_ROWS + 1)
+        assert pdl.launch_options(True) == {"launch_pdl": True}
+        assert pdl.launch_options(False) == {}
+    finally:
+        pdl.set_pdl(False)
+    assert not pdl.use_pdl(1)
+
+
+def test_flag_resolution():
+    from sglang.srt.configs.engine_defaults import resolve_pdl_flag
+
+    assert resolve_pdl_flag("auto", "cuda", (9, 0)) and not resolve_pdl_flag("auto", "cuda", (8, 0))
+    assert not resolve_pdl_flag("auto", "cpu") and not resolve_pdl_flag("0", "cuda", (9, 0))
+    assert resolve_pdl_flag("1", "cuda", (10, 0))
+    with pytest.raises(ValueError, match="compute capability 9.0"):
+        resolve_pdl_flag("1", "cuda", (8, 6))
+    with pytest.raises(ValueError, match="SGLANG_ENABLE_PDL='sometimes'"):
+        resolve_pdl_flag("sometimes", "cuda", (9, 0))
+
+
+@pytest.mark.gpu
+def test_kernels_equal_with_and_without_pdl_in_a_graph():
+    """On an sm90+ GPU: the MoE chain (up, down, combine) and a small-M GEMM launched with PDL
+    inside one CUDA graph give the same bits as without."""
+    import torch
+
+    from sgl_kernel import pdl
+    from sgl_kernel.grouped_gemv import grouped_gemv
+    from sgl_kernel.moe_combine import moe_combine
+    from sgl_kernel.small_m_gemm import small_m_gemm
+
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("PDL needs compute capability 9.0")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    e, h, i, k = 16, 256, 128, 4
+    x = torch.randn(2, h, device="cuda", generator=gen).bfloat16()
+    w13 = (torch.randn(e, 2 * i, h, device="cuda", generator=gen) / 16).bfloat16()
+    w2 = (torch.randn(e, h, i, device="cuda", generator=gen) / 11).bfloat16()
+    wd = (torch.randn(h, h, device="cuda", generator=gen) / 16).bfloat16()
+    ids = torch.randint(0, e, (2 * k,), device="cuda", generator=gen)
+    weights = torch.rand(2, k, device="cuda", generator=gen)
+
+    def chain():
+        act = grouped_gemv(x, w13, ids, rows_per_x=k, swiglu_limit=0.0, extra_w=w13[0])
+        y = grouped_gemv(act[:2 * k], w2, ids, extra_w=w2[0], extra_x=act[2 * k:])
+        return small_m_gemm(moe_combine(y, weights, y[2 * k:]), wd)
+
+    results = []
+    for enabled in (False, True):
+        pdl.set_pdl(enabled)
+        try:
+            chain()  # compile outside the capture
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                out = chain()
+            graph.replay()
+            torch.cuda.synchronize()
+            results.append(out.clone())
+        finally:
+            pdl.set_pdl(False)
+    assert torch.equal(results[0], results[1])

@@ -1,0 +1,71 @@
+"""sgl_kernel.small_m_gemm against its torch reference, and its batch invariance: a row's result is
+the same bit for bit whatever the number of rows beside it (interpreter: fp32 / fp16; CUDA: bf16
+too)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_test_utils import DEVICE, ON_CUDA, needs_triton
+
+pytestmark = needs_triton
+
+CASES = [(torch.float32, 1e-5), (torch.float16, 2e-3)] + ([(torch.bfloat16, 1e-2)] if ON_CUDA
+                                                          else [])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+
+
+@pytest.mark.parametrize("dtype,tol", CASES)
+def test_matches_reference_and_is_batch_invariant(dtype, tol):
+    from sgl_kernel.small_m_gemm import small_m_gemm, small_m_gemm_reference
+
+    gen = torch.Generator().manual_seed(2)
+    m, n, k = 20, 150, 300  # two row tiles; n, k ragged against the tiles
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    w_full = torch.randn(n + 10, k, generator=gen).to(DEVICE, dtype) / k ** 0.5
+    w = w_full[5:5 + n]  # a row slice, as a TP shard is
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    got = small_m_gemm(x, w, bias)
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert _rel(got, small_m_gemm_reference(x, w, bias)) < tol
+    for rows in (slice(0, 1), slice(3, 7), slice(17, 18)):
+        assert torch.equal(small_m_gemm(x[rows], w, bias), got[rows])
+
+
+def test_rejects_bad_inputs():
+    from sgl_kernel.small_m_gemm import small_m_gemm
+
+    with pytest.raises(ValueError, match="expected x"):
+        small_m_gemm(torch.randn(2, 8), torch.randn(4, 9))
+    with pytest.raises(ValueError, match="share a dtype"):
+        small_m_gemm(torch.randn(2, 8), torch.randn(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="bias must be"):
+        small_m_gemm(torch.randn(2, 8), torch.randn(4, 8), torch.randn(3))
+
+
+def test_linear_layers_route_small_batches_through_it():
+    """``set_linear_backend``: linear layers and the logits processor take the kernel for up to
+    SMALL_M_MAX_ROWS rows and the library GEMM beyond; off, always the library GEMM."""
+    from torch import nn
+
+    from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS, small_m_gemm
+    from sglang.srt.layers.linear import ReplicatedLinear, linear, set_linear_backend
+    from sglang.srt.layers.logits_processor import LogitsProcessor
+
+    layer = ReplicatedLinear(40, 24, bias=True, params_dtype=torch.float32).to(DEVICE)
+    with torch.no_grad():
+        layer.weight.normal_()
+        layer.bias.normal_()
+    model = nn.ModuleDict({"proj": layer, "logits": LogitsProcessor(24)})
+    assert set_linear_backend(model, True, torch.device(DEVICE))
+    assert layer.small_m_gemm and model["logits"].small_m_gemm
+    x = torch.randn(3, 40, device=DEVICE)
+    assert torch.equal(layer(x), small_m_gemm(x, layer.weight, layer.bias))
+    big = torch.randn(SMALL_M_MAX_ROWS + 1, 40, device=DEVICE)
+    assert torch.equal(linear(big, layer.weight, None, True),
+                       torch.nn.functional.linear(big, layer.weight))
+    assert not set_linear_backend(model, False, torch.device(DEVICE)) and not layer.small_m_gemm
+    assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
