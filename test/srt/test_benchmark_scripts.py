@@ -28,7 +28,7 @@ def _run(script: str, *args: str, **env: str) -> str:
 def test_round_census_attributes_a_nextn_round_to_its_phases():
     stdout = _run("batch1/round_census.py", "--device", "cpu", "--dtype", "float32",
                   "--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2",
-                  "--prompt-len", "16", "--steps", "2", "--warmup", "1")
+                  "--prompt-len", "16", "--steps", "2", "--warmup", "1", "--by", "phase")
     ops = {m.group(1): float(m.group(2))
            for m in re.finditer(r"^\| ([^|*]+?) \| (\d+) \|", stdout, re.MULTILINE)}
     for phase in ("target forward", "KDA verify (in target)", "MTP forward", "acceptance"):
