@@ -35,13 +35,27 @@ def test_matches_reference_and_is_batch_invariant(dtype, tol):
         assert torch.equal(small_m_gemm(x[rows], w, bias), got[rows])
 
 
+def test_mixed_dtypes_convert_x_and_round_once_to_out_dtype():
+    """The router gate's form: fp16 activations, an fp32 weight, fp32 logits out; batch-invariant."""
+    from sgl_kernel.small_m_gemm import small_m_gemm, small_m_gemm_reference
+
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(5, 96, generator=gen).to(DEVICE, torch.float16)
+    w = torch.randn(32, 96, generator=gen).to(DEVICE)
+    got = small_m_gemm(x, w, out_dtype=torch.float32)
+    assert got.dtype == torch.float32
+    ref = small_m_gemm_reference(x, w, out_dtype=torch.float32)
+    assert _rel(got, ref) < 1e-5
+    assert torch.equal(small_m_gemm(x[2:3], w, out_dtype=torch.float32), got[2:3])
+
+
 def test_rejects_bad_inputs():
     from sgl_kernel.small_m_gemm import small_m_gemm
 
     with pytest.raises(ValueError, match="expected x"):
         small_m_gemm(torch.randn(2, 8), torch.randn(4, 9))
-    with pytest.raises(ValueError, match="share a dtype"):
-        small_m_gemm(torch.randn(2, 8), torch.randn(4, 8, dtype=torch.float16))
+    with pytest.raises(ValueError, match="fp32 / fp16 / bf16"):
+        small_m_gemm(torch.randn(2, 8), torch.randn(4, 8).to(torch.int8))
     with pytest.raises(ValueError, match="bias must be"):
         small_m_gemm(torch.randn(2, 8), torch.randn(4, 8), torch.randn(3))
 

@@ -2,6 +2,7 @@
 shapes in Triton's interpreter, gloo ranks)."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -71,3 +72,17 @@ def test_allreduce_benchmark_smoke_run_on_gloo():
                   "--bytes", "64", "20480", "--iters", "3")
     rows = re.findall(r"^\| (\d+) \| ([\d.]+) \| - \| ([\d.]+) \| - \|$", stdout, re.MULTILINE)
     assert [r[0] for r in rows] == ["64", "20480"], stdout
+
+
+@pytest.mark.slow  # four engines
+def test_router_numerics_ab_reports_agreement_and_accept_length(tmp_path):
+    """benchmark/batch1/numerics_ab.py on the bundled model: the first variant agrees with itself,
+    NEXTN stays lossless under both router dtypes, and the JSON rows carry the figures."""
+    out = tmp_path / "n.jsonl"
+    stdout = _run("batch1/numerics_ab.py", "--prompts", "1", "--gen", "12", "--steps", "2",
+                  "--result-filename", str(out))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["router_dtype"] for r in rows] == ["fp32", "bf16"], stdout
+    assert rows[0]["identical"] == 1 and rows[0]["mean_first_difference"] == 12
+    assert all(r["nextn_lossless"] == 1 and 1.0 <= r["accept_length"] <= 3 for r in rows)
+    assert "| bf16 | " in stdout

@@ -51,6 +51,7 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, strid
         mask_k = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        x = x.to(w.dtype)  # e.g. bf16 activations into an fp32 router gate: no cast launch
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
@@ -71,23 +72,27 @@ def launch_config(n: int, k: int) -> LaunchConfig:
 
 
 def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
-                 out: Optional[torch.Tensor] = None,
-                 config: Optional[LaunchConfig] = None) -> torch.Tensor:
-    """``x [M, K] @ w [N, K].T (+ bias [N])`` -> ``[M, N]`` in x's dtype, batch-invariant.
+                 out: Optional[torch.Tensor] = None, config: Optional[LaunchConfig] = None,
+                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``x [M, K] @ w [N, K].T (+ bias [N])`` -> ``[M, N]`` in ``out_dtype`` (default x's),
+    batch-invariant.
 
-    ``x`` and ``w`` share a dtype and have contiguous last dims (``w`` may be a row slice);
+    ``x`` and ``w`` have contiguous last dims (``w`` may be a row slice); ``x`` is converted to
+    w's dtype as it is loaded (an fp32 router gate takes the bf16 hidden states as they are), and
+    the fp32 accumulator is rounded once to ``out_dtype`` (fp32 router logits stay unrounded).
     ``config`` overrides :func:`launch_config` (the tuning script's sweep)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"small_m_gemm: expected x [M, K] and w [N, K], got {tuple(x.shape)} "
                          f"and {tuple(w.shape)}")
-    if x.dtype != w.dtype or x.stride(1) != 1 or w.stride(1) != 1:
-        raise ValueError(f"small_m_gemm: x ({x.dtype}) and w ({w.dtype}) must share a dtype and "
-                         "have contiguous last dims")
+    floats = (torch.float32, torch.float16, torch.bfloat16)
+    if x.dtype not in floats or w.dtype not in floats or x.stride(1) != 1 or w.stride(1) != 1:
+        raise ValueError(f"small_m_gemm: x ({x.dtype}) and w ({w.dtype}) must be fp32 / fp16 / "
+                         "bf16 with contiguous last dims")
     (m, k), n = x.shape, w.shape[0]
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"small_m_gemm: bias must be [{n}], got {tuple(bias.shape)}")
     if out is None:
-        out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+        out = torch.empty(m, n, dtype=out_dtype or x.dtype, device=x.device)
     elif tuple(out.shape) != (m, n) or out.stride(1) != 1:
         raise ValueError(f"small_m_gemm: out must be [{m}, {n}] with a contiguous last dim")
     if m == 0 or n == 0:
@@ -99,15 +104,17 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
         x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0),
         out.stride(0), HAS_BIAS=bias is not None, USE_PDL=pdl_on, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",  # tf32: the default,
+        DOT_PRECISION="ieee" if w.dtype == torch.float32 else "tf32",  # tf32: the default,
         **opts, **pdl.launch_options(pdl_on))  # which 16-bit inputs ignore
     return out
 
 
 def small_m_gemm_reference(x: torch.Tensor, w: torch.Tensor,
-                           bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Plain-torch :func:`small_m_gemm`: fp32 product (and bias), one rounding to x's dtype."""
-    out = x.float() @ w.float().t()
+                           bias: Optional[torch.Tensor] = None,
+                           out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """Plain-torch :func:`small_m_gemm`: x in w's dtype, fp32 product (and bias), one rounding
+    to ``out_dtype`` (default x's)."""
+    out = x.to(w.dtype).float() @ w.float().t()
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype)
+    return out.to(out_dtype or x.dtype)

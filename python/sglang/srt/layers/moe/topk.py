@@ -78,8 +78,8 @@ class MoEGate(nn.Module):
     """The router of one MoE layer (HF ``mlp.gate``): weight ``[E, H]`` + ``expert_bias [E]``.
 
     Replicated on every rank (each rank needs every token's selection). ``router_dtype`` "fp32"
-    keeps the weight in fp32 and computes ``x.float() @ W^T``; "bf16" keeps the weight in the
-    model dtype and upcasts the logits (faster, as SGLang does; docs/model.md §5.2).
+    keeps the weight in fp32 and computes ``x.float() @ W^T``; "bf16" keeps the weight in bf16,
+    computes ``x.bfloat16() @ W^T`` and upcasts the logits (half the bytes; docs/model.md §5.2).
     """
 
     def __init__(self, hidden_size: int, num_experts: int, top_k: int, num_expert_group: int,
@@ -95,7 +95,9 @@ class MoEGate(nn.Module):
         self.topk_group = topk_group
         self.renormalize = renormalize
         self.routed_scaling_factor = routed_scaling_factor
-        w_dtype = torch.float32 if self.router_fp32 else (params_dtype or torch.get_default_dtype())
+        # "bf16" means bf16 whatever the model dtype (an fp32 CPU model then measures what the
+        # bf16 gate costs in routing decisions: benchmark/batch1/numerics_ab.py).
+        w_dtype = torch.float32 if self.router_fp32 else torch.bfloat16
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=w_dtype),
                                    requires_grad=False)
         self.weight.weight_loader = _load_whole
@@ -109,9 +111,19 @@ class MoEGate(nn.Module):
         # The selection as one Triton kernel (sgl_kernel.moe_router); set for the whole model
         # by set_moe_runner_backend (SGLANG_TRITON_ROUTER).
         self.use_triton = False
+        # The logits GEMM through sgl_kernel.small_m_gemm (SGLANG_TRITON_SMALL_M_GEMM), set by
+        # sglang.srt.layers.linear.set_linear_backend.
+        self.small_m_gemm = False
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
-        """fp32 ``[T, E]`` logits."""
+        """fp32 ``[T, E]`` logits. With ``small_m_gemm`` (``set_linear_backend``) decode /
+        verify sizes take one batch-invariant launch that reads x in its own dtype and writes
+        the fp32 accumulator (no cast launch, and bf16 gate logits are not rounded to bf16)."""
+        if self.small_m_gemm and x.dim() == 2:
+            from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS, small_m_gemm
+
+            if x.shape[0] <= SMALL_M_MAX_ROWS:
+                return small_m_gemm(x.contiguous(), self.weight, out_dtype=torch.float32)
         if self.router_fp32:
             return F.linear(x.float(), self.weight)
         return F.linear(x.to(self.weight.dtype), self.weight).float()
