@@ -3,8 +3,8 @@
     python benchmark/kernels/tune_grouped_gemv.py [--tokens 1] [--check-tokens 4 6] [--iters 30]
 
 For each projection (the up-projection with its SwiGLU epilogue, ``W13 [E, 2I, H]``; the
-down-projection, ``W2 [E, H, I]``), with the shared expert as one more pair per token, every (BLOCK_N, BLOCK_K, num_warps, num_stages) is timed on
-``--tokens`` tokens x top-k pairs with L2 flushed before each call (every layer's experts come
+down-projection, ``W2 [E, H, I]``), with the shared expert as one more pair per token, every
+(BLOCK_N, BLOCK_K, num_warps, num_stages) is timed on ``--tokens`` tokens x top-k pairs with L2 flushed before each call (every layer's experts come
 from HBM in the real model), checked against the fp32 reference, and ranked; the best few and the
 current default are then timed at ``--check-tokens`` (NEXTN verify sizes). Bandwidth counts the
 distinct experts' bytes. A config is chosen per projection shape only, never per pair count: the
@@ -81,7 +81,8 @@ def main() -> None:
 
         def case(tokens: int):
             x = torch.randn(tokens, width, device=dev).to(dt)
-            ids = torch.stack([torch.randperm(e - 1, device=dev)[:k] for _ in range(tokens)]).view(-1)
+            ids = torch.stack([torch.randperm(e - 1, device=dev)[:k]
+                               for _ in range(tokens)]).view(-1)
             sw = None if shared_w is None else shared_w.float()
             ref = grouped_gemv_reference(x.float(), w.float(), ids, k, swiglu_limit=limit,
                                          extra_w=sw)

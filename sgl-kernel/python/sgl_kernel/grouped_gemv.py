@@ -162,8 +162,8 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
     _grouped_gemv_kernel[(p, triton.cdiv(n, block_n))](
         x, w, ids.contiguous(), ex, ew, out, n, k, routed, rows_per_x, x.stride(0), w.stride(0),
         w.stride(1), ex.stride(0), ew.stride(0), out.stride(0), limit, float(extra_limit),
-        SWIGLU=swiglu, HAS_LIMIT=limit > 0 or extra_limit > 0, USE_PDL=pdl_on, BLOCK_N=block_n, BLOCK_K=block_k,
-        **opts, **pdl.launch_options(pdl_on))
+        SWIGLU=swiglu, HAS_LIMIT=limit > 0 or extra_limit > 0, USE_PDL=pdl_on, BLOCK_N=block_n,
+        BLOCK_K=block_k, **opts, **pdl.launch_options(pdl_on))
     return out
 
 
