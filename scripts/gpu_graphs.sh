@@ -20,7 +20,8 @@
 #                 PROMPTS per sampling setting, default 512) into $OUT/dspark, then NEXTN-3 vs
 #                 DSPARK served with that draft, in the same call
 #   STAGE=kernels the kernel tests on CUDA, the cold-L2 sweeps of the grouped GEMV and the small-M
-#                 GEMM, and the bf16 NEXTN batch-1 parity print (test_nextn's gpu test)
+#                 GEMM (bf16, then block-fp8 unless FP8=0), and the bf16 NEXTN batch-1 parity
+#                 print (test_nextn's gpu test)
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
 # FUSED (default 1) sets SGLANG_TRITON_RMSNORM / SGLANG_TRITON_ROUTER to 1 (0 with FUSED=0); PHASES=1 captures a NEXTN
 # round as one graph per phase (SGLANG_ROUND_GRAPH_PER_PHASE=1); SPECS (default "0 3 4 5")
@@ -51,6 +52,11 @@ kernels)
     --iters 20 --num-stages 1 3 > "$OUT/tune_grouped_gemv.log" 2>&1; tail -40 "$OUT/tune_grouped_gemv.log" | grep -E "^\||tokens|###" | head -30 )
   ( cd benchmark/kernels && timeout 120 python3 tune_small_m_gemm.py --rows 1 4 16 --iters 20 \
     > "$OUT/tune_small_m_gemm.log" 2>&1; tail -9 "$OUT/tune_small_m_gemm.log" )
+  [ "${FP8:-1}" = 1 ] && ( cd benchmark/kernels && timeout 100 python3 tune_grouped_gemv.py --fp8 \
+    --tokens 1 --check-tokens 4 --iters 20 --block-n 4 8 --block-k 512 1024 --num-stages 3 \
+    > "$OUT/tune_grouped_gemv_fp8.log" 2>&1; grep -E "^\| default|^###" "$OUT/tune_grouped_gemv_fp8.log";
+    timeout 80 python3 tune_small_m_gemm.py --fp8 --rows 1 4 --iters 20 --block-n 16 32 \
+    --block-k 256 --num-stages 4 > "$OUT/tune_small_m_gemm_fp8.log" 2>&1; tail -8 "$OUT/tune_small_m_gemm_fp8.log" )
   timeout ${NEXTN_TIMEOUT:-150} python3 -m pytest -q -s -m gpu test/srt/test_nextn.py -p no:cacheprovider \
     2>&1 | tee "$OUT/nextn_gpu.log" | grep -E "differing|passed|failed|Error" | cut -c1-300
   ;;

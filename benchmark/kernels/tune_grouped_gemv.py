@@ -22,6 +22,7 @@ from typing import List, NamedTuple, Optional
 import torch
 
 from cold_l2 import cold_time_us, flush_buffer  # benchmark/kernels/cold_l2.py
+from sgl_kernel.fp8_blocks import block_quantize
 from sgl_kernel.grouped_gemv import grouped_gemv, grouped_gemv_reference
 
 
@@ -56,6 +57,9 @@ def main() -> None:
     p.add_argument("--no-shared", action="store_true",
                    help="routed pairs only (default: the shared expert rides as one more pair "
                         "per token, as the model runs it)")
+    p.add_argument("--fp8", action="store_true",
+                   help="block-fp8 experts (float8_e4m3fn + 128x128 scales, gate and up on "
+                        "their own grids)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--top", type=int, default=5, help="configs re-timed at --check-tokens")
     args = p.parse_args()
@@ -74,27 +78,38 @@ def main() -> None:
     }
     grid = [Config(*c) for c in itertools.product(args.block_n, args.block_k, args.num_warps,
                                                   args.num_stages)]
-    print(f"{name_dev}, E={e} H={h} I={i} top-{k}, {dt}, cold L2, "
+    print(f"{name_dev}, E={e} H={h} I={i} top-{k}, {dt}"
+          f"{' (block-fp8 experts)' if args.fp8 else ''}, cold L2, "
           f"{args.iters} iters; config = BLOCK_N/BLOCK_K/num_warps/num_stages")
     for name, (w, width, limit) in shapes.items():
+        split = w.shape[1] // 2 if limit is not None else None
+        w_scale = shared_scale = None
+        if args.fp8:
+            w, w_scale = block_quantize(w, split)
         shared_w = None if args.no_shared else w[-1].clone()
+        if args.fp8 and shared_w is not None:
+            shared_scale = w_scale[-1].clone()
 
         def case(tokens: int):
             x = torch.randn(tokens, width, device=dev).to(dt)
             ids = torch.stack([torch.randperm(e - 1, device=dev)[:k]
                                for _ in range(tokens)]).view(-1)
-            sw = None if shared_w is None else shared_w.float()
-            ref = grouped_gemv_reference(x.float(), w.float(), ids, k, swiglu_limit=limit,
-                                         extra_w=sw)
+            ref = grouped_gemv_reference(x.float(), w if args.fp8 else w.float(), ids, k,
+                                         swiglu_limit=limit, extra_w=shared_w if args.fp8 or
+                                         shared_w is None else shared_w.float(),
+                                         w_scale=w_scale, extra_w_scale=shared_scale)
             experts = int(ids.unique().numel()) + (shared_w is not None)
-            nbytes = experts * w[0].numel() * w.element_size()
+            per_expert = w[0].numel() * w.element_size() + (
+                0 if w_scale is None else w_scale[0].numel() * 4)
+            nbytes = experts * per_expert
             return x, ids, ref, nbytes
 
         def run(cfg: Config, x, ids):
             return lambda: grouped_gemv(x, w, ids, rows_per_x=k, swiglu_limit=limit,
                                         block_n=cfg.block_n, block_k=cfg.block_k,
                                         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                                        extra_w=shared_w)
+                                        extra_w=shared_w, w_scale=w_scale,
+                                        extra_w_scale=shared_scale)
 
         x, ids, ref, nbytes = case(args.tokens)
         rows: List[tuple] = []

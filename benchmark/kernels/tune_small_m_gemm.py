@@ -24,6 +24,7 @@ import torch.nn.functional as F
 
 from cold_l2 import cold_time_us, flush_buffer  # benchmark/kernels/cold_l2.py
 from sgl_kernel._triton_mode import LaunchConfig
+from sgl_kernel.fp8_blocks import block_dequantize, block_quantize
 from sgl_kernel.small_m_gemm import launch_config, small_m_gemm, small_m_gemm_reference
 
 # name -> (N, K) of Ling-3.0-flash (hidden 2560, 32 heads x 128, dense intermediate 6144).
@@ -48,6 +49,9 @@ def main() -> None:
     p.add_argument("--num-stages", type=int, nargs="+", default=[3, 5])
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--scale", type=int, default=1, help="divide N by this (smoke runs)")
+    p.add_argument("--fp8", action="store_true",
+                   help="block-fp8 weights (float8_e4m3fn + 128x128 scales); F.linear then runs "
+                        "on the dequantised bf16 weight, for reference")
     args = p.parse_args()
     interpreted = os.environ.get("TRITON_INTERPRET") == "1"
     on_cuda = torch.cuda.is_available() and not interpreted
@@ -59,37 +63,46 @@ def main() -> None:
     grid = [LaunchConfig(*c) for c in itertools.product(args.block_n, args.block_k,
                                                         args.num_warps, args.num_stages)]
     name_dev = torch.cuda.get_device_name() if on_cuda else "CPU (Triton interpreter)"
-    print(f"{name_dev}, {dt}, cold L2, {args.iters} iters; config = "
+    print(f"{name_dev}, {dt}{' (block-fp8 weights)' if args.fp8 else ''}, cold L2, "
+          f"{args.iters} iters; config = "
           "BLOCK_N/BLOCK_K/num_warps/num_stages")
     summary: List[str] = []
     for name in args.shapes:
         n, k = FLASH_SHAPES[name]
         n = max(n // args.scale, 1)
         w = (torch.randn(n, k, device=dev) / k ** 0.5).to(dt)
-        nbytes = w.numel() * w.element_size()
+        scale = None
+        if args.fp8:
+            w, scale = block_quantize(w)
+            w_lib = block_dequantize(w, scale, dt)
+        else:
+            w_lib = w
+        nbytes = w.numel() * w.element_size() + (0 if scale is None else scale.numel() * 4)
         xs = {m: torch.randn(m, k, device=dev).to(dt) for m in args.rows}
         m0 = args.rows[0]
-        ref = small_m_gemm_reference(xs[m0], w)
+        ref = small_m_gemm_reference(xs[m0], w, w_scale=scale)
         timed: List[tuple] = []
         for cfg in grid:
             try:
-                out = small_m_gemm(xs[m0], w, config=cfg)
+                out = small_m_gemm(xs[m0], w, config=cfg, w_scale=scale)
             except Exception as exc:  # a config the compiler rejects (e.g. out of resources)
                 print(f"  {name} {'/'.join(map(str, cfg))}: {type(exc).__name__}")
                 continue
             err = float((out.float() - ref.float()).norm() / ref.float().norm())
             if err > 1e-2:
                 raise SystemExit(f"{name} {cfg}: rel. error {err:.2e} vs fp32 reference")
-            timed.append((cold_time_us(lambda: small_m_gemm(xs[m0], w, config=cfg), args.iters,
+            timed.append((cold_time_us(lambda: small_m_gemm(xs[m0], w, config=cfg,
+                                                            w_scale=scale), args.iters,
                                        flush), cfg))
         timed.sort(key=lambda r: r[0])
         best, current = timed[0][1], launch_config(n, k)
         cells = []
         for m in args.rows:
             x = xs[m]
-            t_best = cold_time_us(lambda: small_m_gemm(x, w, config=best), args.iters, flush)
-            t_cur = cold_time_us(lambda: small_m_gemm(x, w), args.iters, flush)
-            t_lib = cold_time_us(lambda: F.linear(x, w), args.iters, flush)
+            t_best = cold_time_us(lambda: small_m_gemm(x, w, config=best, w_scale=scale),
+                                  args.iters, flush)
+            t_cur = cold_time_us(lambda: small_m_gemm(x, w, w_scale=scale), args.iters, flush)
+            t_lib = cold_time_us(lambda: F.linear(x, w_lib), args.iters, flush)
             cells.append(f"M={m}: best {t_best:.1f} ({nbytes / t_best / 1e3:.0f} GB/s), "
                          f"current {t_cur:.1f}, F.linear {t_lib:.1f}")
         line = (f"| {name} | {n}x{k} | {'/'.join(map(str, best))} | "

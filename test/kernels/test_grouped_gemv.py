@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernel_test_utils import DEVICE, needs_triton
+from kernel_test_utils import DEVICE, ON_CUDA, needs_triton
 from sglang.srt.layers.moe.fused_moe_native import fused_moe_gather
 from sglang.srt.layers.moe.fused_moe_triton import fused_moe_small_m
 
@@ -91,6 +91,33 @@ def test_extra_pairs_ride_the_routed_launch(triton_mode, dtype, tol):
     first = triton_mode.grouped_gemv(x, w, ids, rows_per_x=2, swiglu_limit=0.0, extra_w=sw,
                                      extra_limit=0.3)
     assert first[t * 2:].float().abs().max() <= 0.09 + 1e-3
+
+
+@pytest.mark.parametrize("dtype,tol", [FP32, FP16] + ([(torch.bfloat16, 1e-2)] if ON_CUDA else []))
+def test_block_fp8_weights_match_the_dequantised_reference(triton_mode, dtype, tol):
+    """float8_e4m3fn experts (and shared expert) with 128 x 128 block scales: each tile is
+    dequantised as loaded; gate and up on their own grids (I = 96 is not a block multiple)."""
+    from sgl_kernel.fp8_blocks import block_quantize
+
+    gen = torch.Generator().manual_seed(12)
+    t, e, i, k = 2, 4, 96, 160
+    x = torch.randn(t, k, generator=gen).to(DEVICE, dtype)
+    w, ws = block_quantize(torch.randn(e, 2 * i, k, generator=gen) / k ** 0.5, split=i)
+    sw, sws = block_quantize(torch.randn(2 * i, k, generator=gen) / k ** 0.5, split=i)
+    ids = torch.randint(0, e, (t * 2,), generator=gen).to(DEVICE)
+    w, ws, sw, sws = (z.to(DEVICE) for z in (w, ws, sw, sws))
+    kw = dict(rows_per_x=2, swiglu_limit=0.0, extra_w=sw, w_scale=ws, extra_w_scale=sws)
+    got = triton_mode.grouped_gemv(x, w, ids, block_n=64, block_k=64, **kw)
+    ref = triton_mode.grouped_gemv_reference(x, w, ids, **kw)
+    assert got.shape == (t * 3, i) and _rel(got, ref) < tol
+    down, ds = block_quantize(torch.randn(e, k, i, generator=gen) / i ** 0.5)
+    down, ds = down.to(DEVICE), ds.to(DEVICE)
+    got2 = triton_mode.grouped_gemv(got[:t * 2], down, ids, w_scale=ds)
+    assert _rel(got2, triton_mode.grouped_gemv_reference(got[:t * 2], down, ids, w_scale=ds)) < tol
+    with pytest.raises(ValueError, match="block scales"):
+        triton_mode.grouped_gemv(x, w, ids, rows_per_x=2, swiglu_limit=0.0)
+    with pytest.raises(ValueError, match="block scale must be"):
+        triton_mode.grouped_gemv(x, w, ids, rows_per_x=2, swiglu_limit=0.0, w_scale=ws[:, :1])
 
 
 def test_grouped_gemv_rejects_bad_shapes(triton_mode):

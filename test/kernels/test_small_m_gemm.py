@@ -49,6 +49,24 @@ def test_mixed_dtypes_convert_x_and_round_once_to_out_dtype():
     assert torch.equal(small_m_gemm(x[2:3], w, out_dtype=torch.float32), got[2:3])
 
 
+@pytest.mark.parametrize("dtype,tol", CASES)
+def test_block_fp8_weight_matches_the_dequantised_reference(dtype, tol):
+    """A float8_e4m3fn weight with 128 x 128 block scales (ragged edges): dequantised per tile,
+    equal to the reference and still batch-invariant."""
+    from sgl_kernel.fp8_blocks import block_quantize
+    from sgl_kernel.small_m_gemm import small_m_gemm, small_m_gemm_reference
+
+    gen = torch.Generator().manual_seed(6)
+    x = torch.randn(6, 300, generator=gen).to(DEVICE, dtype)
+    w, scale = (z.to(DEVICE) for z in block_quantize(torch.randn(140, 300, generator=gen) / 17))
+    got = small_m_gemm(x, w, w_scale=scale)
+    assert got.dtype == dtype
+    assert _rel(got, small_m_gemm_reference(x, w, w_scale=scale)) < tol
+    assert torch.equal(small_m_gemm(x[4:5], w, w_scale=scale), got[4:5])
+    with pytest.raises(ValueError, match="block scales"):
+        small_m_gemm(x, w)
+
+
 def test_rejects_bad_inputs():
     from sgl_kernel.small_m_gemm import small_m_gemm
 

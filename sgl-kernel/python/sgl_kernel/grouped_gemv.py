@@ -23,16 +23,29 @@ import triton
 import triton.language as tl
 
 from sgl_kernel import pdl
+from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
 from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options
 
 __all__ = ["grouped_gemv", "grouped_gemv_reference", "launch_config", "LaunchConfig"]
 
 
 @triton.jit
-def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, ex_ptr, ew_ptr, out_ptr, N, K, routed_pairs,
-                         rows_per_x, stride_x, stride_we, stride_wn, stride_ex, stride_ewn,
-                         stride_o, limit, extra_limit,
-                         SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, USE_PDL: tl.constexpr,
+def _dequant(w, scale_ptrs, mask, x_ptr, HAS_SCALE: tl.constexpr):
+    """A weight tile in fp32; a block-fp8 tile times its block scales, rounded to the activation
+    dtype first (the reference: the dequantised weight through the unquantized math)."""
+    if HAS_SCALE:
+        scale = tl.load(scale_ptrs, mask=mask, other=0.0)
+        w = (w.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
+    return w.to(tl.float32)
+
+
+@triton.jit
+def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, ex_ptr, ew_ptr, out_ptr, ws_ptr, ews_ptr,
+                         N, K, routed_pairs, rows_per_x, stride_x, stride_we, stride_wn,
+                         stride_ex, stride_ewn, stride_o, stride_wse, stride_wsn, stride_ewsn,
+                         up_scale_row, limit, extra_limit,
+                         SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_SCALE: tl.constexpr,
+                         QB: tl.constexpr, USE_PDL: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -44,11 +57,15 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, ex_ptr, ew_ptr, out_ptr, N, K, r
         x_row = x_ptr + (pair // rows_per_x).to(tl.int64) * stride_x
         w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
         up_rows = N * stride_wn
+        s_rows = ws_ptr + expert * stride_wse + (offs_n // QB)[:, None] * stride_wsn
+        s_up = up_scale_row * stride_wsn
         lim = limit
     else:  # an extra pair (shared expert / dense weight): extra row pair - routed_pairs
         x_row = ex_ptr + (pair - routed_pairs).to(tl.int64) * stride_ex
         w_rows = ew_ptr + offs_n.to(tl.int64)[:, None] * stride_ewn
         up_rows = N * stride_ewn
+        s_rows = ews_ptr + (offs_n // QB)[:, None] * stride_ewsn
+        s_up = up_scale_row * stride_ewsn
         lim = extra_limit
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -57,11 +74,12 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, ex_ptr, ew_ptr, out_ptr, N, K, r
         mask_k = offs_k < K
         mask = mask_n[:, None] & mask_k[None, :]
         x = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        w = tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = _dequant(tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0),
+                     s_rows + (offs_k // QB)[None, :], mask, x_ptr, HAS_SCALE)
         acc += tl.sum(w * x[None, :], axis=1)
-        if SWIGLU:  # the up rows follow the N gate rows
-            w_up = tl.load(w_rows + up_rows + offs_k[None, :], mask=mask,
-                           other=0.0).to(tl.float32)
+        if SWIGLU:  # the up rows follow the N gate rows (their scales on their own grid)
+            w_up = _dequant(tl.load(w_rows + up_rows + offs_k[None, :], mask=mask, other=0.0),
+                            s_rows + s_up + (offs_k // QB)[None, :], mask, x_ptr, HAS_SCALE)
             acc_up += tl.sum(w_up * x[None, :], axis=1)
     if SWIGLU:
         # As the unfused path: gate and up rounded to the output dtype, then SwiGLU in fp32.
@@ -101,8 +119,9 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                  block_n: Optional[int] = None, block_k: Optional[int] = None,
                  swiglu_limit: Optional[float] = None, num_warps: Optional[int] = None,
                  num_stages: Optional[int] = None, extra_w: Optional[torch.Tensor] = None,
-                 extra_limit: float = 0.0,
-                 extra_x: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 extra_limit: float = 0.0, extra_x: Optional[torch.Tensor] = None,
+                 w_scale: Optional[torch.Tensor] = None,
+                 extra_w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out [P (+ T'), N]`` with ``out[p] = w[ids[p]] @ x[p // rows_per_x]`` for the ``P``
     routed pairs, then, with ``extra_w [N, K]``, ``out[P + t] = extra_w @ extra_x[t]`` for every
     row ``t`` of ``extra_x [T', K]`` (default ``x``).
@@ -120,6 +139,10 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
     ``P = T * rows_per_x`` (``rows_per_x = top_k`` feeds each token to its ``k`` experts).
     ``out`` defaults to a new tensor in x's dtype. Tiles come from :func:`launch_config` unless
     given (``benchmark/kernels/tune_grouped_gemv.py`` sweeps them on the GPU).
+
+    Block-fp8 weights (``float8_e4m3fn``) come with their fp32 block scales ``w_scale [E, ..]``
+    / ``extra_w_scale`` in the layout of :mod:`sgl_kernel.fp8_blocks` (SwiGLU: gate and up on
+    their own grids); each tile is dequantised as it is loaded, rounded to x's dtype.
     """
     if x.dim() != 2 or w.dim() != 3 or ids.dim() != 1 or x.shape[1] != w.shape[2]:
         raise ValueError(f"grouped_gemv: expected x [T, K], w [E, N, K], ids [P]; got "
@@ -145,6 +168,15 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
         if n % 2:
             raise ValueError(f"grouped_gemv: SwiGLU needs [gate; up] rows, got {n} rows")
         n //= 2
+    fp8 = w.dtype == torch.float8_e4m3fn
+    if fp8 != (w_scale is not None) or (extra_w is not None and fp8 != (extra_w_scale is not None)):
+        raise ValueError("grouped_gemv: float8_e4m3fn weights need their block scales (w_scale, "
+                         "extra_w_scale), and only they take one")
+    if fp8:
+        split = n if swiglu else None
+        check_block_scale(w, w_scale, split, "grouped_gemv w")
+        if extra_w is not None:
+            check_block_scale(extra_w, extra_w_scale, split, "grouped_gemv extra_w")
     p = routed + (ex.shape[0] if extra_w is not None else 0)
     if out is None:
         out = torch.empty(p, n, dtype=x.dtype, device=x.device)
@@ -156,26 +188,48 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
     cfg = launch_config(n, k, swiglu)
     block_n, block_k = block_n or cfg.block_n, block_k or cfg.block_k
     opts = compiler_options(num_warps or cfg.num_warps, num_stages or cfg.num_stages)
-    ew = extra_w if extra_w is not None else w  # a placeholder when absent: never read
+    ew = extra_w if extra_w is not None else w  # placeholders when absent: never read
+    ws = w_scale if fp8 else _placeholder(x.device)
+    ews = extra_w_scale if fp8 and extra_w is not None else ws
     limit = float(swiglu_limit or 0.0)
     pdl_on = pdl.use_pdl(p)
     _grouped_gemv_kernel[(p, triton.cdiv(n, block_n))](
-        x, w, ids.contiguous(), ex, ew, out, n, k, routed, rows_per_x, x.stride(0), w.stride(0),
-        w.stride(1), ex.stride(0), ew.stride(0), out.stride(0), limit, float(extra_limit),
-        SWIGLU=swiglu, HAS_LIMIT=limit > 0 or extra_limit > 0, USE_PDL=pdl_on, BLOCK_N=block_n,
-        BLOCK_K=block_k, **opts, **pdl.launch_options(pdl_on))
+        x, w, ids.contiguous(), ex, ew, out, ws, ews, n, k, routed, rows_per_x, x.stride(0),
+        w.stride(0), w.stride(1), ex.stride(0), ew.stride(0), out.stride(0),
+        ws.stride(0) if fp8 else 0, ws.stride(-2) if fp8 else 0, ews.stride(-2) if fp8 else 0,
+        -(-n // QBLOCK), limit, float(extra_limit),
+        SWIGLU=swiglu, HAS_LIMIT=limit > 0 or extra_limit > 0, HAS_SCALE=fp8, QB=QBLOCK,
+        USE_PDL=pdl_on, BLOCK_N=block_n, BLOCK_K=block_k, **opts, **pdl.launch_options(pdl_on))
     return out
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """An fp32 tensor to pass where a scale pointer is never read."""
+    key = str(device)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(1, dtype=torch.float32, device=device)
+    return _PLACEHOLDERS[key]
 
 
 def grouped_gemv_reference(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                            rows_per_x: int = 1,
                            swiglu_limit: Optional[float] = None,
                            extra_w: Optional[torch.Tensor] = None,
-                           extra_limit: float = 0.0,
-                           extra_x: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           extra_limit: float = 0.0, extra_x: Optional[torch.Tensor] = None,
+                           w_scale: Optional[torch.Tensor] = None,
+                           extra_w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Plain-torch :func:`grouped_gemv` (fp32 products, one rounding to x's dtype; the project's
-    ``silu_and_mul`` for the SwiGLU form)."""
+    ``silu_and_mul`` for the SwiGLU form; block-fp8 weights dequantised to x's dtype first)."""
     from sglang.srt.layers.activation import silu_and_mul
+
+    split = w.shape[1] // 2 if swiglu_limit is not None else None
+    if w_scale is not None:
+        w = block_dequantize(w, w_scale, x.dtype, split)
+    if extra_w_scale is not None:
+        extra_w = block_dequantize(extra_w, extra_w_scale, x.dtype, split)
 
     def rows_times(weights: torch.Tensor, rows: torch.Tensor, limit: Optional[float]):
         out = torch.einsum("pnk,pk->pn", weights.float(), rows.float()).to(x.dtype)

@@ -22,6 +22,7 @@ import triton
 import triton.language as tl
 
 from sgl_kernel import pdl
+from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
 from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options
 
 __all__ = ["small_m_gemm", "small_m_gemm_reference", "launch_config", "SMALL_M_MAX_ROWS",
@@ -33,8 +34,9 @@ SMALL_M_MAX_ROWS = 64
 
 
 @triton.jit
-def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, stride_wn,
-                         stride_om, HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr,
+def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, M, N, K, stride_xm, stride_wn,
+                         stride_om, stride_sn, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
+                         QB: tl.constexpr, USE_PDL: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
     # Axis 0 walks the weight's row blocks (many programs), axis 1 the 16-row tiles of x.
@@ -51,6 +53,10 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, M, N, K, stride_xm, strid
         mask_k = offs_k < K
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+        if HAS_SCALE:  # block fp8: dequantise the tile, rounded to the activation dtype
+            scale = tl.load(s_ptr + (offs_n // QB)[:, None] * stride_sn + (offs_k // QB)[None, :],
+                            mask=mask_n[:, None] & mask_k[None, :], other=0.0)
+            w = (w.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
         x = x.to(w.dtype)  # e.g. bf16 activations into an fp32 router gate: no cast launch
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
@@ -73,21 +79,31 @@ def launch_config(n: int, k: int) -> LaunchConfig:
 
 def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  out: Optional[torch.Tensor] = None, config: Optional[LaunchConfig] = None,
-                 out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                 out_dtype: Optional[torch.dtype] = None,
+                 w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [M, K] @ w [N, K].T (+ bias [N])`` -> ``[M, N]`` in ``out_dtype`` (default x's),
     batch-invariant.
 
     ``x`` and ``w`` have contiguous last dims (``w`` may be a row slice); ``x`` is converted to
     w's dtype as it is loaded (an fp32 router gate takes the bf16 hidden states as they are), and
     the fp32 accumulator is rounded once to ``out_dtype`` (fp32 router logits stay unrounded).
+    A block-fp8 ``w`` (``float8_e4m3fn``) comes with its fp32 block scales ``w_scale``
+    (:mod:`sgl_kernel.fp8_blocks`); each tile is dequantised to x's dtype as it is loaded.
     ``config`` overrides :func:`launch_config` (the tuning script's sweep)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"small_m_gemm: expected x [M, K] and w [N, K], got {tuple(x.shape)} "
                          f"and {tuple(w.shape)}")
     floats = (torch.float32, torch.float16, torch.bfloat16)
-    if x.dtype not in floats or w.dtype not in floats or x.stride(1) != 1 or w.stride(1) != 1:
+    fp8 = w.dtype == torch.float8_e4m3fn
+    if x.dtype not in floats or (w.dtype not in floats and not fp8) or x.stride(1) != 1 \
+            or w.stride(1) != 1:
         raise ValueError(f"small_m_gemm: x ({x.dtype}) and w ({w.dtype}) must be fp32 / fp16 / "
-                         "bf16 with contiguous last dims")
+                         "bf16 (w also float8_e4m3fn) with contiguous last dims")
+    if fp8 != (w_scale is not None):
+        raise ValueError("small_m_gemm: a float8_e4m3fn weight needs its block scales (w_scale), "
+                         "and only it takes one")
+    if fp8:
+        check_block_scale(w, w_scale, name="small_m_gemm w")
     (m, k), n = x.shape, w.shape[0]
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"small_m_gemm: bias must be [{n}], got {tuple(bias.shape)}")
@@ -100,20 +116,25 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
     cfg = config or launch_config(n, k)
     opts = compiler_options(cfg.num_warps, cfg.num_stages)
     pdl_on = pdl.use_pdl(m)
+    compute = x.dtype if fp8 else w.dtype
     _small_m_gemm_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, BLOCK_M))](
-        x, w, bias if bias is not None else w, out, m, n, k, x.stride(0), w.stride(0),
-        out.stride(0), HAS_BIAS=bias is not None, USE_PDL=pdl_on, BLOCK_M=BLOCK_M,
+        x, w, bias if bias is not None else x, out, w_scale if fp8 else x, m, n, k, x.stride(0),
+        w.stride(0), out.stride(0), w_scale.stride(0) if fp8 else 0,
+        HAS_BIAS=bias is not None, HAS_SCALE=fp8, QB=QBLOCK, USE_PDL=pdl_on, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION="ieee" if w.dtype == torch.float32 else "tf32",  # tf32: the default,
+        DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",  # tf32: the default,
         **opts, **pdl.launch_options(pdl_on))  # which 16-bit inputs ignore
     return out
 
 
 def small_m_gemm_reference(x: torch.Tensor, w: torch.Tensor,
                            bias: Optional[torch.Tensor] = None,
-                           out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
-    """Plain-torch :func:`small_m_gemm`: x in w's dtype, fp32 product (and bias), one rounding
-    to ``out_dtype`` (default x's)."""
+                           out_dtype: Optional[torch.dtype] = None,
+                           w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Plain-torch :func:`small_m_gemm`: x in w's dtype (a block-fp8 w dequantised to x's dtype
+    first), fp32 product (and bias), one rounding to ``out_dtype`` (default x's)."""
+    if w_scale is not None:
+        w = block_dequantize(w, w_scale, x.dtype)
     out = x.to(w.dtype).float() @ w.float().t()
     if bias is not None:
         out = out + bias.float()
