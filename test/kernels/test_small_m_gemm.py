@@ -65,6 +65,13 @@ def test_block_fp8_weight_matches_the_dequantised_reference(dtype, tol):
     assert torch.equal(small_m_gemm(x[4:5], w, w_scale=scale), got[4:5])
     with pytest.raises(ValueError, match="block scales"):
         small_m_gemm(x, w)
+    # Two pieces of 70 rows, each on its own grid: the row -> scale-row map.
+    wp = torch.cat([block_quantize(torch.randn(70, 300, generator=gen) / 17)[0] for _ in "ab"])
+    sp = torch.randn(2, 3, generator=gen).abs()
+    rows = torch.cat([torch.zeros(70), torch.ones(70)]).int()
+    wp, sp, rows = wp.to(DEVICE), sp.to(DEVICE), rows.to(DEVICE)
+    got = small_m_gemm(x, wp, w_scale=sp, w_scale_rows=rows)
+    assert _rel(got, small_m_gemm_reference(x, wp, w_scale=sp, w_scale_rows=rows)) < tol
 
 
 def test_rejects_bad_inputs():

@@ -34,9 +34,10 @@ SMALL_M_MAX_ROWS = 64
 
 
 @triton.jit
-def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, M, N, K, stride_xm, stride_wn,
-                         stride_om, stride_sn, HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr,
-                         QB: tl.constexpr, USE_PDL: tl.constexpr,
+def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, M, N, K, stride_xm,
+                         stride_wn, stride_om, stride_sn, HAS_BIAS: tl.constexpr,
+                         HAS_SCALE: tl.constexpr, ROW_MAP: tl.constexpr, QB: tl.constexpr,
+                         USE_PDL: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
     # Axis 0 walks the weight's row blocks (many programs), axis 1 the 16-row tiles of x.
@@ -47,6 +48,10 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, M, N, K, stride_xm
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     pdl.wait(USE_PDL)  # x comes from the kernel before
     pdl.launch_dependents(USE_PDL)
+    if ROW_MAP:  # a weight of several pieces, each on its own block grid
+        s_rows = s_ptr + tl.load(srow_ptr + offs_n, mask=mask_n, other=0).to(tl.int64) * stride_sn
+    else:
+        s_rows = s_ptr + (offs_n // QB).to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
@@ -54,7 +59,7 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, M, N, K, stride_xm
         w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
         x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
         if HAS_SCALE:  # block fp8: dequantise the tile, rounded to the activation dtype
-            scale = tl.load(s_ptr + (offs_n // QB)[:, None] * stride_sn + (offs_k // QB)[None, :],
+            scale = tl.load(s_rows[:, None] + (offs_k // QB)[None, :],
                             mask=mask_n[:, None] & mask_k[None, :], other=0.0)
             w = (w.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
         x = x.to(w.dtype)  # e.g. bf16 activations into an fp32 router gate: no cast launch
@@ -80,7 +85,8 @@ def launch_config(n: int, k: int) -> LaunchConfig:
 def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
                  out: Optional[torch.Tensor] = None, config: Optional[LaunchConfig] = None,
                  out_dtype: Optional[torch.dtype] = None,
-                 w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 w_scale: Optional[torch.Tensor] = None,
+                 w_scale_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [M, K] @ w [N, K].T (+ bias [N])`` -> ``[M, N]`` in ``out_dtype`` (default x's),
     batch-invariant.
 
@@ -88,7 +94,9 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
     w's dtype as it is loaded (an fp32 router gate takes the bf16 hidden states as they are), and
     the fp32 accumulator is rounded once to ``out_dtype`` (fp32 router logits stay unrounded).
     A block-fp8 ``w`` (``float8_e4m3fn``) comes with its fp32 block scales ``w_scale``
-    (:mod:`sgl_kernel.fp8_blocks`); each tile is dequantised to x's dtype as it is loaded.
+    (:mod:`sgl_kernel.fp8_blocks`); each tile is dequantised to x's dtype as it is loaded. A
+    weight of several pieces each on its own grid (KDA's fused q|k|v|b|f|g) passes
+    ``w_scale_rows [N]``, the scale row of every weight row.
     ``config`` overrides :func:`launch_config` (the tuning script's sweep)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"small_m_gemm: expected x [M, K] and w [N, K], got {tuple(x.shape)} "
@@ -102,8 +110,10 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
     if fp8 != (w_scale is not None):
         raise ValueError("small_m_gemm: a float8_e4m3fn weight needs its block scales (w_scale), "
                          "and only it takes one")
-    if fp8:
+    if fp8 and w_scale_rows is None:
         check_block_scale(w, w_scale, name="small_m_gemm w")
+    elif fp8 and (tuple(w_scale_rows.shape) != (w.shape[0],) or w_scale_rows.is_floating_point()):
+        raise ValueError(f"small_m_gemm: w_scale_rows must be an integer [{w.shape[0]}] tensor")
     (m, k), n = x.shape, w.shape[0]
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"small_m_gemm: bias must be [{n}], got {tuple(bias.shape)}")
@@ -118,9 +128,10 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
     pdl_on = pdl.use_pdl(m)
     compute = x.dtype if fp8 else w.dtype
     _small_m_gemm_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, BLOCK_M))](
-        x, w, bias if bias is not None else x, out, w_scale if fp8 else x, m, n, k, x.stride(0),
-        w.stride(0), out.stride(0), w_scale.stride(0) if fp8 else 0,
-        HAS_BIAS=bias is not None, HAS_SCALE=fp8, QB=QBLOCK, USE_PDL=pdl_on, BLOCK_M=BLOCK_M,
+        x, w, bias if bias is not None else x, out, w_scale if fp8 else x,
+        w_scale_rows if w_scale_rows is not None else x, m, n, k, x.stride(0), w.stride(0),
+        out.stride(0), w_scale.stride(0) if fp8 else 0, HAS_BIAS=bias is not None,
+        HAS_SCALE=fp8, ROW_MAP=fp8 and w_scale_rows is not None, QB=QBLOCK, USE_PDL=pdl_on, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",  # tf32: the default,
         **opts, **pdl.launch_options(pdl_on))  # which 16-bit inputs ignore
@@ -130,10 +141,14 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
 def small_m_gemm_reference(x: torch.Tensor, w: torch.Tensor,
                            bias: Optional[torch.Tensor] = None,
                            out_dtype: Optional[torch.dtype] = None,
-                           w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           w_scale: Optional[torch.Tensor] = None,
+                           w_scale_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Plain-torch :func:`small_m_gemm`: x in w's dtype (a block-fp8 w dequantised to x's dtype
     first), fp32 product (and bias), one rounding to ``out_dtype`` (default x's)."""
-    if w_scale is not None:
+    if w_scale is not None and w_scale_rows is not None:
+        cols = torch.arange(w.shape[1], device=w.device) // QBLOCK
+        w = (w.float() * w_scale[w_scale_rows.long()][:, cols]).to(x.dtype)
+    elif w_scale is not None:
         w = block_dequantize(w, w_scale, x.dtype)
     out = x.to(w.dtype).float() @ w.float().t()
     if bias is not None:
