@@ -345,3 +345,51 @@ def test_backend_fla_prefill_matches_torch_on_cuda():
         outs.append(h.extend([slot], [0], tuple([a] for a in x)))
         finals.append(h.states(slot)[1])
     assert rel_err(outs[1], outs[0]) < FLA_TOL and rel_err(finals[1], finals[0]) < FLA_TOL
+
+
+def test_raw_gate_inputs_and_qkv_views_equal_the_formed_gate():
+    """The model's call: q, k, v as column views of one projection output (no concatenation
+    needed) and the gate as its raw inputs (``KDAGate``), formed by the backend: extend then
+    decode equal passing ``g`` / ``beta`` formed by ``kda_gate``, bit for bit."""
+    from sglang.srt.layers.attention.kda_ops import KDAGate
+    from sglang.srt.layers.attention.torch_native_backend import _qkv_columns
+
+    gen = torch.Generator().manual_seed(9)
+    t = 12
+    fused = torch.randn(t, 3 * C + H + C, generator=gen)
+    q, k, v, b, f = torch.split(fused, [C, C, C, H, C], dim=-1)
+    a_log, dt_bias = torch.randn(H, generator=gen), torch.randn(C, generator=gen)
+    mixed = _qkv_columns(q, k, v)
+    assert mixed.data_ptr() == fused.data_ptr() and torch.equal(mixed, fused[:, :3 * C])
+    assert _qkv_columns(q.clone(), k, v).data_ptr() != fused.data_ptr()  # not adjacent: a copy
+    gate = KDAGate(f, b, a_log, dt_bias, -5.0)
+    g, beta = gate.decay(H, D), gate.beta()
+    assert torch.equal(g, kda_gate(f.reshape(t, H, D), a_log, dt_bias, -5.0))
+
+    outs = {}
+    for form in ("raw", "formed"):
+        h = Harness()
+        slot = h.new_request()
+
+        def call(fb, rows):
+            fb.attn_backend = h.backend
+            h.backend.init_forward_metadata(fb)
+            if form == "raw":
+                return h.layer(q[rows], k[rows], v[rows], None, None, fb,
+                               gate=KDAGate(f[rows], b[rows], a_log, dt_bias, -5.0))
+            return h.layer(q[rows], k[rows], v[rows], g[rows], beta[rows], fb)
+
+        first = 9
+        fb = ForwardBatch.for_extend(torch.zeros(first, dtype=torch.int64), [slot], [0], [first],
+                                     torch.arange(1, first + 1), req_to_token_pool=h.req_pool,
+                                     kda_state_pool=h.state_pool)
+        res = [call(fb, slice(0, first))]
+        for i in range(first, t):
+            fb = ForwardBatch.for_decode(torch.zeros(1, dtype=torch.int64), torch.tensor([slot]),
+                                         torch.tensor([i + 1]), torch.arange(1, 2),
+                                         req_to_token_pool=h.req_pool,
+                                         kda_state_pool=h.state_pool)
+            res.append(call(fb, slice(i, i + 1)))
+        outs[form] = (torch.cat(res), *h.states(slot))
+    for got, ref in zip(outs["raw"], outs["formed"]):
+        assert torch.equal(got, ref)

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 if TYPE_CHECKING:
+    from sglang.srt.layers.attention.kda_ops import KDAGate
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -67,6 +68,12 @@ class RadixLinearAttention(nn.Module):
         self.conv_weight = nn.Parameter(torch.zeros(3 * num_heads * head_dim, conv_kernel),
                                         requires_grad=False)
 
-    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                beta: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                g: Optional[torch.Tensor], beta: Optional[torch.Tensor],
+                forward_batch: "ForwardBatch", gate: Optional["KDAGate"] = None) -> torch.Tensor:
+        """``g`` / ``beta`` as the contract above, or ``None`` and their raw inputs ``gate``
+        (:class:`~sglang.srt.layers.attention.kda_ops.KDAGate`), which a kernel backend forms
+        as it loads them."""
+        if gate is not None:
+            return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, gate=gate)
         return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, g=g, beta=beta)

@@ -23,7 +23,7 @@ from sglang.srt.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
 )
-from sglang.srt.layers.attention.kda_ops import kda_gate
+from sglang.srt.layers.attention.kda_ops import KDAGate
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
@@ -167,9 +167,10 @@ class BailingKDA(nn.Module):
         """``x [T, hidden]`` (input-normed) -> ``[T, hidden]`` after the all-reduce in o_proj."""
         t, h, d = x.shape[0], self.num_heads, self.head_dim
         q, k, v, b, f, z = self.fused_qkvbfg_proj.split_output(self.fused_qkvbfg_proj(x))
-        g = kda_gate(f.view(t, h, d), self.A_log, self.dt_bias, self.lower_bound)
-        beta = torch.sigmoid(b.float())
-        o = self.attn(q, k, v, g, beta, forward_batch)  # [T, h, d]
+        # The decay and beta are formed by the backend from their raw inputs (a kernel backend
+        # as it loads them); q, k, v stay views of the projection output.
+        gate = KDAGate(f, b, self.A_log, self.dt_bias, self.lower_bound)
+        o = self.attn(q, k, v, None, None, forward_batch, gate=gate)  # [T, h, d]
         o = self.o_norm(o, z.view(t, h, d))
         return self.o_proj(o.reshape(t, h * d))
 

@@ -8,7 +8,7 @@ dtype; outputs come back in the query's dtype and recurrent states are always fp
 """
 from __future__ import annotations
 
-from typing import Optional, Tuple
+from typing import NamedTuple, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -18,6 +18,7 @@ __all__ = [
     "causal_conv1d_update",
     "l2norm",
     "kda_gate",
+    "KDAGate",
     "kda_step",
     "kda_recurrent",
     "kda_chunked",
@@ -122,6 +123,34 @@ def kda_gate(
     if lower_bound is not None:
         return lower_bound * torch.sigmoid(a * u)
     return -a * F.softplus(u)
+
+
+class KDAGate(NamedTuple):
+    """The raw inputs of a KDA layer's decay and write strength, as the projections give them.
+
+    ``f [T, H * D]`` and ``b [T, H]`` are the gate and beta projections (model dtype, possibly
+    strided column views of the fused projection output); ``A_log [H]`` and ``dt_bias [H * D]``
+    the layer's parameters; ``lower_bound`` the safe gate's bound (None: Kimi's softplus form).
+    A backend either forms ``g`` / ``beta`` with :meth:`decay` / :meth:`beta` (the torch
+    reference, :func:`kda_gate`) or hands the raw pieces to a kernel that forms them as it loads
+    them (no separate launches).
+    """
+
+    f: torch.Tensor
+    b: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    lower_bound: Optional[float]
+
+    def decay(self, num_heads: int, head_dim: int) -> torch.Tensor:
+        """``g [T, H, D]`` fp32 (:func:`kda_gate`)."""
+        t = self.f.shape[0]
+        return kda_gate(self.f.reshape(t, num_heads, head_dim), self.A_log, self.dt_bias,
+                        self.lower_bound)
+
+    def beta(self) -> torch.Tensor:
+        """``beta [T, H]`` fp32: ``sigmoid(b)``."""
+        return torch.sigmoid(self.b.float())
 
 
 # --------------------------------------------------------------------------------------------

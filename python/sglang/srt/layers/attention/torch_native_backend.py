@@ -23,6 +23,7 @@ from sglang.srt.configs.engine_defaults import KDA_PREFILL_IMPL_CHOICES
 from sglang.srt.layers.attention import fla_kda
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.kda_ops import (
+    KDAGate,
     causal_conv1d,
     causal_conv1d_chain,
     causal_conv1d_update,
@@ -238,6 +239,21 @@ class TorchNativeMLABackend(AttentionBackend):
 # ============================================================================================
 # KDA
 # ============================================================================================
+def _qkv_columns(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``[T, 3C]`` = ``q | k | v``: a view when the three are consecutive column blocks of one
+    tensor (the fused projection's output, as the model passes them), else a concatenation."""
+    t = q.shape[0]
+    if (q.dim() == k.dim() == v.dim() == 2 and q.shape == k.shape == v.shape
+            and q.stride() == k.stride() == v.stride() and q.stride(1) == 1
+            and q.dtype == k.dtype == v.dtype):
+        step = q.shape[1] * q.element_size()
+        if (k.data_ptr() == q.data_ptr() + step and v.data_ptr() == k.data_ptr() + step
+                and q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()
+                and (t <= 1 or q.stride(0) >= 3 * q.shape[1])):
+            return q.as_strided((t, 3 * q.shape[1]), (q.stride(0), 1))
+    return torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
+
+
 class TorchNativeKDABackend(AttentionBackend):
     """KDA in plain PyTorch; see :class:`~sglang.srt.layers.radix_attention.RadixLinearAttention`
     for the call contract.
@@ -292,24 +308,40 @@ class TorchNativeKDABackend(AttentionBackend):
         return x.is_cuda and fla_kda.is_available()
 
     @staticmethod
-    def _prepare(q, k, v, g, beta, layer, forward_batch):
-        """Validate shapes and return ``(mixed [T, 3C], conv pool, ssm pool)``."""
-        if g is None or beta is None:
-            raise ValueError(f"KDA layer {layer.layer_id}: forward needs g and beta keyword arguments")
+    def _prepare(q, k, v, g, beta, layer, forward_batch, gate: Optional[KDAGate] = None):
+        """Validate shapes and return ``(mixed [T, 3C], conv pool, ssm pool)``. The gate comes
+        as ``g`` and ``beta`` or as its raw inputs ``gate`` (:class:`KDAGate`)."""
         t = q.shape[0]
         h, d = layer.num_heads, layer.head_dim
+        if gate is not None:
+            if g is not None or beta is not None:
+                raise ValueError(f"KDA layer {layer.layer_id}: pass g and beta, or gate, not both")
+            if tuple(gate.f.shape) != (t, h * d) or tuple(gate.b.shape) != (t, h):
+                raise ValueError(f"KDA layer {layer.layer_id}: gate.f must be [{t}, {h * d}] and "
+                                 f"gate.b [{t}, {h}], got {tuple(gate.f.shape)} and "
+                                 f"{tuple(gate.b.shape)}")
+        elif g is None or beta is None:
+            raise ValueError(f"KDA layer {layer.layer_id}: forward needs g and beta (or gate) "
+                             "keyword arguments")
+        elif tuple(g.shape) != (t, h, d) or tuple(beta.shape) != (t, h):
+            raise ValueError(f"KDA layer {layer.layer_id}: g must be [{t}, {h}, {d}] and beta "
+                             f"[{t}, {h}], got {tuple(g.shape)} and {tuple(beta.shape)}")
         for name, x in (("q", q), ("k", k), ("v", v)):
             if x is None or x.numel() != t * h * d:
                 raise ValueError(f"KDA layer {layer.layer_id}: {name} must be [{t}, {h * d}], "
                                  f"got {None if x is None else tuple(x.shape)}")
-        if tuple(g.shape) != (t, h, d) or tuple(beta.shape) != (t, h):
-            raise ValueError(f"KDA layer {layer.layer_id}: g must be [{t}, {h}, {d}] and beta "
-                             f"[{t}, {h}], got {tuple(g.shape)} and {tuple(beta.shape)}")
         pool = forward_batch.kda_state_pool
         if pool is None:
             raise ValueError("KDA attention needs forward_batch.kda_state_pool")
-        mixed = torch.cat([q.reshape(t, -1), k.reshape(t, -1), v.reshape(t, -1)], dim=-1)
-        return mixed, pool.get_conv_state(layer.layer_id), pool.get_ssm_state(layer.layer_id)
+        return (_qkv_columns(q, k, v), pool.get_conv_state(layer.layer_id),
+                pool.get_ssm_state(layer.layer_id))
+
+    @staticmethod
+    def _gate(g, beta, gate: Optional[KDAGate], layer):
+        """``(g [T, H, D], beta [T, H])`` fp32, formed from ``gate`` when it was given."""
+        if gate is None:
+            return g.float(), beta.float()
+        return gate.decay(layer.num_heads, layer.head_dim), gate.beta()
 
     @staticmethod
     def _split_heads(y: torch.Tensor, layer):
@@ -319,16 +351,16 @@ class TorchNativeKDABackend(AttentionBackend):
         return l2norm(qc), l2norm(kc), vc
 
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, g=None, beta=None,
-                       **kwargs):
+                       gate: Optional[KDAGate] = None, **kwargs):
         """Run each request from its pooled state and write the new conv window and state back
         (EXTEND); TARGET_VERIFY stages instead (:meth:`_forward_target_verify`)."""
         mode = forward_batch.forward_mode
         if mode.is_target_verify():
-            return self._forward_target_verify(q, k, v, g, beta, layer, forward_batch)
+            return self._forward_target_verify(q, k, v, g, beta, layer, forward_batch, gate)
         if mode.is_draft_extend():
             raise ValueError(f"KDA layer {layer.layer_id} called in DRAFT_EXTEND mode: the NEXTN "
                              "draft (MTP layer) is MLA-only, KDA layers never run in a draft forward")
-        mixed, conv_pool, ssm_pool = self._prepare(q, k, v, g, beta, layer, forward_batch)
+        mixed, conv_pool, ssm_pool = self._prepare(q, k, v, g, beta, layer, forward_batch, gate)
         t = mixed.shape[0]
         out = q.new_empty(t, layer.num_heads, layer.head_dim)
         if t == 0:
@@ -342,7 +374,7 @@ class TorchNativeKDABackend(AttentionBackend):
                                                        conv_pool[slot])
             conv_pool[slot].copy_(window)
         qn, kn, vn = self._split_heads(y, layer)
-        gf, bf = g.float(), beta.float()
+        gf, bf = self._gate(g, beta, gate, layer)
         if self._use_fla(mixed):
             self._extend_fla(qn, kn, vn, gf, bf, layer, reqs, ssm_pool, out, q.dtype)
             return out
@@ -367,7 +399,8 @@ class TorchNativeKDABackend(AttentionBackend):
         out[rows] = o.to(out.dtype)
         ssm_pool.index_copy_(0, slots, final)
 
-    def _forward_target_verify(self, q, k, v, g, beta, layer, forward_batch):
+    def _forward_target_verify(self, q, k, v, g, beta, layer, forward_batch,
+                               gate: Optional[KDAGate] = None):
         """Score a chain of ``N`` tokens per request without advancing the persistent state.
 
         Rows are request-major with the same ``N`` for every request (fixed shape: ``T = B * N``,
@@ -382,7 +415,7 @@ class TorchNativeKDABackend(AttentionBackend):
         if pool is not None and not pool.has_spec_scratch:
             raise ValueError("KDA target-verify needs the speculative scratch of the KDA state pool "
                              "(stage-then-commit): build KDAStatePool with spec_num_draft_tokens > 0")
-        mixed, conv_pool, ssm_pool = self._prepare(q, k, v, g, beta, layer, forward_batch)
+        mixed, conv_pool, ssm_pool = self._prepare(q, k, v, g, beta, layer, forward_batch, gate)
         t = mixed.shape[0]
         slots = forward_batch.req_pool_indices
         b = int(slots.shape[0])
@@ -397,8 +430,8 @@ class TorchNativeKDABackend(AttentionBackend):
                              f"at most spec_num_draft_tokens={pool.spec_num_draft_tokens}")
         slots = slots.to(device=mixed.device, dtype=torch.int64)
         h, d = layer.num_heads, layer.head_dim
-        gf = g.float().contiguous().reshape(b, n, h, d)
-        bf = beta.float().contiguous().reshape(b, n, h)
+        gf, bf = self._gate(g, beta, gate, layer)
+        gf, bf = gf.contiguous().reshape(b, n, h, d), bf.contiguous().reshape(b, n, h)
         if self._recurrent_kernel is not None:
             # Two kernels: conv + head split + window staging, then the staged recurrence.
             qn, kn, vn = self._conv_kernel(mixed.view(b, n, -1), layer.conv_weight, conv_pool,
@@ -428,10 +461,10 @@ class TorchNativeKDABackend(AttentionBackend):
         return out.view(t, h, d)
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, g=None, beta=None,
-                       **kwargs):
+                       gate: Optional[KDAGate] = None, **kwargs):
         """One token per request, batched over the batch: gather states by slot, one step,
         scatter back (device ops only, no host sync)."""
-        mixed, conv_pool, ssm_pool = self._prepare(q, k, v, g, beta, layer, forward_batch)
+        mixed, conv_pool, ssm_pool = self._prepare(q, k, v, g, beta, layer, forward_batch, gate)
         b = mixed.shape[0]
         if b == 0:
             return q.new_empty(0, layer.num_heads, layer.head_dim)
@@ -441,13 +474,15 @@ class TorchNativeKDABackend(AttentionBackend):
             qn, kn, vn = self._conv_kernel(mixed.view(b, 1, -1), layer.conv_weight, conv_pool,
                                            slots, h, d)
             out = q.new_empty(b, 1, h, d)
-            self._recurrent_kernel(qn, kn, vn, g.float().contiguous().view(b, 1, h, d),
-                                   beta.float().contiguous().view(b, 1, h), layer.scale, ssm_pool,
+            gf, bf = self._gate(g, beta, gate, layer)
+            self._recurrent_kernel(qn, kn, vn, gf.contiguous().view(b, 1, h, d),
+                                   bf.contiguous().view(b, 1, h), layer.scale, ssm_pool,
                                    slots, out)
             return out.view(b, h, d)
         y, window = causal_conv1d_update(mixed, layer.conv_weight, conv_pool[slots])
         conv_pool.index_copy_(0, slots, window.to(conv_pool.dtype))
         qn, kn, vn = self._split_heads(y, layer)
-        o, state = kda_step(qn, kn, vn, g.float(), beta.float(), layer.scale, ssm_pool[slots])
+        gf, bf = self._gate(g, beta, gate, layer)
+        o, state = kda_step(qn, kn, vn, gf, bf, layer.scale, ssm_pool[slots])
         ssm_pool.index_copy_(0, slots, state)
         return o.to(q.dtype)
