@@ -22,6 +22,11 @@
 #   STAGE=kernels the kernel tests on CUDA, the cold-L2 sweeps of the grouped GEMV and the small-M
 #                 GEMM (bf16, then block-fp8 unless FP8=0), and the bf16 NEXTN batch-1 parity
 #                 print (test_nextn's gpu test)
+#   STAGE=fusion  the decode-fusion flags (SGLANG_TRITON_MOE_COMBINE, SGLANG_TRITON_SMALL_M_GEMM,
+#                 SGLANG_ENABLE_PDL) off vs on, same call: the graph gates with them on, then per
+#                 setting the category census (decode and NEXTN-3; $OUT/census.jsonl and
+#                 census.png) and graph_ab (no spec, NEXTN 3) on the 12-layer dummy Flash;
+#                 about 5 minutes per setting: FUSION_SETTINGS / FUSION_GATES split it over calls
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
 # FUSED (default 1) sets SGLANG_TRITON_RMSNORM / SGLANG_TRITON_ROUTER to 1 (0 with FUSED=0); PHASES=1 captures a NEXTN
 # round as one graph per phase (SGLANG_ROUND_GRAPH_PER_PHASE=1); SPECS (default "0 3 4 5")
@@ -59,6 +64,29 @@ kernels)
     --block-k 256 --num-stages 4 > "$OUT/tune_small_m_gemm_fp8.log" 2>&1; tail -8 "$OUT/tune_small_m_gemm_fp8.log" )
   timeout ${NEXTN_TIMEOUT:-150} python3 -m pytest -q -s -m gpu test/srt/test_nextn.py -p no:cacheprovider \
     2>&1 | tee "$OUT/nextn_gpu.log" | grep -E "differing|passed|failed|Error" | cut -c1-300
+  ;;
+fusion)
+  # One device call does not hold it all: FUSION_GATES=0 skips the gates, FUSION_SETTINGS picks
+  # rows ("moe gemm pdl label" separated by commas).
+  export SGLANG_TRITON_MOE_COMBINE=1 SGLANG_TRITON_SMALL_M_GEMM=1 SGLANG_ENABLE_PDL=1
+  [ "${FUSION_GATES:-1}" = 1 ] && timeout ${GATES_TIMEOUT:-200} python3 -m pytest -q -m gpu test/srt/test_cuda_graph_runner.py \
+    test/kernels/test_pdl.py -p no:cacheprovider 2>&1 | tee "$OUT/fusion_gates.log" \
+    | grep -E "FAIL|Error|passed|failed" | cut -c1-300
+  IFS=, read -ra settings <<< "${FUSION_SETTINGS:-0 0 0 before,1 1 0 fused,1 1 1 fused+pdl}"
+  for setting in "${settings[@]}"; do
+    read -r moe gemm pdl label <<< "$setting"
+    export SGLANG_TRITON_MOE_COMBINE=$moe SGLANG_TRITON_SMALL_M_GEMM=$gemm SGLANG_ENABLE_PDL=$pdl
+    for spec in "" "--speculative-algorithm NEXTN --speculative-num-steps 3"; do
+      echo "== fusion $label ${spec:+nextn3}"
+      eval "timeout ${CENSUS_TIMEOUT:-120} python3 benchmark/batch1/round_census.py $FLASH12 $KARGS $spec \
+        --cuda-graph-max-bs 4 --prompt-len 1024 --steps 16 --label '$label' \
+        --result-filename $OUT/census.jsonl" 2>&1 | grep -v Warn | tail -14
+      eval "timeout ${AB_TIMEOUT:-120} python3 benchmark/batch1/graph_ab.py $FLASH12 $KARGS $spec \
+        --cuda-graph-max-bs 4 --prompt-len 1024 --steps 48 --label 'flash12 $label ${spec:+nextn3}' \
+        --result-filename $OUT/graph_ab.jsonl" 2>&1 | grep -v Warn | tail -6
+    done
+  done
+  python3 benchmark/batch1/plot_census.py "$OUT/census.jsonl" -o "$OUT/census.png" | tail -12
   ;;
 dspark)
   timeout 150 python3 -m pytest -q test/kernels/test_rmsnorm.py test/kernels/test_moe_router.py \
