@@ -39,6 +39,7 @@ from sglang.srt.configs.engine_defaults import (  # re-exported: scripts and tes
     LOG_LEVEL_CHOICES,
     LOG_REQUESTS_LEVEL_CHOICES,
     NEXTN_DEFAULT_SPEC,
+    QUANTIZATION_CHOICES,
     SPECULATIVE_ALGORITHMS,
     SPECULATIVE_ALIASES,
     SPECULATIVE_CUDA_GRAPH_MAX_BS,
@@ -80,6 +81,7 @@ class ServerArgs:
     tokenizer_path: Optional[str] = None  # None: same as the model
     trust_remote_code: bool = False
     load_format: str = "auto"
+    quantization: Optional[str] = None  # None: as the checkpoint is (fp8 if its config says so)
     json_model_override_args: str = "{}"
     context_length: Optional[int] = None  # None: from the model config
     served_model_name: Optional[str] = None
@@ -113,6 +115,7 @@ class ServerArgs:
     # Speculative decoding
     speculative_algorithm: Optional[str] = None
     speculative_draft_model_path: Optional[str] = None
+    speculative_draft_model_quantization: Optional[str] = None  # None: same as --quantization
     speculative_num_steps: Optional[int] = None
     speculative_eagle_topk: Optional[int] = None
     speculative_num_draft_tokens: Optional[int] = None
@@ -247,6 +250,11 @@ class ServerArgs:
         _choice("--dtype", self.dtype, DTYPE_CHOICES)
         _choice("--device", self.device, DEVICE_CHOICES)
         _choice("--load-format", self.load_format, LOAD_FORMAT_CHOICES)
+        for flag, value in (("--quantization", self.quantization),
+                            ("--speculative-draft-model-quantization",
+                             self.speculative_draft_model_quantization)):
+            if value is not None:
+                _choice(flag, value, QUANTIZATION_CHOICES)
         _choice("--log-level", self.log_level, LOG_LEVEL_CHOICES)
         _choice("--kda-prefill-impl", self.kda_prefill_impl, KDA_PREFILL_IMPL_CHOICES)
         self._check_allreduce_fusion()
@@ -357,6 +365,8 @@ class ServerArgs:
         if algo is None:
             for flag, value in (
                 ("--speculative-draft-model-path", self.speculative_draft_model_path),
+                ("--speculative-draft-model-quantization",
+                 self.speculative_draft_model_quantization),
                 ("--speculative-num-steps", self.speculative_num_steps),
                 ("--speculative-eagle-topk", self.speculative_eagle_topk),
                 ("--speculative-num-draft-tokens", self.speculative_num_draft_tokens),

@@ -24,6 +24,7 @@ from sglang.srt.configs.engine_defaults import (
     LOAD_FORMAT_CHOICES,
     LOG_LEVEL_CHOICES,
     LOG_REQUESTS_LEVEL_CHOICES,
+    QUANTIZATION_CHOICES,
     SPECULATIVE_CUDA_GRAPH_MAX_BS,
 )
 from sglang.srt.managers.template_manager import BUILTIN_CHAT_TEMPLATES
@@ -54,6 +55,9 @@ def register_server_flags(parser: argparse.ArgumentParser, d: Dict[str, Any]) ->
     a("--trust-remote-code", action="store_true", help=NO_OP_FLAGS["--trust-remote-code"] + ".")
     a("--load-format", choices=LOAD_FORMAT_CHOICES, default=d["load_format"],
       help="dummy: random weights from the config (performance work).")
+    a("--quantization", choices=QUANTIZATION_CHOICES, default=d["quantization"],
+      help="fp8: block-fp8 weights (an fp8 checkpoint as is, a bf16 one or dummy weights "
+           "quantised at load); unquant: the model dtype. Default: as the checkpoint is.")
     a("--json-model-override-args", type=str, default=d["json_model_override_args"],
       help="JSON object overriding config.json fields, e.g. '{\"num_hidden_layers\": 2}'.")
     a("--context-length", type=int, default=d["context_length"])
@@ -120,6 +124,10 @@ def register_server_flags(parser: argparse.ArgumentParser, d: Dict[str, Any]) ->
       help="NEXTN (alias EAGLE) or DSPARK.")
     a("--speculative-draft-model-path", "--speculative-draft-model", type=str,
       default=d["speculative_draft_model_path"])
+    a("--speculative-draft-model-quantization", choices=QUANTIZATION_CHOICES,
+      default=d["speculative_draft_model_quantization"],
+      help="The draft's weights (NEXTN's MTP layer): unquant keeps them in the model dtype. "
+           "Default: the same as --quantization.")
     a("--speculative-num-steps", type=int, default=d["speculative_num_steps"])
     a("--speculative-eagle-topk", type=int, default=d["speculative_eagle_topk"])
     a("--speculative-num-draft-tokens", type=int, default=d["speculative_num_draft_tokens"])

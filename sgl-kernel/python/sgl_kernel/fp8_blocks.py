@@ -17,11 +17,9 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["QBLOCK", "FP8_MAX", "block_quantize", "block_dequantize", "scale_rows",
-           "check_block_scale"]
+__all__ = ["QBLOCK", "block_quantize", "block_dequantize", "scale_rows", "check_block_scale"]
 
 QBLOCK = 128
-FP8_MAX = 448.0  # the largest finite float8_e4m3fn
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -46,41 +44,28 @@ def check_block_scale(w: torch.Tensor, scale: torch.Tensor, split: Optional[int]
                          f"({QBLOCK} x {QBLOCK} blocks), got {scale.dtype} {tuple(scale.shape)}")
 
 
-def _row_blocks(n: int, split: Optional[int], device: torch.device) -> torch.Tensor:
-    """The scale row of each of ``n`` weight rows."""
-    rows = torch.arange(n, device=device)
-    if split is None:
-        return rows // QBLOCK
-    # the second half's blocks follow the first half's
-    return torch.where(rows < split, rows // QBLOCK, _cdiv(split, QBLOCK) + (rows - split) // QBLOCK)
-
-
-def _expanded(scale: torch.Tensor, n: int, k: int, split: Optional[int]) -> torch.Tensor:
-    """The per-element scale ``[.., n, k]``."""
-    cols = torch.arange(k, device=scale.device) // QBLOCK
-    return scale[..., _row_blocks(n, split, scale.device), :][..., cols]
+def _pieces(n: int, split: Optional[int]) -> list:
+    return [n] if split is None else [split, n - split]
 
 
 def block_quantize(w: torch.Tensor, split: Optional[int] = None
                    ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """``(q float8_e4m3fn, scale fp32)`` of ``w [.., N, K]``: per block ``amax / 448`` (1 for an
-    all-zero block), values rounded to nearest."""
-    n, k = w.shape[-2:]
-    wf = w.float()
-    rows = _row_blocks(n, split, w.device)
-    cols = torch.arange(k, device=w.device) // QBLOCK
-    nb, kb = scale_rows(n, split), _cdiv(k, QBLOCK)
-    block_id = (rows[:, None] * kb + cols[None, :]).expand_as(wf).reshape(*wf.shape[:-2], -1)
-    amax = torch.zeros(*wf.shape[:-2], nb * kb, device=w.device).scatter_reduce(
-        -1, block_id, wf.abs().reshape(*wf.shape[:-2], -1), "amax", include_self=True)
-    scale = (amax / FP8_MAX).view(*wf.shape[:-2], nb, kb)
-    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
-    q = (wf / _expanded(scale, n, k, split)).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
-    return q, scale
+    """``(q float8_e4m3fn, scale fp32)`` of ``w [.., N, K]`` in this layout (per block
+    ``amax / 448``; the engine's quantiser, ``sglang.srt.layers.quantization.fp8_utils``)."""
+    from sglang.srt.layers.quantization.fp8_utils import quantize_block_fp8
+
+    parts = [quantize_block_fp8(piece, (QBLOCK, QBLOCK))
+             for piece in torch.split(w, _pieces(w.shape[-2], split), dim=-2)]
+    return torch.cat([q for q, _ in parts], -2), torch.cat([sc for _, sc in parts], -2)
 
 
 def block_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                      split: Optional[int] = None) -> torch.Tensor:
-    """The weight ``q * scale`` (fp32 product) rounded to ``dtype``."""
+    """The weight ``q * scale`` (fp32 product) rounded to ``dtype``: what the kernels compute
+    with, so their references start from it."""
+    from sglang.srt.layers.quantization.fp8_utils import block_index, dequantize_indexed
+
     n, k = q.shape[-2:]
-    return (q.float() * _expanded(scale, n, k, split)).to(dtype)
+    rows = block_index(_pieces(n, split), QBLOCK, q.device)
+    cols = torch.arange(k, device=q.device) // QBLOCK
+    return dequantize_indexed(q, scale, rows, cols, dtype)

@@ -26,6 +26,7 @@ __all__ = [
     "torch_dtype",
     "DEVICE_CHOICES",
     "LOAD_FORMAT_CHOICES",
+    "QUANTIZATION_CHOICES",
     "LOG_LEVEL_CHOICES",
     "KERNEL_BACKEND_CHOICES",
     "resolve_kernel_backend",
@@ -123,6 +124,9 @@ def torch_dtype(name: str):
 # ---------------------------------------------------------------------------- other CLI choices
 DEVICE_CHOICES = ("auto", "cuda", "cpu")
 LOAD_FORMAT_CHOICES = ("auto", "safetensors", "dummy")
+# --quantization and --speculative-draft-model-quantization: block fp8, or the model dtype
+# ("unquant"; dequantises an fp8 checkpoint). Unset: whatever the checkpoint is.
+QUANTIZATION_CHOICES = ("fp8", "unquant")
 LOG_LEVEL_CHOICES = ("debug", "info", "warning", "error", "critical")
 # --log-requests-level (upstream's levels): 0 metadata, 1 + sampling parameters, 2 + the input and
 # output cut to a few thousand characters, 3 + everything.

@@ -109,6 +109,11 @@ class ModelConfig:
         return cls(path, BailingMoeV3Config.from_dict(raw), raw, is_preset(path))
 
     @property
+    def quantization_config(self) -> Optional[Dict[str, Any]]:
+        """The checkpoint's ``quantization_config`` (how its weights are stored), or ``None``."""
+        return self.raw.get("quantization_config")
+
+    @property
     def context_len(self) -> int:
         return int(self.hf_config.max_position_embeddings)
 

@@ -4,12 +4,15 @@ Weights are stored ``[out_features, in_features]`` like the checkpoints. The TP 
 are read from :mod:`sglang.srt.distributed` when a layer is built, so a layer holds only its own
 shard. Every parameter carries ``weight_loader(param, loaded: LazyWeight, shard_id=None)``: it
 narrows the checkpoint tensor to this rank's range (so a rank never reads another rank's rows),
-checks the shape and copies with dtype conversion. ``forward`` returns the output tensor only
-(upstream returns ``(output, bias)``; nothing here needs the split bias).
+checks the shape and copies with dtype conversion. What a weight is made of (parameters, their
+loading, the product) belongs to the layer's ``quant_method`` (``layers/quantization``): the
+layer works out the TP geometry as :class:`WeightShard` s, the method does the rest, so the
+unquantized and the block-fp8 weights share these classes. ``forward`` returns the output tensor
+only (upstream returns ``(output, bias)``; nothing here needs the split bias).
 """
 from __future__ import annotations
 
-from typing import List, Optional, Sequence
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
@@ -22,6 +25,8 @@ from sglang.srt.distributed import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from sglang.srt.layers.quantization import WeightShard, get_linear_method
+from sglang.srt.layers.quantization.unquant import new_param
 from sglang.srt.model_loader.weight_utils import LazyWeight
 
 __all__ = [
@@ -72,11 +77,6 @@ def normal_dummy_init(fan_in: int):
     return init
 
 
-def _new_param(shape: Sequence[int], dtype: torch.dtype) -> nn.Parameter:
-    # Inference only: no autograd bookkeeping on weights.
-    return nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
-
-
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            small_m_gemm: bool = False) -> torch.Tensor:
     """``F.linear``, or with ``small_m_gemm`` for decode / verify row counts the batch-invariant
@@ -105,7 +105,8 @@ def set_linear_backend(model: nn.Module, small_m_gemm: bool, device: torch.devic
 
 
 class LinearBase(nn.Module):
-    """Common state: full (unsharded) sizes, the TP rank/size seen at construction, dtype.
+    """Common state: full (unsharded) sizes, the TP rank/size seen at construction, dtype, and
+    the ``quant_method`` (from the active quantization scope; unquantized outside any).
 
     ``small_m_gemm`` (set by :func:`set_linear_backend`) routes decode / verify sizes to the
     batch-invariant Triton product."""
@@ -121,20 +122,40 @@ class LinearBase(nn.Module):
         self.tp_rank = get_tensor_model_parallel_rank()
         self.tp_size = get_tensor_model_parallel_world_size()
         self.has_bias = bias
+        self.quant_method = get_linear_method(self)
 
-    def _make_params(self, out_local: int, in_local: int) -> None:
+    def _make_params(self, output_partition_sizes: List[int], in_local: int) -> None:
         # Subclasses define ``weight_loader`` with their own slicing rule.
-        self.weight = _new_param((out_local, in_local), self.params_dtype)
-        self.weight.weight_loader = self.weight_loader
+        self.output_partition_sizes = list(output_partition_sizes)
+        self.quant_method.create_weights(self, in_local, self.output_partition_sizes,
+                                         self.params_dtype)
         if self.has_bias:
-            self.bias = _new_param((out_local,), self.params_dtype)
+            self.bias = new_param((sum(output_partition_sizes),), self.params_dtype)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
+    def _load(self, param: nn.Parameter, loaded: LazyWeight, shards: List[WeightShard]) -> None:
+        """Hand weight slices to the quant method; the (never quantized) bias takes the same
+        row ranges of its 1-D tensor."""
+        for shard in shards:
+            if param is self.bias:
+                if len(loaded.shape) != 1 or loaded.shape[0] != shard.full_rows:
+                    raise ValueError(f"{loaded.name}: expected {shard.full_rows} rows, got "
+                                     f"shape {loaded.shape}")
+                src = (loaded.load() if shard.rows == shard.full_rows
+                       else loaded.narrow(0, shard.src_row, shard.rows))
+                copy_checked(param, param.data.narrow(0, shard.dst_row, shard.rows), src,
+                             loaded.name)
+            else:
+                self.quant_method.load_shard(self, param, loaded, shard)
+
+    def _product(self, x: torch.Tensor, bias: Optional[torch.Tensor]) -> torch.Tensor:
+        return self.quant_method.apply(self, x, bias)
+
     def extra_repr(self) -> str:
         return (f"in={self.input_size}, out={self.output_size}, bias={self.has_bias}, "
-                f"tp={self.tp_rank}/{self.tp_size}")
+                f"tp={self.tp_rank}/{self.tp_size}, quant={type(self.quant_method).__name__}")
 
 
 class ReplicatedLinear(LinearBase):
@@ -143,15 +164,17 @@ class ReplicatedLinear(LinearBase):
     def __init__(self, input_size: int, output_size: int, bias: bool = False,
                  params_dtype: Optional[torch.dtype] = None):
         super().__init__(input_size, output_size, bias, params_dtype)
-        self._make_params(output_size, input_size)
+        self.input_size_per_partition = input_size
+        self._make_params([output_size], input_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: LazyWeight, shard_id=None) -> None:
         """Copy the whole checkpoint tensor."""
-        copy_checked(param, param.data, loaded.load(), loaded.name)
+        n, k = self.output_size, self.input_size
+        self._load(param, loaded, [WeightShard(0, 0, n, 0, n, 0, k, k)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [.., in] -> [.., out]``."""
-        return linear(x, self.weight, self.bias, self.small_m_gemm)
+        return self._product(x, self.bias)
 
 
 class ColumnParallelLinear(LinearBase):
@@ -165,19 +188,19 @@ class ColumnParallelLinear(LinearBase):
         super().__init__(input_size, output_size, bias, params_dtype)
         self.gather_output = gather_output
         self.output_size_per_partition = divide(output_size, self.tp_size, "output_size")
-        self._make_params(self.output_size_per_partition, input_size)
+        self.input_size_per_partition = input_size
+        self._make_params(getattr(self, "output_sizes_per_partition",
+                                  [self.output_size_per_partition]), input_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: LazyWeight, shard_id=None) -> None:
         """Narrow the checkpoint rows to this rank's block."""
-        n = self.output_size_per_partition
-        if loaded.shape[0] != self.output_size:
-            raise ValueError(f"{loaded.name}: expected {self.output_size} rows, got shape "
-                             f"{loaded.shape}")
-        copy_checked(param, param.data, loaded.narrow(0, self.tp_rank * n, n), loaded.name)
+        n, k = self.output_size_per_partition, self.input_size
+        self._load(param, loaded,
+                   [WeightShard(0, 0, n, self.tp_rank * n, self.output_size, 0, k, k)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [.., in] -> [.., out / tp]`` (or ``[.., out]`` with ``gather_output``)."""
-        y = linear(x, self.weight, self.bias, self.small_m_gemm)
+        y = self._product(x, self.bias)
         return tensor_model_parallel_all_gather(y) if self.gather_output else y
 
 
@@ -187,7 +210,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     The local weight is ``[shard_0 | shard_1 | ...]`` where ``shard_i`` is this rank's slice of
     logical output ``i`` (e.g. gate|up of a SwiGLU, or q|k|v|b|f|g of KDA, each split per head).
     ``weight_loader(param, loaded, shard_id=i)`` fills logical output ``i`` from its own
-    checkpoint tensor; ``shard_id=None`` loads an already-fused checkpoint tensor.
+    checkpoint tensor; ``shard_id=None`` loads an already-fused checkpoint tensor. Each logical
+    output is one piece for the quant method (its own scale grid in block fp8).
     """
 
     def __init__(self, input_size: int, output_sizes: List[int], bias: bool = False,
@@ -219,18 +243,24 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         ids = range(len(self.output_sizes)) if shard_id is None else [int(shard_id)]
         offs = self.local_offsets()
         full_offs = [sum(self.output_sizes[:i]) for i in range(len(self.output_sizes))]
+        k = self.input_size
+        shards = []
         for i in ids:
             if not 0 <= i < len(self.output_sizes):
                 raise ValueError(f"{loaded.name}: shard_id {i} out of range for "
                                  f"{len(self.output_sizes)} merged outputs")
             n = self.output_sizes_per_partition[i]
-            expected_rows = self.output_size if shard_id is None else self.output_sizes[i]
-            if loaded.shape[0] != expected_rows:
-                raise ValueError(f"{loaded.name}: expected {expected_rows} rows for merged output "
-                                 f"{i}, got shape {loaded.shape}")
-            base = full_offs[i] if shard_id is None else 0
-            src = loaded.narrow(0, base + self.tp_rank * n, n)
-            copy_checked(param, param.data.narrow(0, offs[i], n), src, loaded.name)
+            if shard_id is None:  # rows of output i inside the fused tensor
+                shards.append(WeightShard(i, offs[i], n, full_offs[i] + self.tp_rank * n,
+                                          self.output_size, 0, k, k))
+            else:
+                shards.append(WeightShard(i, offs[i], n, self.tp_rank * n,
+                                          self.output_sizes[i], 0, k, k))
+        if shard_id is None and self.quant_method.loads_scales and param is not self.bias:
+            # A fused scale tensor would put pieces on one grid; checkpoints store them apart.
+            raise ValueError(f"{loaded.name}: a fused tensor cannot load a block-fp8 layer; "
+                             "give each merged output its own tensor")
+        self._load(param, loaded, shards)
 
 
 class RowParallelLinear(LinearBase):
@@ -246,24 +276,20 @@ class RowParallelLinear(LinearBase):
         super().__init__(input_size, output_size, bias, params_dtype)
         self.reduce_results = reduce_results
         self.input_size_per_partition = divide(input_size, self.tp_size, "input_size")
-        self._make_params(output_size, self.input_size_per_partition)
-        # The local last dim is input_size / tp; the variance should follow the full fan-in.
-        self.weight.dummy_init = normal_dummy_init(input_size)
+        self._make_params([output_size], self.input_size_per_partition)
+        if not hasattr(self.weight, "dummy_init"):
+            # The local last dim is input_size / tp; the variance should follow the full fan-in.
+            self.weight.dummy_init = normal_dummy_init(input_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: LazyWeight, shard_id=None) -> None:
         """Narrow the checkpoint columns to this rank's block (bias: copied whole)."""
-        if param.dim() == 1:
-            copy_checked(param, param.data, loaded.load(), loaded.name)
-            return
-        n = self.input_size_per_partition
-        if len(loaded.shape) != 2 or loaded.shape[1] != self.input_size:
-            raise ValueError(f"{loaded.name}: expected {self.input_size} columns, got shape "
-                             f"{loaded.shape}")
-        copy_checked(param, param.data, loaded.narrow(1, self.tp_rank * n, n), loaded.name)
+        n, out = self.input_size_per_partition, self.output_size
+        self._load(param, loaded, [WeightShard(0, 0, out, 0, out, self.tp_rank * n, n,
+                                               self.input_size)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x [.., in / tp]`` (this rank's input block) ``-> [.., out]``."""
-        y = linear(x, self.weight, None, self.small_m_gemm)
+        y = self._product(x, None)
         if self.reduce_results:
             y = tensor_model_parallel_all_reduce(y)
         # Unreduced partial sums get the bias on one rank only, so the later sum counts it once.

@@ -151,6 +151,8 @@ def runner_kwargs_from_server_args(server_args: Any, tp_rank: int = 0,
         mem_fraction_static=server_args.mem_fraction_static,
         context_length=server_args.context_length,
         random_seed=server_args.random_seed,
+        quantization=getattr(server_args, "quantization", None),
+        draft_quantization=getattr(server_args, "speculative_draft_model_quantization", None),
     )
     if server_args.max_running_requests is not None:
         kwargs["max_running_requests"] = server_args.max_running_requests
@@ -214,6 +216,8 @@ class ModelRunner:
         draft_model_config: Optional[ModelConfig] = None,
         draft_weight_elems: int = 0,
         draft_elems_per_kv_slot: int = 0,
+        quantization: Optional[str] = None,
+        draft_quantization: Optional[str] = None,
     ):
         if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= tp_rank < tp_size):
             raise ValueError(
@@ -248,11 +252,14 @@ class ModelRunner:
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.reserved_weight_bytes = draft_weight_elems * elem + (
             0 if draft_model_config is None
-            else model_weight_bytes(draft_model_config, dtype=self.dtype, is_draft=True))
+            else model_weight_bytes(draft_model_config, dtype=self.dtype, is_draft=True,
+                                    quantization=draft_quantization or quantization))
         # A draft's own per-KV-slot store (DSpark's context K/V), allocated after the pools.
         self.draft_bytes_per_kv_slot = draft_elems_per_kv_slot * elem
+        # --quantization (a draft runner gets the draft's choice as its ``quantization``).
         self.model = get_model(model_config, load_format=load_format, dtype=self.dtype,
-                               device=self.device, is_draft=is_draft, seed=random_seed)
+                               device=self.device, is_draft=is_draft, seed=random_seed,
+                               quantization=quantization)
         moe_runner_backend = resolve_kernel_backend(moe_runner_backend, self.device.type)
         linear_attn_decode_backend = resolve_kernel_backend(linear_attn_decode_backend,
                                                             self.device.type)

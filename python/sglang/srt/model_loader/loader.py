@@ -9,6 +9,12 @@ Loading is split in two passes so that a bad checkpoint fails fast and completel
    :class:`CheckpointError`.
 2. **Load**: hand ``(canonical_name, LazyWeight)`` pairs to ``model.load_weights``; each parameter's
    weight loader narrows the lazy tensor to its TP rank's slice, so only that slice is read.
+
+Quantisation (``--quantization``, see ``layers/quantization``): the model is built inside a
+quantization scope, so its layers create (and load) block-fp8 weights when asked. In an fp8
+checkpoint, an fp8 tensor whose ``weight_scale_inv`` the model does not take (a tensor kept in
+the model dtype, e.g. MLA's ``kv_b_proj``, split into ``w_kc`` / ``w_vc``, or every tensor of an
+unquantized draft) is dequantised as it loads.
 """
 from __future__ import annotations
 
@@ -18,13 +24,15 @@ import logging
 import os
 import time
 from dataclasses import dataclass
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 from torch import nn
 
 from sglang.srt.configs.engine_defaults import LOAD_FORMAT_CHOICES
 from sglang.srt.configs.model_config import ModelConfig
+from sglang.srt.layers.quantization import quantization_scope, resolve_quant_config
+from sglang.srt.layers.quantization.fp8_utils import dequantize_block_fp8
 from sglang.srt.model_loader.dummy import init_dummy_weights
 from sglang.srt.model_loader.weight_utils import LazyWeight, same_up_to_unit_dims
 
@@ -164,14 +172,50 @@ def _shape(s) -> str:
     return "[" + ", ".join(str(int(x)) for x in s) + "]"
 
 
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SCALE_SUFFIX = "_scale_inv"
+
+
+def _dequantizing(weight: LazyWeight, scale: LazyWeight) -> LazyWeight:
+    """``weight`` (block fp8) seen as fp32: dequantised whole with ``scale`` when first read
+    (only small tensors the model keeps unquantized come here), then sliced."""
+
+    def slicer(spec):
+        full = dequantize_block_fp8(weight.load(), scale.load(), torch.float32)
+        return full if spec is None else full.narrow(*spec)
+
+    return LazyWeight(weight.name, weight.shape, torch.float32, slicer)
+
+
+def _resolve_fp8_tensors(by_canon: Dict[str, "_Entry"], spec: Dict[str, Tuple[int, ...]],
+                         checkpoint_quantized: bool, problems: List[str]) -> None:
+    """Dequantise fp8 tensors whose scale the model does not take; report fp8 tensors of a
+    checkpoint whose config declares no quantization."""
+    for canon in [c for c in by_canon if c.endswith(_SCALE_SUFFIX) and c not in spec]:
+        wname = canon[: -len(_SCALE_SUFFIX)]
+        entry = by_canon.get(wname)
+        if entry is None or wname not in spec or entry.weight.dtype not in _FP8_DTYPES:
+            continue  # reported as unexpected below
+        if checkpoint_quantized:
+            entry.weight = _dequantizing(entry.weight, by_canon.pop(canon).weight)
+    if checkpoint_quantized:
+        return
+    for canon, e in by_canon.items():
+        if e.weight.dtype in _FP8_DTYPES:
+            problems.append(f"fp8 tensor without quantization_config: {e.name} is stored as "
+                            f"{e.weight.dtype} in {e.file} but config.json declares no "
+                            "quantization_config")
+
+
 def match_checkpoint(
-    model: nn.Module, checkpoint: SafetensorsCheckpoint
+    model: nn.Module, checkpoint: SafetensorsCheckpoint, checkpoint_quantized: bool = False,
 ) -> List[Tuple[str, LazyWeight]]:
     """Canonicalise names and check them against ``model.checkpoint_spec()``.
 
     Returns ``(canonical_name, weight)`` in file order, each weight viewed with the spec's shape.
     Raises :class:`CheckpointError` listing every missing, unexpected, duplicated (two names
-    that are aliases of one tensor) and mis-shaped tensor.
+    that are aliases of one tensor) and mis-shaped tensor, and (unless ``checkpoint_quantized``:
+    its config has a ``quantization_config``) every fp8 tensor.
     """
     spec = {k: tuple(int(x) for x in v) for k, v in model.checkpoint_spec().items()}
     problems: List[str] = []
@@ -187,6 +231,7 @@ def match_checkpoint(
             )
             continue
         by_canon[canon] = e
+    _resolve_fp8_tensors(by_canon, spec, checkpoint_quantized, problems)
     for canon in spec:
         if canon not in by_canon:
             problems.append(f"missing tensor: {canon} (expected shape {_shape(spec[canon])})")
@@ -205,14 +250,16 @@ def match_checkpoint(
     return [(canon, e.weight.reshape_to(spec[canon])) for canon, e in by_canon.items()]
 
 
-def load_safetensors_weights(model: nn.Module, model_path: str) -> int:
-    """Validate the checkpoint in ``model_path`` against ``model``, then load it.
+def load_safetensors_weights(model: nn.Module, model_path: str,
+                             checkpoint_quantized: bool = False) -> int:
+    """Validate the checkpoint in ``model_path`` against ``model``, then load it
+    (``checkpoint_quantized``: its config.json has a ``quantization_config``).
 
     Returns the number of bytes actually read from the files (less than the checkpoint's size
     under TP, since each rank reads only its slices).
     """
     with SafetensorsCheckpoint(model_path) as ckpt:
-        weights = match_checkpoint(model, ckpt)
+        weights = match_checkpoint(model, ckpt, checkpoint_quantized)
         start = time.perf_counter()
         # An iterator, so a model may stream: nothing is read until its loader narrows/loads.
         loaded = model.load_weights(iter(weights))
@@ -244,11 +291,13 @@ def _default_dtype(dtype: torch.dtype):
 
 
 def build_model(model_config: ModelConfig, *, dtype: torch.dtype, device,
-                is_draft: bool = False) -> nn.Module:
+                is_draft: bool = False, quantization: Optional[str] = None) -> nn.Module:
     """Construct the (uninitialised) model directly on ``device`` in ``dtype``.
 
     Parameters are allocated on the target device by the ``torch.device`` context, so a
-    real-size model is never staged in host memory first.
+    real-size model is never staged in host memory first. ``quantization`` (``--quantization``,
+    or the draft's ``--speculative-draft-model-quantization``) is resolved against the
+    checkpoint's ``quantization_config``; the result is kept as ``model.quant_config``.
     """
     from sglang.srt.models.registry import get_model_class
 
@@ -256,17 +305,22 @@ def build_model(model_config: ModelConfig, *, dtype: torch.dtype, device,
     model_cls = get_model_class(arch, is_draft)
     if not dtype.is_floating_point:
         raise ValueError(f"model dtype must be a floating-point dtype, got {dtype}")
-    with torch.device(device), _default_dtype(dtype):
+    flag = "--speculative-draft-model-quantization" if is_draft else "--quantization"
+    quant_config = resolve_quant_config(quantization, model_config.quantization_config, flag)
+    with torch.device(device), _default_dtype(dtype), quantization_scope(quant_config):
         model = model_cls(model_config.hf_config, dtype=dtype)
+    model.quant_config = quant_config
     return model
 
 
 def model_weight_bytes(model_config: ModelConfig, *, dtype: torch.dtype,
-                       is_draft: bool = False) -> int:
+                       is_draft: bool = False, quantization: Optional[str] = None) -> int:
     """Bytes of parameters and buffers one TP rank of the model would hold, from building it on
-    the meta device (no memory, no weights read). A NEXTN draft counts only its own layers: it
-    borrows the target's embedding and LM head."""
-    model = build_model(model_config, dtype=dtype, device="meta", is_draft=is_draft)
+    the meta device (no memory, no weights read): fp8 weights count one byte per element plus
+    their fp32 block scales. A NEXTN draft counts only its own layers: it borrows the target's
+    embedding and LM head."""
+    model = build_model(model_config, dtype=dtype, device="meta", is_draft=is_draft,
+                        quantization=quantization)
     tensors = list(model.parameters()) + list(model.buffers())
     return sum(t.numel() * t.element_size() for t in tensors)
 
@@ -279,12 +333,14 @@ def get_model(
     device,
     is_draft: bool = False,
     seed: int = 0,
+    quantization: Optional[str] = None,
 ) -> nn.Module:
     """Build the target (or NEXTN draft, ``is_draft``) model and fill its weights.
 
     ``load_format``: ``"auto"``/``"safetensors"`` read the checkpoint folder
     ``model_config.model_path``; ``"dummy"`` fills deterministic random values from ``seed``
-    (the only choice for presets, which have no files).
+    (the only choice for presets, which have no files). ``quantization``: see
+    :func:`build_model` (fp8 of a bf16 checkpoint or of dummy weights quantises as it loads).
     """
     if load_format not in LOAD_FORMATS:
         raise ValueError(
@@ -297,9 +353,11 @@ def get_model(
     if load_format != "dummy":
         # Fail on a missing/broken file set before spending time building a large model.
         find_safetensors_files(model_config.model_path)
-    model = build_model(model_config, dtype=dtype, device=device, is_draft=is_draft)
+    model = build_model(model_config, dtype=dtype, device=device, is_draft=is_draft,
+                        quantization=quantization)
     if load_format == "dummy":
         init_dummy_weights(model, seed)
     else:
-        load_safetensors_weights(model, model_config.model_path)
+        load_safetensors_weights(model, model_config.model_path,
+                                 model_config.quantization_config is not None)
     return model.eval()

@@ -155,7 +155,10 @@ class NEXTNWorker(GraphedRoundMixin, BaseSpecWorker):
             moe_runner_backend=server_args.moe_runner_backend, random_seed=server_args.random_seed,
             is_draft=True, req_to_token_pool=t.req_to_token_pool,
             token_to_kv_pool_allocator=t.token_to_kv_pool_allocator,
-            token_to_kv_pool=t.token_to_kv_pool)
+            token_to_kv_pool=t.token_to_kv_pool,
+            # --speculative-draft-model-quantization, else the target's (upstream's rule).
+            quantization=(server_args.speculative_draft_model_quantization
+                          or server_args.quantization))
         self.draft_runner.model.set_embed_and_head(*t.model.get_embed_and_head())
         max_bs = t.req_to_token_pool.size
         # The relay: tokens = the seed, seq_lens = committed tokens; draft_probs (sampled rows

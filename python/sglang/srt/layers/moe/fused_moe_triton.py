@@ -30,23 +30,28 @@ SMALL_M_MAX_PAIRS = 1024
 
 class SharedExpertWeights(NamedTuple):
     """The shared expert as extra pairs: ``w13 [2I, H]`` (gate rows then up rows, the routed
-    experts' layout), ``w2 [H, I]`` and its SwiGLU clamp (0 = none)."""
+    experts' layout), ``w2 [H, I]``, its SwiGLU clamp (0 = none) and, for block-fp8 weights,
+    their block scales."""
 
     w13: torch.Tensor
     w2: torch.Tensor
     limit: float
+    w13_scale: Optional[torch.Tensor] = None
+    w2_scale: Optional[torch.Tensor] = None
 
 
 def fused_moe_small_m(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       topk_weights: torch.Tensor, topk_ids: torch.Tensor, limit: float = 0.0,
                       shared_weights: Optional[SharedExpertWeights] = None,
                       shared: Optional[torch.Tensor] = None,
-                      combine_kernel: bool = True) -> torch.Tensor:
+                      combine_kernel: bool = True, w13_scale: Optional[torch.Tensor] = None,
+                      w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``sum_i w_i * Expert_{id_i}(x) + Shared(x)`` per token ``[T, H]``.
 
     The shared expert either runs inside the two grouped mat-vecs (``shared_weights``) or was
     computed by the caller (``shared [T, H]``, added in the combine); with neither, routed only.
     ``combine_kernel`` picks the one-launch combine; else its torch reference (same result).
+    Block-fp8 experts pass their scales (``w13_scale``, ``w2_scale``; ``sgl_kernel.fp8_blocks``).
     """
     from sgl_kernel.grouped_gemv import grouped_gemv  # Triton: imported on first use
     from sgl_kernel.moe_combine import moe_combine
@@ -55,11 +60,12 @@ def fused_moe_small_m(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     t, k = topk_ids.shape
     ids = topk_ids.reshape(-1)
     x = hidden.contiguous()
-    sw13, sw2, slimit = shared_weights if shared_weights is not None else (None, None, 0.0)
+    sw = shared_weights if shared_weights is not None else SharedExpertWeights(None, None, 0.0)
     # Up-projection with SwiGLU in its epilogue -> [T*k (+ T), I]; then the down-projection.
-    act = grouped_gemv(x, w13, ids, rows_per_x=k, swiglu_limit=limit, extra_w=sw13,
-                       extra_limit=slimit)
-    y = grouped_gemv(act[:t * k], w2, ids, extra_w=sw2, extra_x=act[t * k:])
+    act = grouped_gemv(x, w13, ids, rows_per_x=k, swiglu_limit=limit, extra_w=sw.w13,
+                       extra_limit=sw.limit, w_scale=w13_scale, extra_w_scale=sw.w13_scale)
+    y = grouped_gemv(act[:t * k], w2, ids, extra_w=sw.w2, extra_x=act[t * k:],
+                     w_scale=w2_scale, extra_w_scale=sw.w2_scale)
     if shared_weights is not None:
         shared = y[t * k:]
     if combine_kernel:

@@ -21,19 +21,10 @@ from sglang.srt.distributed import (
 )
 from sglang.srt.environ import envs, require_triton_runtime
 from sglang.srt.layers.activation import SiluAndMul
-from sglang.srt.layers.linear import (
-    MergedColumnParallelLinear,
-    RowParallelLinear,
-    copy_checked,
-    normal_dummy_init,
-)
-from sglang.srt.layers.moe.fused_moe_native import (
-    GATHER_MAX_PAIRS,
-    fused_moe,
-    grouped_mm_supported,
-)
-from sglang.srt.layers.moe.fused_moe_triton import (SMALL_M_MAX_PAIRS, SharedExpertWeights,
-                                                    fused_moe_small_m)
+from sglang.srt.layers.linear import (MergedColumnParallelLinear, RowParallelLinear,
+                                      normal_dummy_init)
+from sglang.srt.layers.moe.fused_moe_triton import SMALL_M_MAX_PAIRS, SharedExpertWeights
+from sglang.srt.layers.quantization import WeightShard, get_moe_method
 from sglang.srt.layers.moe.topk import MoEGate
 from sglang.srt.model_loader.weight_utils import LazyWeight
 
@@ -67,7 +58,8 @@ class FusedMoE(nn.Module):
     ``w13_weight [E, 2*I_local, H]`` holds each expert's gate rows then up rows of this rank's
     intermediate slice; ``w2_weight [E, H, I_local]`` the matching down-projection columns.
     Load with ``weight_loader(param, loaded, shard_id, expert_id)``, ``shard_id`` in
-    ``{"w1" (gate), "w3" (up), "w2" (down)}``.
+    ``{"w1" (gate), "w3" (up), "w2" (down)}``. The parameters, their loading and the product
+    belong to ``quant_method`` (unquantized, or block fp8 with ``*_scale_inv`` next to them).
     """
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
@@ -82,15 +74,12 @@ class FusedMoE(nn.Module):
             intermediate_size, self.tp_size, "moe_intermediate_size")
         self.swiglu_limit = float(swiglu_limit)
         dtype = params_dtype or torch.get_default_dtype()
-        i_local = self.intermediate_size_per_partition
-        self.w13_weight = nn.Parameter(torch.empty(num_experts, 2 * i_local, hidden_size,
-                                                   dtype=dtype), requires_grad=False)
-        self.w2_weight = nn.Parameter(torch.empty(num_experts, hidden_size, i_local, dtype=dtype),
-                                      requires_grad=False)
-        self.w13_weight.weight_loader = self.weight_loader
-        self.w2_weight.weight_loader = self.weight_loader
-        # w2's fan-in is the full intermediate width, not the local slice in its last dim.
-        self.w2_weight.dummy_init = normal_dummy_init(intermediate_size)
+        self.quant_method = get_moe_method(self)
+        self.quant_method.create_weights(self, num_experts, hidden_size,
+                                         self.intermediate_size_per_partition, dtype)
+        if not hasattr(self.w2_weight, "dummy_init"):
+            # w2's fan-in is the full intermediate width, not the local slice in its last dim.
+            self.w2_weight.dummy_init = normal_dummy_init(intermediate_size)
         # "torch_native" or "triton" (small batches through sgl_kernel's grouped mat-vec);
         # set for the whole model by set_moe_runner_backend, as is grouped_mm (batches above
         # the small-batch paths through torch._grouped_mm instead of the loop over experts).
@@ -101,31 +90,26 @@ class FusedMoE(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: LazyWeight, shard_id: str,
                       expert_id: int) -> None:
-        """Copy one expert's gate (w1), up (w3) or down (w2) projection slice for this rank."""
+        """Copy one expert's gate (w1), up (w3) or down (w2) projection slice for this rank
+        (or the matching slice of its block scales)."""
         if not 0 <= expert_id < self.num_experts:
             raise ValueError(f"{loaded.name}: expert id {expert_id} out of range "
                              f"[0, {self.num_experts})")
         i_full, i_local = self.intermediate_size, self.intermediate_size_per_partition
-        start = self.tp_rank * i_local
+        h, start = self.hidden_size, self.tp_rank * i_local
         if shard_id in ("w1", "w3"):
-            if tuple(loaded.shape) != (i_full, self.hidden_size):
-                raise ValueError(f"{loaded.name}: expected {(i_full, self.hidden_size)}, got "
-                                 f"{loaded.shape}")
-            offset = 0 if shard_id == "w1" else i_local
-            dst = param.data[expert_id].narrow(0, offset, i_local)
-            copy_checked(param, dst, loaded.narrow(0, start, i_local), loaded.name)
+            piece = 0 if shard_id == "w1" else 1
+            shard = WeightShard(piece, piece * i_local, i_local, start, i_full, 0, h, h)
         elif shard_id == "w2":
-            if tuple(loaded.shape) != (self.hidden_size, i_full):
-                raise ValueError(f"{loaded.name}: expected {(self.hidden_size, i_full)}, got "
-                                 f"{loaded.shape}")
-            copy_checked(param, param.data[expert_id], loaded.narrow(1, start, i_local),
-                         loaded.name)
+            shard = WeightShard(0, 0, h, 0, h, start, i_local, i_full)
         else:
             raise ValueError(f"{loaded.name}: unknown expert shard_id {shard_id!r}")
+        self.quant_method.load_shard(self, param, loaded, shard, expert_id)
 
     def small_m(self, topk_ids: torch.Tensor) -> bool:
-        """Whether these routes take the Triton small-batch path."""
-        return self.runner_backend == "triton" and topk_ids.numel() <= SMALL_M_MAX_PAIRS
+        """Whether these routes take the Triton small-batch path (model-dtype weights only)."""
+        return (self.runner_backend == "triton" and topk_ids.numel() <= SMALL_M_MAX_PAIRS
+                and self.quant_method.triton_small_m_ok())
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
                 shared: Optional[torch.Tensor] = None,
@@ -134,14 +118,8 @@ class FusedMoE(nn.Module):
         experts plus the shared expert, given as its output ``shared`` (added in the fp32
         combine) or, on the small-batch Triton path, as ``shared_weights`` run in the same
         launches."""
-        if self.small_m(topk_ids):
-            return fused_moe_small_m(hidden, self.w13_weight, self.w2_weight, topk_weights,
-                                     topk_ids, self.swiglu_limit, shared_weights, shared,
-                                     combine_kernel=self.fused_combine)
-        if shared_weights is not None:
-            raise ValueError("FusedMoE: shared_weights only ride the small-batch Triton path")
-        return fused_moe(hidden, self.w13_weight, self.w2_weight, topk_weights, topk_ids,
-                         self.swiglu_limit, grouped_mm=self.grouped_mm, shared=shared)
+        return self.quant_method.apply(self, hidden, topk_weights, topk_ids, shared,
+                                       shared_weights)
 
     def extra_repr(self) -> str:
         return (f"backend={self.runner_backend}, grouped_mm={self.grouped_mm}, experts={self.num_experts}, hidden={self.hidden_size}, "
@@ -175,25 +153,26 @@ class BailingMoE(nn.Module):
         torch: ``GATHER_MAX_PAIRS``) the torch expert loop reads expert counts on the host,
         unless ``SGLANG_MOE_GROUPED_MM`` routes those batches to the grouped GEMMs (device-side
         offsets) and torch's kernel takes these weights."""
-        experts = self.experts
-        if experts.grouped_mm:
-            probe = experts.w13_weight.new_empty(0, experts.w13_weight.shape[2])
-            if grouped_mm_supported(probe, experts.w13_weight, experts.w2_weight):
-                return None
-        pairs = SMALL_M_MAX_PAIRS if experts.runner_backend == "triton" else GATHER_MAX_PAIRS
-        return max(pairs // self.gate.top_k, 0)
+        pairs = self.experts.quant_method.max_graph_pairs(self.experts)
+        return None if pairs is None else max(pairs // self.gate.top_k, 0)
 
     def _shared_as_pairs(self) -> Optional[SharedExpertWeights]:
         """The shared expert's weights when they ride the routed experts' launches
         (``SGLANG_TRITON_MOE_COMBINE``, and the same per-expert shape and dtype), else None."""
         mlp = self.shared_experts
-        if mlp is None or not self.experts.fused_combine:
+        if (mlp is None or not self.experts.fused_combine
+                or not self.experts.quant_method.triton_small_m_ok()):
             return None
         w13, w2 = mlp.gate_up_proj.weight, mlp.down_proj.weight
         routed = self.experts.w13_weight
         if w13.shape != routed.shape[1:] or w13.dtype != routed.dtype or w2.stride(-1) != 1:
             return None
-        return SharedExpertWeights(w13, w2, mlp.act_fn.limit)
+        # Block-fp8 weights bring their scales (the same layout as the routed experts').
+        scales = [getattr(lin, "weight_scale_inv", None) for lin in (mlp.gate_up_proj,
+                                                                      mlp.down_proj)]
+        if (scales[0] is None) != (getattr(self.experts, "w13_weight_scale_inv", None) is None):
+            return None
+        return SharedExpertWeights(w13, w2, mlp.act_fn.limit, *scales)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[T, H] -> [T, H]``: routed + shared experts (summed in fp32, one rounding),
