@@ -1,15 +1,19 @@
-"""Router-gate numerics as a knob: greedy agreement and NEXTN accept length, fp32 vs bf16 router.
+"""Numerics as a knob: greedy agreement and NEXTN accept length across the variants of one knob
+(the router gate's dtype, or the weights' quantization).
 
-    python benchmark/batch1/numerics_ab.py [--model-path DIR] [--variants fp32 bf16] \\
-        [--prompts 8] [--gen 128] [--steps 3] [--device cpu] [--result-filename F]
+    python benchmark/batch1/numerics_ab.py [--model-path DIR] [--knob router|quantization] \\
+        [--variants fp32 bf16] [--prompts 8] [--gen 128] [--steps 3] [--device cpu] \\
+        [--result-filename F]
 
 At batch 1 the router gate is pure bandwidth (every MoE layer cold-reads its ``[E, H]`` weight
 each step), so computing it in bf16 instead of fp32 halves those bytes; the price is rounding:
 a different expert can win a near tie. This script measures the price on the model's own terms:
-for each ``router_dtype`` variant (``--json-model-override-args '{"router_dtype": ...}'``, the
-config field of docs/model.md §5.2) an ``sglang.Engine`` decodes held-out Python prompts
-greedily, plain and with NEXTN; it reports how many outputs equal the first variant's token for
-token, the mean position of the first differing token, and the NEXTN mean accept length.
+for each variant an ``sglang.Engine`` decodes held-out Python prompts greedily, plain and with
+NEXTN; it reports how many outputs equal the first variant's token for token, the mean position
+of the first differing token, and the NEXTN mean accept length. ``--knob router`` (default;
+variants fp32 / bf16) sets ``--json-model-override-args '{"router_dtype": ...}'`` (the config
+field of docs/model.md §5.2); ``--knob quantization`` (variants none / fp8) sets
+``--quantization`` (block fp8 at load, the MTP layer quantized alike).
 
 The LM head needs no knob here: it already runs in the model dtype (bf16 on the GPU; fp32 models
 are the CPU reference), which is the seed's bf16 LM head.
@@ -46,11 +50,20 @@ def _decode(engine: Engine, prompts: List[List[int]], gen: int) -> List[Dict[str
     return engine.generate(input_ids=prompts, sampling_params=[params] * len(prompts))
 
 
-def run_variant(model_path: str, router_dtype: str, device: str, prompts_n: int, prompt_len: int,
-                gen: int, steps: int) -> Dict[str, Any]:
-    """Greedy outputs (plain) and the NEXTN accept length with ``router_dtype``."""
+def knob_args(knob: str, variant: str) -> Dict[str, Any]:
+    """Engine keyword arguments of one variant of ``knob``."""
+    if knob == "router":
+        return {"json_model_override_args": json.dumps({"router_dtype": variant})}
+    if knob == "quantization":
+        return {"quantization": None if variant == "none" else variant}
+    raise SystemExit(f"unknown knob {knob!r}: router or quantization")
+
+
+def run_variant(model_path: str, knob: str, variant: str, device: str, prompts_n: int,
+                prompt_len: int, gen: int, steps: int) -> Dict[str, Any]:
+    """Greedy outputs (plain) and the NEXTN accept length of one variant."""
     common = dict(model_path=model_path, device=device, log_level="error",
-                  json_model_override_args=json.dumps({"router_dtype": router_dtype}))
+                  **knob_args(knob, variant))
     with Engine(**common) as engine:
         prompts = held_out_prompts(engine, prompts_n, prompt_len)
         plain = [o["output_ids"] for o in _decode(engine, prompts, gen)]
@@ -58,7 +71,7 @@ def run_variant(model_path: str, router_dtype: str, device: str, prompts_n: int,
         outs = _decode(engine, prompts, gen)
     tokens = sum(o["meta_info"]["completion_tokens"] for o in outs)
     rounds = sum(o["meta_info"]["spec_verify_ct"] for o in outs)
-    return {"router_dtype": router_dtype, "plain": plain,
+    return {"variant": variant, "plain": plain,
             "nextn_ids": [o["output_ids"] for o in outs],
             "accept_length": tokens / max(rounds, 1)}
 
@@ -71,7 +84,9 @@ def first_difference(a: List[int], b: List[int]) -> Optional[int]:
 def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-path", default=str(BUNDLED_MODEL_DIR))
-    p.add_argument("--variants", nargs="+", default=["fp32", "bf16"])
+    p.add_argument("--knob", choices=("router", "quantization"), default="router")
+    p.add_argument("--variants", nargs="+", default=None,
+                   help="default: fp32 bf16 (router), none fp8 (quantization)")
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--gen", type=int, default=128)
@@ -79,11 +94,13 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     p.add_argument("--device", default="cpu")
     p.add_argument("--result-filename", default=None)
     args = p.parse_args(argv)
-    runs = [run_variant(args.model_path, v, args.device, args.prompts, args.prompt_len, args.gen,
-                        args.steps) for v in args.variants]
+    if args.variants is None:
+        args.variants = ["fp32", "bf16"] if args.knob == "router" else ["none", "fp8"]
+    runs = [run_variant(args.model_path, args.knob, v, args.device, args.prompts,
+                        args.prompt_len, args.gen, args.steps) for v in args.variants]
     base = runs[0]["plain"]
     rows = []
-    print(f"| router | plain greedy == {args.variants[0]} | mean first difference | "
+    print(f"| {args.knob} | plain greedy == {args.variants[0]} | mean first difference | "
           f"NEXTN-{args.steps} == own plain | NEXTN-{args.steps} accept length |")
     print("|---|---|---|---|---|")
     for run in runs:
@@ -91,11 +108,12 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
         same = sum(d is None for d in diffs)
         mean_diff = (sum(args.gen if d is None else d for d in diffs) / len(diffs))
         lossless = sum(a == b for a, b in zip(run["nextn_ids"], run["plain"]))
-        row = {"router_dtype": run["router_dtype"], "identical": same, "prompts": len(diffs),
+        row = {"knob": args.knob, "variant": run["variant"], "identical": same,
+               "prompts": len(diffs),
                "mean_first_difference": mean_diff, "nextn_lossless": lossless,
                "accept_length": run["accept_length"], "gen": args.gen, "steps": args.steps}
         rows.append(row)
-        print(f"| {row['router_dtype']} | {same}/{len(diffs)} | {mean_diff:.1f} of {args.gen} | "
+        print(f"| {row['variant']} | {same}/{len(diffs)} | {mean_diff:.1f} of {args.gen} | "
               f"{lossless}/{len(diffs)} | {row['accept_length']:.3f} |")
     if args.result_filename:
         with open(args.result_filename, "a", encoding="utf-8") as f:

@@ -82,7 +82,7 @@ def test_router_numerics_ab_reports_agreement_and_accept_length(tmp_path):
     stdout = _run("batch1/numerics_ab.py", "--prompts", "1", "--gen", "12", "--steps", "2",
                   "--result-filename", str(out))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["router_dtype"] for r in rows] == ["fp32", "bf16"], stdout
+    assert [r["variant"] for r in rows] == ["fp32", "bf16"], stdout
     assert rows[0]["identical"] == 1 and rows[0]["mean_first_difference"] == 12
     assert all(r["nextn_lossless"] == 1 and 1.0 <= r["accept_length"] <= 3 for r in rows)
     assert "| bf16 | " in stdout
