@@ -91,3 +91,46 @@ def test_bad_inputs_are_rejected():
         kda_conv_qkv(mixed, weight, pool, slots[:2], H, D)
     with pytest.raises(ValueError, match="staged"):
         kda_conv_qkv(mixed, weight, pool, slots, H, D, staged=pool.unsqueeze(1))
+
+
+def test_pdl_switch_leaves_results_unchanged():
+    """With set_pdl(True) decode still matches the one-step update (under the interpreter the
+    switch stays off: the PDL code path is inert there)."""
+    from sgl_kernel import pdl
+    from sgl_kernel.kda_conv import kda_conv_qkv
+
+    mixed, weight, pool, slots = _inputs(n=1, seed=2)
+    p = pool.clone()
+    try:
+        pdl.set_pdl(True)
+        got = kda_conv_qkv(mixed, weight, p, slots, H, D)
+    finally:
+        pdl.set_pdl(False)
+    y, window = causal_conv1d_update(mixed[:, 0], weight, pool[slots])
+    for a, b in zip(got, _split(y)):
+        torch.testing.assert_close(a[:, 0], b, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(p[slots], window)
+
+
+@pytest.mark.gpu
+def test_equal_with_and_without_pdl_in_a_graph():
+    """On an sm90+ GPU: a decode (pool updated in place) then a verify chain staging windows
+    from the updated pool, launched with PDL inside a CUDA graph, give the same bits as
+    without."""
+    from pdl_graph_utils import assert_bitwise_equal, outputs_without_and_with_pdl, skip_without_pdl
+    from sgl_kernel.kda_conv import kda_conv_qkv
+
+    skip_without_pdl()
+    mixed1, weight, pool0, slots = (t.bfloat16() if t.is_floating_point() else t
+                                    for t in _inputs(n=1, seed=3))
+    mixed3 = _inputs(n=3, seed=4)[0].bfloat16()
+    pool = torch.empty_like(pool0)
+    staged = torch.zeros(S, 3, 3 * H * D, KW - 1, dtype=torch.bfloat16, device=DEVICE)
+
+    def step():
+        pool.copy_(pool0)
+        decode = kda_conv_qkv(mixed1, weight, pool, slots, H, D)
+        verify = kda_conv_qkv(mixed3, weight, pool, slots, H, D, staged=staged)
+        return (*decode, *verify, pool, staged)
+
+    assert_bitwise_equal(outputs_without_and_with_pdl(step))

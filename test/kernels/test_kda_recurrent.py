@@ -82,3 +82,48 @@ def test_rejects_bad_inputs():
         kda_recurrent_update(q, k, v, g, beta, 1.0, pool[:, :1], slots, out)
     with pytest.raises(ValueError, match="fp32"):
         kda_recurrent_update(q.half(), k.half(), v, g.half(), beta, 1.0, pool, slots, out)
+
+
+def test_pdl_switch_leaves_results_unchanged():
+    """With set_pdl(True) the decode still matches the reference (under the interpreter the
+    switch stays off: the PDL code path is inert there)."""
+    from sgl_kernel import pdl
+    from sgl_kernel.kda_recurrent import kda_recurrent_reference, kda_recurrent_update
+
+    q, k, v, g, beta, pool, slots = _inputs(n=1, seed=2)
+    p, p_ref = pool.clone(), pool.clone()
+    out, ref = torch.empty_like(v), torch.empty_like(v)
+    try:
+        pdl.set_pdl(True)
+        kda_recurrent_update(q, k, v, g, beta, 0.3, p, slots, out)
+    finally:
+        pdl.set_pdl(False)
+    kda_recurrent_reference(q, k, v, g, beta, 0.3, p_ref, slots, ref)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(p, p_ref, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.gpu
+def test_equal_with_and_without_pdl_in_a_graph():
+    """On an sm90+ GPU: a decode (state updated in place) then a verify chain staging states
+    from the updated pool, launched with PDL inside a CUDA graph, give the same bits as
+    without."""
+    from pdl_graph_utils import assert_bitwise_equal, outputs_without_and_with_pdl, skip_without_pdl
+    from sgl_kernel.kda_recurrent import kda_recurrent_update
+
+    skip_without_pdl()
+    dims = dict(b=2, h=4, dk=128, dv=128)
+    q1, k1, v1, g1, b1, pool0, slots = _inputs(n=1, seed=3, **dims)
+    q3, k3, v3, g3, b3 = _inputs(n=3, seed=4, **dims)[:5]
+    pool = torch.empty_like(pool0)
+    staged = torch.zeros(pool0.shape[0], 3, *pool0.shape[1:], device=DEVICE)
+    out1 = torch.empty(*v1.shape, dtype=torch.bfloat16, device=DEVICE)
+    out3 = torch.empty(*v3.shape, dtype=torch.bfloat16, device=DEVICE)
+
+    def step():
+        pool.copy_(pool0)
+        kda_recurrent_update(q1, k1, v1, g1, b1, 0.3, pool, slots, out1)
+        kda_recurrent_update(q3, k3, v3, g3, b3, 0.3, pool, slots, out3, staged=staged)
+        return out1, out3, pool, staged
+
+    assert_bitwise_equal(outputs_without_and_with_pdl(step))

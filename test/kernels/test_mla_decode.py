@@ -228,3 +228,45 @@ def test_flash_dims_bf16(context, n):
     err = float((out.float() - exact).norm() / exact.norm())
     ref_err = float((ref.float() - exact).norm() / exact.norm())
     assert err < ref_err + 2e-3, (err, ref_err)
+
+
+def test_pdl_switch_leaves_results_unchanged():
+    """With set_pdl(True) both kernels still match the reference (under the interpreter the
+    switch stays off: the PDL code path is inert there)."""
+    from sgl_kernel import pdl
+
+    cache = Cache(seed=3)
+    try:
+        pdl.set_pdl(True)
+        out, ref = _run(cache, [2, 0, 3], [[20, 21], [0, 1], [5, 6]], num_splits=2)
+    finally:
+        pdl.set_pdl(False)
+    assert _rel(out, ref) < TOL[torch.float32]
+
+
+@pytest.mark.gpu
+def test_equal_with_and_without_pdl_in_a_graph():
+    """On an sm90+ GPU: a decode and a chain verify at Flash's MLA dims (split and merge
+    kernels each), launched with PDL inside a CUDA graph, give the same bits as without."""
+    from pdl_graph_utils import assert_bitwise_equal, outputs_without_and_with_pdl, skip_without_pdl
+    from sgl_kernel.mla_decode import mla_decode_fwd
+
+    skip_without_pdl()
+    gen = torch.Generator(device="cuda").manual_seed(5)
+    v, dk, heads, cap = 512, 576, 16, 2048
+    kv = torch.randn(2 * cap + 1, dk, device="cuda", generator=gen).bfloat16()
+    req_to_token = torch.zeros(3, cap, dtype=torch.int32, device="cuda")
+    req_to_token[1:] = (torch.randperm(2 * cap, device="cuda", generator=gen) + 1).view(2, cap).int()
+    rpi = torch.tensor([1, 2], device="cuda")
+    pos1 = torch.tensor([[1500], [300]], device="cuda")
+    pos3 = pos1 + torch.arange(1, 4, device="cuda")
+    q1_0 = torch.randn(2, heads, dk, device="cuda", generator=gen).bfloat16()
+    q3 = torch.randn(2, 3 * heads, dk, device="cuda", generator=gen).bfloat16()
+    q1 = torch.empty_like(q1_0)
+
+    def step():
+        q1.copy_(q1_0)
+        decode = mla_decode_fwd(q1, kv, req_to_token, rpi, pos1, v, dk ** -0.5)
+        return decode, mla_decode_fwd(q3, kv, req_to_token, rpi, pos3, v, dk ** -0.5)
+
+    assert_bitwise_equal(outputs_without_and_with_pdl(step))

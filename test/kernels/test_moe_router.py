@@ -95,3 +95,41 @@ def test_flag_needs_cuda_or_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     with pytest.raises(ValueError, match="SGLANG_TRITON_ROUTER"):
         set_moe_runner_backend(MoEGate(8, 16, 2, 4, 2, True, 1.0), "auto", torch.device("cpu"))
+
+
+def test_pdl_switch_leaves_results_unchanged():
+    """With set_pdl(True) the router still matches select_experts (under the interpreter the
+    switch stays off: the PDL code path is inert there); a bf16 bias is widened in the kernel."""
+    from sgl_kernel import pdl
+    from sgl_kernel.moe_router import moe_router_topk
+
+    logits, b = _logits(3, 64, seed=2)
+    b = b.half()  # exact in fp32: the kernel's widening equals .float()
+    try:
+        pdl.set_pdl(True)
+        weights, ids = moe_router_topk(logits, 6, b, 8, 4, True, 2.5)
+    finally:
+        pdl.set_pdl(False)
+    ref = select_experts(logits, 6, b.float(), 8, 4, True, 2.5)
+    assert torch.equal(ids, ref.topk_ids)
+    torch.testing.assert_close(weights, ref.topk_weights, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.gpu
+def test_equal_with_and_without_pdl_in_a_graph():
+    """On an sm90+ GPU: two Flash-sized routers back to back, launched with PDL inside a CUDA
+    graph, give the same bits as without."""
+    from pdl_graph_utils import assert_bitwise_equal, outputs_without_and_with_pdl, skip_without_pdl
+    from sgl_kernel.moe_router import moe_router_topk
+
+    skip_without_pdl()
+    logits0, bias = _logits(4, 512, seed=3)
+    logits = torch.empty_like(logits0)
+
+    def step():
+        logits.copy_(logits0)
+        w1, i1 = moe_router_topk(logits, 8, bias, 8, 4, True, 2.5)
+        w2, i2 = moe_router_topk(logits * w1[:, :1], 8, bias, 8, 4, True, 2.5)
+        return w1, i1, w2, i2
+
+    assert_bitwise_equal(outputs_without_and_with_pdl(step))

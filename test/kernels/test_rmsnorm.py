@@ -119,3 +119,44 @@ def test_flag_needs_cuda_or_the_interpreter(monkeypatch):
     with pytest.raises(ValueError, match="SGLANG_TRITON_RMSNORM"):
         set_norm_backend(RMSNorm(8), True, torch.device("cpu"))
     assert not set_norm_backend(RMSNorm(8), False, torch.device("cpu"))
+
+
+def test_pdl_switch_leaves_results_unchanged():
+    """With set_pdl(True) the norm still matches the torch norm (under the interpreter the switch
+    stays off: the PDL code path is inert there)."""
+    from sgl_kernel import pdl
+    from sgl_kernel.rmsnorm import rmsnorm
+
+    x, res, gate = (_x((3, 24), torch.float32, s) for s in (20, 21, 22))
+    w = _x((24,), torch.float32, 23)
+    try:
+        pdl.set_pdl(True)
+        out, new_res = rmsnorm(x, w, 1e-6, residual=res)
+        gated = rmsnorm(x, w, 1e-6, gate=gate, activation="sigmoid")
+    finally:
+        pdl.set_pdl(False)
+    assert torch.equal(new_res, x + res)
+    torch.testing.assert_close(out, rms_norm(x + res, w, 1e-6), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(gated, rms_norm(x, w, 1e-6) * torch.sigmoid(gate),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_equal_with_and_without_pdl_in_a_graph():
+    """On an sm90+ GPU: a fused residual norm feeding a gated norm, launched with PDL inside a
+    CUDA graph, gives the same bits as without."""
+    from pdl_graph_utils import assert_bitwise_equal, outputs_without_and_with_pdl, skip_without_pdl
+    from sgl_kernel.rmsnorm import rmsnorm
+
+    skip_without_pdl()
+    x0, res0, gate = (_x((3, 2048), torch.bfloat16, s) for s in (30, 31, 32))
+    w = _x((2048,), torch.bfloat16, 33)
+    x, res = torch.empty_like(x0), torch.empty_like(res0)
+
+    def step():
+        x.copy_(x0)
+        res.copy_(res0)
+        h, r = rmsnorm(x, w, 1e-6, residual=res)
+        return h, r, rmsnorm(h, w, 1e-6, gate=gate, activation="swish")
+
+    assert_bitwise_equal(outputs_without_and_with_pdl(step))

@@ -70,3 +70,47 @@ def test_future_map_assign_round_uses_either_path_alike(monkeypatch):
         maps.append((prefix, toks, out_map))
     for a, b in zip(*maps):
         assert torch.equal(a, b)
+
+
+def test_pdl_switch_leaves_results_unchanged():
+    """With set_pdl(True) the kernel still equals the reference (under the interpreter the
+    switch stays off: the PDL code path is inert there)."""
+    from sgl_kernel import pdl
+    from sgl_kernel.round_prep import assign_round_cache_locs, assign_round_cache_locs_ref
+
+    r2t, seq_lens, tokens = _state(11)
+    slots = torch.tensor([2, 5, 0], device=DEVICE)
+    loc = torch.arange(200, 209, device=DEVICE).view(3, 3)
+    ref_map = r2t.clone()
+    ref = assign_round_cache_locs_ref(ref_map, seq_lens, slots, loc, tokens)
+    try:
+        pdl.set_pdl(True)
+        got = assign_round_cache_locs(r2t, seq_lens, slots, loc, tokens)
+    finally:
+        pdl.set_pdl(False)
+    assert torch.equal(got[0], ref[0]) and torch.equal(got[1], ref[1])
+    assert torch.equal(r2t, ref_map)
+
+
+@pytest.mark.gpu
+def test_equal_with_and_without_pdl_in_a_graph():
+    """On an sm90+ GPU: two rounds' index chains back to back (the second over the first's
+    map), launched with PDL inside a CUDA graph, give the same bits as without."""
+    from pdl_graph_utils import assert_bitwise_equal, outputs_without_and_with_pdl, skip_without_pdl
+    from sgl_kernel.round_prep import assign_round_cache_locs
+
+    skip_without_pdl()
+    r2t0, seq_lens0, tokens = _state(12)
+    r2t, seq_lens = torch.empty_like(r2t0), torch.empty_like(seq_lens0)
+    slots = torch.tensor([3, 1, 0, 5], device=DEVICE)
+    loc = torch.arange(100, 116, device=DEVICE).view(4, 4)
+
+    def step():
+        r2t.copy_(r2t0)
+        seq_lens.copy_(seq_lens0)
+        p1, t1 = assign_round_cache_locs(r2t, seq_lens, slots, loc, tokens)
+        seq_lens[slots] += 4  # the round's tokens committed
+        p2, t2 = assign_round_cache_locs(r2t, seq_lens, slots, loc + 50, tokens)
+        return p1, t1, p2, t2, r2t
+
+    assert_bitwise_equal(outputs_without_and_with_pdl(step))

@@ -15,6 +15,7 @@ q/k/v) block of ``D`` channels. The torch path is over a dozen kernels per KDA l
 copies, two L2 norms, the window write). Decode and verify run the same program: ``N``
 is not specialised and mul+add contraction is off, so a verify position rounds as the decode of
 that token does. (Under Triton's interpreter a program takes all blocks of its request.)
+Decode-sized launches use PDL (:mod:`sgl_kernel.pdl`).
 """
 from __future__ import annotations
 
@@ -24,18 +25,18 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_kernel import pdl
 from sgl_kernel._triton_mode import INTERPRETED, NO_FP_FUSION
 
 __all__ = ["kda_conv_qkv"]
-
 
 
 @triton.jit(do_not_specialize=["N"])
 def _kda_conv_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, out_ptr, staged_ptr, N, H, D,
                      s_xb, s_xn, s_wc, s_ps, s_pc, s_ob, s_on, s_ow, s_oh,
                      s_ts, s_tn, s_tc, eps,
-                     KW: tl.constexpr, STAGE: tl.constexpr, BLOCK_D: tl.constexpr,
-                     ROWS: tl.constexpr):
+                     KW: tl.constexpr, STAGE: tl.constexpr, USE_PDL: tl.constexpr,
+                     BLOCK_D: tl.constexpr, ROWS: tl.constexpr):
     b = tl.program_id(0)
     blk = tl.program_id(1) * ROWS + tl.arange(0, ROWS)  # channel blocks: which * H + head
     which = (blk // H)[:, None]
@@ -43,6 +44,10 @@ def _kda_conv_kernel(x_ptr, w_ptr, pool_ptr, slots_ptr, out_ptr, staged_ptr, N, 
     offs = tl.arange(0, BLOCK_D)[None, :]
     mask = (offs < D) & (blk < 3 * H)[:, None]
     ch = blk[:, None] * D + offs  # [ROWS, BLOCK_D] channels in [q | k | v]
+    # Slots, projections and windows all come from earlier kernels; the conv weight is read
+    # per tap inside the chain loop, so it waits too.
+    pdl.wait(USE_PDL)
+    pdl.launch_dependents(USE_PDL)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     win = pool_ptr + slot * s_ps + ch.to(tl.int64) * s_pc
     xrow = x_ptr + b.to(tl.int64) * s_xb + ch
@@ -126,10 +131,12 @@ def kda_conv_qkv(mixed: torch.Tensor, conv_weight: torch.Tensor, conv_pool: torc
         # and per op, so there one program takes every block of its request.
         if rows is None:
             rows = triton.next_power_of_2(3 * num_heads) if INTERPRETED else 1
+        pdl_on = pdl.use_pdl(b * n)
         _kda_conv_kernel[(b, triton.cdiv(3 * num_heads, rows))](
             mixed, conv_weight, conv_pool, slots.contiguous(), out, st, n, num_heads, head_dim,
             mixed.stride(0), mixed.stride(1), conv_weight.stride(0), conv_pool.stride(0),
             conv_pool.stride(1), out.stride(1), out.stride(2), out.stride(0), out.stride(3),
-            *st_strides, 1e-6, KW=kw, STAGE=staged is not None,
-            BLOCK_D=triton.next_power_of_2(head_dim), ROWS=rows, **NO_FP_FUSION)
+            *st_strides, 1e-6, KW=kw, STAGE=staged is not None, USE_PDL=pdl_on,
+            BLOCK_D=triton.next_power_of_2(head_dim), ROWS=rows, **NO_FP_FUSION,
+            **pdl.launch_options(pdl_on))
     return out[0], out[1], out[2]

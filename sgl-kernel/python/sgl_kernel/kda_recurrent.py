@@ -10,7 +10,8 @@ position does (docs/model.md §3.2, as :func:`sglang.srt.layers.attention.kda_op
 
 Decode and verify run the same program, so a verify position and the decode of the same token
 from the same state round identically. Inputs are the L2-normalised ``q, k`` and ``v``, the
-log-space gate ``g`` and ``beta``, all fp32. Reference: :func:`kda_recurrent_reference`.
+log-space gate ``g`` and ``beta``, all fp32. Decode-sized launches use PDL
+(:mod:`sgl_kernel.pdl`). Reference: :func:`kda_recurrent_reference`.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_kernel import pdl
 from sgl_kernel._triton_mode import INTERPRETED, NO_FP_FUSION
 
 __all__ = ["kda_recurrent_update", "kda_recurrent_reference"]
@@ -32,13 +34,17 @@ def _kda_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slots_ptr, state
                           staged_ptr, N, H, K, V, scale,
                           s_qb, s_qn, s_qh, s_vb, s_vn, s_vh, s_bb, s_bn,
                           s_ss, s_sh, s_sk, s_ob, s_on, s_oh, s_ts, s_tn, s_th, s_tk,
-                          STAGE: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
+                          STAGE: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_K: tl.constexpr,
+                          BLOCK_V: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = offs_k < K, offs_v < V
     mask_kv = mask_k[:, None] & mask_v[None, :]
+    # Every input (slots, state, q/k/v/g/beta) is written by an earlier kernel of the step.
+    pdl.wait(USE_PDL)
+    pdl.launch_dependents(USE_PDL)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     kv_off = offs_k[:, None] * s_sk + offs_v[None, :]
     state_rows = state_ptr + slot * s_ss + h * s_sh
@@ -118,13 +124,15 @@ def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         else (0, 0, 0, 0)
     slots = slots.contiguous()  # the kernel indexes slots[b] densely (a column view is not)
     grid = (b, h, triton.cdiv(dv, block_v))
+    pdl_on = pdl.use_pdl(b * n)
     _kda_recurrent_kernel[grid](
         q, k, v, g, beta, slots, state_pool, out, st, n, h, dk, dv, float(scale),
         q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2),
         beta.stride(0), beta.stride(1),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2), *st_strides,
-        STAGE=staged is not None, BLOCK_K=triton.next_power_of_2(dk), BLOCK_V=block_v,
+        STAGE=staged is not None, USE_PDL=pdl_on, BLOCK_K=triton.next_power_of_2(dk),
+        BLOCK_V=block_v, **pdl.launch_options(pdl_on),
         # No mul+add contraction: the decode and verify programs differ in their stores, and a
         # contraction the compiler picks in one and not the other broke their bit equality on an
         # H200 (values equal to 1e-4, not bit for bit). The kernel is bound by the state's bytes.

@@ -35,7 +35,9 @@ Why this shape of kernel:
   probabilities enter the value product in the input dtype, as in the reference.
 
 Launch sizes are fixed per cache row width ``Dk`` (:func:`_config`), never chosen from the
-lengths. Under Triton's CPU interpreter (``TRITON_INTERPRET=1``) fp32 and fp16 work; bf16 does not.
+lengths. Decode-sized launches of both kernels use PDL (:mod:`sgl_kernel.pdl`): each waits
+before its first read, since every input is written earlier in the step. Under Triton's CPU
+interpreter (``TRITON_INTERPRET=1``) fp32 and fp16 work; bf16 does not.
 """
 from __future__ import annotations
 
@@ -47,6 +49,7 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_kernel import pdl
 from sgl_kernel._triton_mode import INTERPRETED
 
 __all__ = ["mla_decode_fwd", "mla_decode_num_splits", "mla_decode_scratch_numel", "MAX_SPLITS"]
@@ -135,9 +138,13 @@ def _mla_split_kernel(q_ptr, kv_ptr, r2t_ptr, rpi_ptr, pos_ptr, part_ptr, lse_pt
                       s_qb, s_qr, s_kv, s_r2t, s_pb, s_pn,
                       V: tl.constexpr, DR: tl.constexpr, BLOCK_V: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_T: tl.constexpr, SPLIT_MIN: tl.constexpr, PRECISION: tl.constexpr):
+                      BLOCK_T: tl.constexpr, SPLIT_MIN: tl.constexpr, PRECISION: tl.constexpr,
+                      USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     split = tl.program_id(2)
+    # Positions, queries, the cache and the request map are all written earlier in the step.
+    pdl.wait(USE_PDL)
+    pdl.launch_dependents(USE_PDL)
     chunk = _split_len(pos_ptr, b, s_pb, s_pn, N, cap, num_splits, BLOCK_T, BLOCK_N, SPLIT_MIN)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = rows < R
@@ -195,9 +202,13 @@ def _mla_split_kernel(q_ptr, kv_ptr, r2t_ptr, rpi_ptr, pos_ptr, part_ptr, lse_pt
 def _mla_merge_kernel(part_ptr, lse_ptr, pos_ptr, out_ptr, N, H, R, cap, num_splits,
                       s_pb, s_pn, s_ob, s_or,
                       V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_T: tl.constexpr, SPLIT_MIN: tl.constexpr, BLOCK_S: tl.constexpr):
+                      BLOCK_T: tl.constexpr, SPLIT_MIN: tl.constexpr, BLOCK_S: tl.constexpr,
+                      USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     r = tl.program_id(1)
+    # The partials come from the split kernel just before; positions from earlier still.
+    pdl.wait(USE_PDL)
+    pdl.launch_dependents(USE_PDL)
     chunk = _split_len(pos_ptr, b, s_pb, s_pn, N, cap, num_splits, BLOCK_T, BLOCK_N, SPLIT_MIN)
     limit = tl.minimum(tl.maximum(tl.load(pos_ptr + b * s_pb + (r // H) * s_pn) + 1, 0), cap)
     count = tl.cdiv(limit, chunk)  # splits holding at least one key this row sees
@@ -312,15 +323,17 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch
                   BLOCK_T=triton.next_power_of_2(n), SPLIT_MIN=cfg.split_min)
     launch = {} if INTERPRETED else dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (b, triton.cdiv(rows, cfg.block_h), num_splits)
+    pdl_on = pdl.use_pdl(b * n)  # the query tokens; the same for both launches
     _mla_split_kernel[grid](
         q, kv_buffer, req_to_token, req_pool_indices, positions, part, lse,
         n, rows // n, rows, cap, num_splits, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), kv_buffer.stride(0), req_to_token.stride(0),
         positions.stride(0), positions.stride(1),
         V=v_dim, DR=rope, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_H=cfg.block_h,
-        PRECISION=precision, **common, **launch)
+        PRECISION=precision, USE_PDL=pdl_on, **common, **launch, **pdl.launch_options(pdl_on))
     _mla_merge_kernel[(b, rows)](
         part, lse, positions, out, n, rows // n, rows, cap, num_splits,
         positions.stride(0), positions.stride(1), out.stride(0), out.stride(1),
-        V=v_dim, BLOCK_S=cfg.block_s, **common, **({} if INTERPRETED else dict(num_warps=4)))
+        V=v_dim, BLOCK_S=cfg.block_s, USE_PDL=pdl_on, **common,
+        **({} if INTERPRETED else dict(num_warps=4)), **pdl.launch_options(pdl_on))
     return out

@@ -14,6 +14,7 @@ The torch version is about twenty kernels per MoE layer (sigmoid, add, two topk,
 scatter, expand, masked fill, gather, sum, div, mul, ...); Ling-3.0-flash has 41 MoE layers.
 Selections are made by repeated argmax (the first index wins a tie; ``torch.topk`` leaves ties
 unspecified). ``E`` and ``E / G`` must be powers of two (Flash: 512 experts, 8 groups).
+Decode-sized launches use PDL (:mod:`sgl_kernel.pdl`): the bias is read before the wait.
 """
 from __future__ import annotations
 
@@ -23,20 +24,28 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_kernel import pdl
+
 __all__ = ["moe_router_topk", "router_kernel_supports"]
 
 
 @triton.jit
-def _router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, s_logits, scale,
+def _router_kernel(logits_ptr, bias_ptr, w_ptr, ids_ptr, s_logits, s_bias, scale,
                    E: tl.constexpr, G: tl.constexpr, PG: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    K: tl.constexpr, BLOCK_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                   GROUPED: tl.constexpr, RENORM: tl.constexpr):
+                   GROUPED: tl.constexpr, RENORM: tl.constexpr, USE_PDL: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, E)
+    # The bias is a parameter (read in place, never copied on the host, so no kernel of the step
+    # writes it): with PDL its load overlaps the logits GEMM's tail. The logits come after.
+    if HAS_BIAS:
+        bias = tl.load(bias_ptr + offs * s_bias).to(tl.float32)
+    pdl.wait(USE_PDL)
+    pdl.launch_dependents(USE_PDL)
     p = tl.sigmoid(tl.load(logits_ptr + row * s_logits + offs).to(tl.float32))
     s = p
     if HAS_BIAS:
-        s = p + tl.load(bias_ptr + offs)
+        s = p + bias
     neg = float("-inf")
     if GROUPED:
         cols = tl.arange(0, PG)
@@ -93,18 +102,23 @@ def moe_router_topk(router_logits: torch.Tensor, top_k: int,
     if not 1 <= topk_group <= num_expert_group or not 1 <= top_k <= e:
         raise ValueError(f"moe_router_topk: bad topk_group {topk_group} / top_k {top_k} for "
                          f"{num_expert_group} groups of {e} experts")
-    if expert_bias is not None and tuple(expert_bias.shape) != (e,):
-        raise ValueError(f"moe_router_topk: expert_bias must be [{e}], got "
-                         f"{tuple(expert_bias.shape)}")
+    if expert_bias is not None and (tuple(expert_bias.shape) != (e,)
+                                    or not expert_bias.is_floating_point()):
+        raise ValueError(f"moe_router_topk: expert_bias must be a float [{e}], got "
+                         f"{tuple(expert_bias.shape)} {expert_bias.dtype}")
     logits = router_logits if router_logits.stride(1) == 1 else router_logits.contiguous()
     weights = torch.empty(t, top_k, dtype=torch.float32, device=logits.device)
     ids = torch.empty(t, top_k, dtype=torch.int64, device=logits.device)
     if t:
-        bias = expert_bias.float().contiguous() if expert_bias is not None else logits
+        # The bias goes in as it is (any float dtype and stride; the kernel widens it to fp32 as
+        # ``.float()`` would): a host-side copy would be a kernel writing it within the step.
+        bias = expert_bias if expert_bias is not None else logits
+        pdl_on = pdl.use_pdl(t)
         _router_kernel[(t,)](
-            logits, bias, weights, ids, logits.stride(0), float(routed_scaling_factor),
+            logits, bias, weights, ids, logits.stride(0),
+            bias.stride(0) if expert_bias is not None else 0, float(routed_scaling_factor),
             E=e, G=num_expert_group, PG=e // num_expert_group, TOPK_GROUP=topk_group, K=top_k,
             BLOCK_K=triton.next_power_of_2(top_k), HAS_BIAS=expert_bias is not None,
             GROUPED=num_expert_group > 1 and topk_group < num_expert_group,
-            RENORM=renormalize)
+            RENORM=renormalize, USE_PDL=pdl_on, **pdl.launch_options(pdl_on))
     return weights, ids

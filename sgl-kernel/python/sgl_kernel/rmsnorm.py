@@ -10,7 +10,8 @@ Per row (one program each)::
 The torch-native norm is six or seven kernels (cast, square, mean, add, rsqrt, two or three
 multiplies, cast), and a decode step of Ling-3.0-flash runs over a hundred norms: in a
 launch-bound batch-1 step each saved launch counts. Rows are independent, so a row rounds the same
-whatever the batch (a NEXTN verify row and the decode of the same token agree). References:
+whatever the batch (a NEXTN verify row and the decode of the same token agree). Decode-sized
+launches use PDL (:mod:`sgl_kernel.pdl`): the weight is read before the wait. References:
 :func:`sglang.srt.layers.layernorm.rms_norm` and ``GatedRMSNorm``.
 """
 from __future__ import annotations
@@ -21,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_kernel import pdl
+
 __all__ = ["rmsnorm", "GATE_ACTIVATIONS"]
 
 GATE_ACTIVATIONS = {None: 0, "sigmoid": 1, "swish": 2, "silu": 2}
@@ -28,11 +31,17 @@ GATE_ACTIVATIONS = {None: 0, "sigmoid": 1, "swish": 2, "silu": 2}
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, res_out_ptr, D,
-                    s_x, s_res, s_gate, s_out, s_res_out, eps,
-                    HAS_RES: tl.constexpr, GATE: tl.constexpr, BLOCK: tl.constexpr):
+                    s_x, s_res, s_gate, s_w, s_out, s_res_out, eps,
+                    HAS_RES: tl.constexpr, GATE: tl.constexpr, USE_PDL: tl.constexpr,
+                    BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
+    # The weight is a parameter no kernel of the step writes: with PDL its load overlaps the
+    # previous kernel's tail. x, residual and gate are activations: read only after the wait.
+    w = tl.load(w_ptr + offs * s_w, mask=mask, other=0.0).to(tl.float32)
+    pdl.wait(USE_PDL)
+    pdl.launch_dependents(USE_PDL)
     x = tl.load(x_ptr + row * s_x + offs, mask=mask, other=0.0)
     if HAS_RES:
         r = tl.load(res_ptr + row * s_res + offs, mask=mask, other=0.0)
@@ -40,7 +49,7 @@ def _rmsnorm_kernel(x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, res_out_ptr, D,
         tl.store(res_out_ptr + row * s_res_out + offs, x, mask=mask)
     h = x.to(tl.float32)
     y = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
-    y = y * tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    y = y * w
     if GATE != 0:
         g = tl.load(gate_ptr + row * s_gate + offs, mask=mask, other=0.0).to(tl.float32)
         if GATE == 1:
@@ -83,12 +92,15 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     res2 = _rows(residual, d) if residual is not None else x2
     res_out = torch.empty_like(out) if residual is not None else out
     gate2 = _rows(gate, d) if gate is not None else x2
-    if x2.shape[0]:
-        _rmsnorm_kernel[(x2.shape[0],)](
+    rows = x2.shape[0]
+    if rows:
+        pdl_on = pdl.use_pdl(rows)
+        _rmsnorm_kernel[(rows,)](
             x2, res2, gate2, weight, out, res_out, d,
-            x2.stride(0), res2.stride(0), gate2.stride(0), out.stride(0), res_out.stride(0),
-            float(eps), HAS_RES=residual is not None, GATE=GATE_ACTIVATIONS[activation],
-            BLOCK=triton.next_power_of_2(d))
+            x2.stride(0), res2.stride(0), gate2.stride(0), weight.stride(0), out.stride(0),
+            res_out.stride(0), float(eps), HAS_RES=residual is not None,
+            GATE=GATE_ACTIVATIONS[activation], USE_PDL=pdl_on, BLOCK=triton.next_power_of_2(d),
+            **pdl.launch_options(pdl_on))
     if residual is None:
         return out.view(x.shape)
     return out.view(x.shape), res_out.view(x.shape)

@@ -11,7 +11,7 @@ In torch that is a gather per field, an ``arange``, an add, an expand, a cast an
 ``index_put`` -- five to seven graph nodes of 1-2 us each for a few dozen bytes. Every request
 writes the same number ``N`` of entries, so no prefix sum over rows is needed: each program
 computes its own offsets. Reference: :func:`assign_round_cache_locs_ref` (the torch ops the
-round workers use without this kernel).
+round workers use without this kernel). Decode-sized launches use PDL (:mod:`sgl_kernel.pdl`).
 """
 from __future__ import annotations
 
@@ -21,13 +21,20 @@ import torch
 import triton
 import triton.language as tl
 
+from sgl_kernel import pdl
+
 __all__ = ["assign_round_cache_locs", "assign_round_cache_locs_ref"]
 
 
 @triton.jit
 def _assign_kernel(req_to_token_ptr, seq_lens_ptr, tokens_ptr, slots_ptr, loc_ptr, prefix_out_ptr,
-                   tokens_out_ptr, s_r2t, N, HAS_TOKENS: tl.constexpr, BLOCK_N: tl.constexpr):
+                   tokens_out_ptr, s_r2t, N, HAS_TOKENS: tl.constexpr, USE_PDL: tl.constexpr,
+                   BLOCK_N: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
+    # The relay (lengths, tokens) and the round's slots and locations are all written before
+    # this kernel, and the map may still be read by the previous step's kernels.
+    pdl.wait(USE_PDL)
+    pdl.launch_dependents(USE_PDL)
     slot = tl.load(slots_ptr + b).to(tl.int64)
     prefix = tl.load(seq_lens_ptr + slot).to(tl.int64)
     tl.store(prefix_out_ptr + b, prefix)
@@ -83,8 +90,10 @@ def assign_round_cache_locs(req_to_token: torch.Tensor, seq_lens: torch.Tensor,
     prefix = torch.empty(b, dtype=torch.int64, device=slots.device)
     tokens_out = None if tokens is None else torch.empty(b, dtype=tokens.dtype, device=slots.device)
     if b:
+        pdl_on = pdl.use_pdl(b)
         _assign_kernel[(b,)](req_to_token, seq_lens, tokens if tokens is not None else seq_lens,
                              slots, loc, prefix, tokens_out if tokens_out is not None else prefix,
                              req_to_token.stride(0), n, HAS_TOKENS=tokens is not None,
-                             BLOCK_N=triton.next_power_of_2(max(n, 1)))
+                             USE_PDL=pdl_on, BLOCK_N=triton.next_power_of_2(max(n, 1)),
+                             **pdl.launch_options(pdl_on))
     return prefix, tokens_out
