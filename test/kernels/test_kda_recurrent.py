@@ -51,6 +51,33 @@ def test_matches_reference(stage, block_v):
         assert s1[[2, 3, 5]].abs().sum() == 0  # slots outside the batch are not written
 
 
+@pytest.mark.parametrize("lower_bound", [-5.0, None])  # the safe gate, Kimi's softplus form
+def test_raw_gate_inputs_are_formed_in_the_kernel(lower_bound):
+    """``gate_params``: g and beta arrive as the raw f / b projections (fp16 strided views of a
+    wider projection output) and the kernel forms them as kda_gate and a sigmoid do."""
+    from sgl_kernel.kda_recurrent import kda_recurrent_reference, kda_recurrent_update
+
+    q, k, v, _, _, pool, slots = _inputs()
+    b, n, h, dk = q.shape
+    gen = torch.Generator().manual_seed(3)
+    fused = torch.randn(b * n, h * dk + h + 8, generator=gen).to(DEVICE, torch.float16)
+    f = fused[:, :h * dk].view(b, n, h, dk)
+    braw = fused[:, h * dk:h * dk + h].view(b, n, h)
+    params = (torch.randn(h, generator=gen).to(DEVICE), torch.randn(h * dk, generator=gen).to(DEVICE),
+              lower_bound)
+    results = []
+    for fn in (kda_recurrent_update, kda_recurrent_reference):
+        p = pool.clone()
+        out = torch.empty(*v.shape, device=DEVICE)
+        fn(q, k, v, f, braw, 0.3, p, slots, out, gate_params=params)
+        results.append((out, p))
+    torch.testing.assert_close(results[0][0], results[1][0], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(results[0][1], results[1][1], atol=1e-5, rtol=1e-5)
+    with pytest.raises(ValueError, match="dt_bias"):
+        kda_recurrent_update(q, k, v, f, braw, 0.3, pool.clone(), slots, torch.empty_like(v),
+                             gate_params=(params[0], params[1][:3], lower_bound))
+
+
 def test_decode_chain_equals_step_by_step():
     """Staging N positions equals N one-token updates of the same state: bit for bit, the
     property that makes NEXTN verify and plain decode round alike."""

@@ -15,7 +15,7 @@ log-space gate ``g`` and ``beta``, all fp32. Decode-sized launches use PDL
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import triton
@@ -31,18 +31,21 @@ __all__ = ["kda_recurrent_update", "kda_recurrent_reference"]
 # program, free to schedule the arithmetic differently from the chain loop (verify).
 @triton.jit(do_not_specialize=["N"])
 def _kda_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slots_ptr, state_ptr, o_ptr,
-                          staged_ptr, N, H, K, V, scale,
-                          s_qb, s_qn, s_qh, s_vb, s_vn, s_vh, s_bb, s_bn,
+                          staged_ptr, alog_ptr, dtb_ptr, N, H, K, V, scale, lower,
+                          s_qb, s_qn, s_qh, s_gb, s_gn, s_gh, s_vb, s_vn, s_vh, s_bb, s_bn,
                           s_ss, s_sh, s_sk, s_ob, s_on, s_oh, s_ts, s_tn, s_th, s_tk,
-                          STAGE: tl.constexpr, USE_PDL: tl.constexpr, BLOCK_K: tl.constexpr,
-                          BLOCK_V: tl.constexpr):
+                          STAGE: tl.constexpr, RAW_GATE: tl.constexpr, SAFE_GATE: tl.constexpr,
+                          USE_PDL: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr):
     b = tl.program_id(0)
     h = tl.program_id(1)
     offs_k = tl.arange(0, BLOCK_K)
     offs_v = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
     mask_k, mask_v = offs_k < K, offs_v < V
     mask_kv = mask_k[:, None] & mask_v[None, :]
-    # Every input (slots, state, q/k/v/g/beta) is written by an earlier kernel of the step.
+    if RAW_GATE:  # the layer's gate parameters: no kernel of the step writes them
+        a = tl.exp(tl.load(alog_ptr + h).to(tl.float32))
+        dt_bias = tl.load(dtb_ptr + h * K + offs_k, mask=mask_k, other=0.0).to(tl.float32)
+    # Every other input (slots, state, q/k/v/g/beta) is written by an earlier kernel of the step.
     pdl.wait(USE_PDL)
     pdl.launch_dependents(USE_PDL)
     slot = tl.load(slots_ptr + b).to(tl.int64)
@@ -53,9 +56,17 @@ def _kda_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slots_ptr, state
         qk_off = b * s_qb + i * s_qn + h * s_qh
         q = tl.load(q_ptr + qk_off + offs_k, mask=mask_k, other=0.0)
         k = tl.load(k_ptr + qk_off + offs_k, mask=mask_k, other=0.0)
-        g = tl.load(g_ptr + qk_off + offs_k, mask=mask_k, other=0.0)
+        g = tl.load(g_ptr + b * s_gb + i * s_gn + h * s_gh + offs_k, mask=mask_k,
+                    other=0.0).to(tl.float32)
         v = tl.load(v_ptr + b * s_vb + i * s_vn + h * s_vh + offs_v, mask=mask_v, other=0.0)
-        beta = tl.load(beta_ptr + b * s_bb + i * s_bn + h)
+        beta = tl.load(beta_ptr + b * s_bb + i * s_bn + h).to(tl.float32)
+        if RAW_GATE:  # g and beta arrive as the raw projections: form them here (kda_gate)
+            u = g + dt_bias
+            if SAFE_GATE:
+                g = lower * tl.sigmoid(a * u)
+            else:  # -exp(A_log) * softplus(u), softplus linear above 20 as torch's
+                g = -a * tl.where(u > 20.0, u, tl.log(1.0 + tl.exp(u)))
+            beta = tl.sigmoid(beta)
         s = s * tl.exp(g)[:, None]
         pred = tl.sum(s * k[:, None], axis=0)  # [BLOCK_V]
         s = s + (beta * k)[:, None] * (v - pred)[None, :]
@@ -69,7 +80,7 @@ def _kda_recurrent_kernel(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, slots_ptr, state
         tl.store(state_rows + kv_off, s, mask=mask_kv)
 
 
-def _check(q, k, v, g, beta, state_pool, slots):
+def _check(q, k, v, g, beta, state_pool, slots, raw_gate: bool):
     if q.dim() != 4 or k.shape != q.shape or g.shape != q.shape:
         raise ValueError(f"kda_recurrent_update: q, k, g must be [B, N, H, K] alike, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(g.shape)}")
@@ -83,20 +94,32 @@ def _check(q, k, v, g, beta, state_pool, slots):
                          f"{tuple(state_pool.shape)}")
     if tuple(slots.shape) != (b,):
         raise ValueError(f"kda_recurrent_update: slots must be [{b}], got {tuple(slots.shape)}")
-    if k.stride() != q.stride() or g.stride() != q.stride():
-        raise ValueError("kda_recurrent_update: q, k and g must share strides (e.g. contiguous)")
+    if k.stride() != q.stride():
+        raise ValueError("kda_recurrent_update: q and k must share strides (e.g. contiguous)")
+    # Raw gate inputs come in the model dtype (strided views of the projection output).
+    fp32 = ("q", "k", "v", "state pool") + (() if raw_gate else ("g", "beta"))
     for name, t in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta),
                     ("state pool", state_pool)):
-        if t.dtype != torch.float32 or t.stride(-1) != 1:
-            raise ValueError(f"kda_recurrent_update: {name} must be fp32 with a contiguous last dim")
+        if (name in fp32 and t.dtype != torch.float32) or not t.is_floating_point() \
+                or t.stride(-1) != 1:
+            raise ValueError(f"kda_recurrent_update: {name} must be {'fp32' if name in fp32 else 'float'}"
+                             " with a contiguous last dim")
 
 
 def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
                          beta: torch.Tensor, scale: float, state_pool: torch.Tensor,
                          slots: torch.Tensor, out: torch.Tensor,
                          staged: Optional[torch.Tensor] = None,
-                         block_v: Optional[int] = None) -> torch.Tensor:
+                         block_v: Optional[int] = None,
+                         gate_params: Optional[Tuple[torch.Tensor, torch.Tensor,
+                                                     Optional[float]]] = None) -> torch.Tensor:
     """Run ``N`` tokens per request from ``state_pool[slots[b]]`` (``[S, H, K, V]`` fp32).
+
+    With ``gate_params = (A_log [H], dt_bias [H * K], lower_bound)`` the gate arrives raw: ``g``
+    is the gate projection ``f`` and ``beta`` the beta projection ``b`` (model dtype, any
+    strides with a contiguous last dim, e.g. views of the fused projection output), and the
+    kernel forms ``g = kda_gate(f)`` and ``beta = sigmoid(b)`` as it loads them (the torch
+    form is several launches per layer; values equal to fp32 rounding).
 
     ``q, k, g [B, N, H, K]``, ``v [B, N, H, V]``, ``beta [B, N, H]`` (fp32); outputs go to
     ``out [B, N, H, V]`` (any float dtype). With ``staged`` (``[S, >= N, H, K, V]`` fp32, the
@@ -104,7 +127,7 @@ def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     and ``state_pool`` is only read (verify); without it the final state replaces
     ``state_pool[slot]`` (decode). Returns ``out``.
     """
-    _check(q, k, v, g, beta, state_pool, slots)
+    _check(q, k, v, g, beta, state_pool, slots, gate_params is not None)
     b, n, h, dk = q.shape
     dv = v.shape[3]
     if tuple(out.shape) != (b, n, h, dv) or out.stride(-1) != 1:
@@ -125,13 +148,23 @@ def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     slots = slots.contiguous()  # the kernel indexes slots[b] densely (a column view is not)
     grid = (b, h, triton.cdiv(dv, block_v))
     pdl_on = pdl.use_pdl(b * n)
+    if gate_params is not None:
+        a_log, dt_bias, lower = gate_params
+        if a_log.numel() != h or dt_bias.numel() != h * dk:
+            raise ValueError(f"kda_recurrent_update: A_log must have {h} and dt_bias {h * dk} "
+                             f"elements, got {a_log.numel()} and {dt_bias.numel()}")
+        a_log, dt_bias = a_log.reshape(-1), dt_bias.reshape(-1)  # parameters: contiguous views
+    else:
+        a_log = dt_bias = g  # unused pointers
+        lower = None
     _kda_recurrent_kernel[grid](
-        q, k, v, g, beta, slots, state_pool, out, st, n, h, dk, dv, float(scale),
-        q.stride(0), q.stride(1), q.stride(2), v.stride(0), v.stride(1), v.stride(2),
-        beta.stride(0), beta.stride(1),
+        q, k, v, g, beta, slots, state_pool, out, st, a_log, dt_bias, n, h, dk, dv, float(scale),
+        float(lower or 0.0), q.stride(0), q.stride(1), q.stride(2), g.stride(0), g.stride(1),
+        g.stride(2), v.stride(0), v.stride(1), v.stride(2), beta.stride(0), beta.stride(1),
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2), *st_strides,
-        STAGE=staged is not None, USE_PDL=pdl_on, BLOCK_K=triton.next_power_of_2(dk),
+        STAGE=staged is not None, RAW_GATE=gate_params is not None, SAFE_GATE=lower is not None,
+        USE_PDL=pdl_on, BLOCK_K=triton.next_power_of_2(dk),
         BLOCK_V=block_v, **pdl.launch_options(pdl_on),
         # No mul+add contraction: the decode and verify programs differ in their stores, and a
         # contraction the compiler picks in one and not the other broke their bit equality on an
@@ -140,9 +173,17 @@ def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     return out
 
 
-def kda_recurrent_reference(q, k, v, g, beta, scale, state_pool, slots, out, staged=None):
-    """Plain-torch :func:`kda_recurrent_update` (the per-position step of ``kda_ops.kda_step``)."""
-    from sglang.srt.layers.attention.kda_ops import kda_step
+def kda_recurrent_reference(q, k, v, g, beta, scale, state_pool, slots, out, staged=None,
+                            gate_params=None):
+    """Plain-torch :func:`kda_recurrent_update` (the per-position step of ``kda_ops.kda_step``;
+    raw gate inputs formed by ``kda_ops.kda_gate`` and a sigmoid)."""
+    from sglang.srt.layers.attention.kda_ops import kda_gate, kda_step
+
+    if gate_params is not None:
+        b, n, h, d = g.shape
+        g = kda_gate(g.reshape(b * n, h, d), gate_params[0], gate_params[1],
+                     gate_params[2]).view(b, n, h, d)
+        beta = torch.sigmoid(beta.float())
 
     state = state_pool[slots.long()]
     for i in range(q.shape[1]):

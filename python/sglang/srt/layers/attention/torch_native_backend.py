@@ -337,6 +337,18 @@ class TorchNativeKDABackend(AttentionBackend):
                 pool.get_ssm_state(layer.layer_id))
 
     @staticmethod
+    def _kernel_gate(g, beta, gate: Optional[KDAGate], layer, b: int, n: int):
+        """``(g, beta, gate_params)`` for ``sgl_kernel.kda_recurrent``: the raw projections as
+        ``[B, N, H, D]`` / ``[B, N, H]`` views with the layer's gate parameters (the kernel forms
+        the gate as it loads them: no launches for it), or the formed fp32 g / beta."""
+        h, d = layer.num_heads, layer.head_dim
+        if gate is not None:
+            return (gate.f.view(b, n, h, d), gate.b.view(b, n, h),
+                    (gate.A_log, gate.dt_bias, gate.lower_bound))
+        return (g.float().contiguous().view(b, n, h, d), beta.float().contiguous().view(b, n, h),
+                None)
+
+    @staticmethod
     def _gate(g, beta, gate: Optional[KDAGate], layer):
         """``(g [T, H, D], beta [T, H])`` fp32, formed from ``gate`` when it was given."""
         if gate is None:
@@ -430,17 +442,19 @@ class TorchNativeKDABackend(AttentionBackend):
                              f"at most spec_num_draft_tokens={pool.spec_num_draft_tokens}")
         slots = slots.to(device=mixed.device, dtype=torch.int64)
         h, d = layer.num_heads, layer.head_dim
-        gf, bf = self._gate(g, beta, gate, layer)
-        gf, bf = gf.contiguous().reshape(b, n, h, d), bf.contiguous().reshape(b, n, h)
         if self._recurrent_kernel is not None:
             # Two kernels: conv + head split + window staging, then the staged recurrence.
             qn, kn, vn = self._conv_kernel(mixed.view(b, n, -1), layer.conv_weight, conv_pool,
                                            slots, h, d,
                                            staged=pool.get_intermediate_conv(layer.layer_id))
             out = q.new_empty(b, n, h, d)
-            self._recurrent_kernel(qn, kn, vn, gf, bf, layer.scale, ssm_pool, slots, out,
-                                   staged=pool.get_intermediate_ssm(layer.layer_id))
+            gk, bk, params = self._kernel_gate(g, beta, gate, layer, b, n)
+            self._recurrent_kernel(qn, kn, vn, gk, bk, layer.scale, ssm_pool, slots, out,
+                                   staged=pool.get_intermediate_ssm(layer.layer_id),
+                                   gate_params=params)
             return out.view(t, h, d)
+        gf, bf = self._gate(g, beta, gate, layer)
+        gf, bf = gf.contiguous().reshape(b, n, h, d), bf.contiguous().reshape(b, n, h)
         # The conv and the q/k/v split do not depend on the recurrent state: all N positions at
         # once (the same per-position arithmetic as decode's one-step update). Gathers are
         # copies: the persistent pools are only read.
@@ -474,10 +488,9 @@ class TorchNativeKDABackend(AttentionBackend):
             qn, kn, vn = self._conv_kernel(mixed.view(b, 1, -1), layer.conv_weight, conv_pool,
                                            slots, h, d)
             out = q.new_empty(b, 1, h, d)
-            gf, bf = self._gate(g, beta, gate, layer)
-            self._recurrent_kernel(qn, kn, vn, gf.contiguous().view(b, 1, h, d),
-                                   bf.contiguous().view(b, 1, h), layer.scale, ssm_pool,
-                                   slots, out)
+            gk, bk, params = self._kernel_gate(g, beta, gate, layer, b, 1)
+            self._recurrent_kernel(qn, kn, vn, gk, bk, layer.scale, ssm_pool, slots, out,
+                                   gate_params=params)
             return out.view(b, h, d)
         y, window = causal_conv1d_update(mixed, layer.conv_weight, conv_pool[slots])
         conv_pool.index_copy_(0, slots, window.to(conv_pool.dtype))
