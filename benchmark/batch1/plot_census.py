@@ -17,11 +17,16 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import math
 import os
 import sys
 from typing import Any, Dict, List, Optional, Sequence
+
+try:  # run as a script, benchmark/batch1 is on sys.path; imported by file path it may not be
+    from plot_graph_ab import read_jsonl
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from plot_graph_ab import read_jsonl
 
 FIELDS = ("kernels", "us", "floor_us")
 BAR_H, FLOOR_H, GAP = 0.5, 0.22, 0.35  # in y units: a run's bar, its floor bar, the space after
@@ -81,30 +86,18 @@ def load_runs(paths: Sequence[str]) -> List[Run]:
     must list the same categories (the first run's order is the stacking order)."""
     runs: Dict[tuple, Run] = {}
     order: Optional[List[str]] = None
-    for path in paths:
-        try:
-            lines = open(path).read().splitlines()
-        except OSError as exc:
-            raise ValueError(f"cannot read {path}: {exc.strerror}") from None
-        for num, line in enumerate(lines, 1):
-            where = f"{path}:{num}"
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{where}: not JSON ({exc.msg})") from None
-            run = _parse(rec, where)
-            names = list(run.categories)
-            if order is None:
-                order = names
-            elif set(names) != set(order):
-                missing = sorted(set(order) - set(names))
-                extra = sorted(set(names) - set(order))
-                raise ValueError(f"{where}: categories differ from the first run's (missing "
-                                 f"{missing}, extra {extra})")
-            run.categories = {c: run.categories[c] for c in order}
-            runs[(run.label, run.mode)] = run  # a re-run replaces, keeping the first position
+    for where, rec in read_jsonl(paths):
+        run = _parse(rec, where)
+        names = list(run.categories)
+        if order is None:
+            order = names
+        elif set(names) != set(order):
+            missing = sorted(set(order) - set(names))
+            extra = sorted(set(names) - set(order))
+            raise ValueError(f"{where}: categories differ from the first run's (missing "
+                             f"{missing}, extra {extra})")
+        run.categories = {c: run.categories[c] for c in order}
+        runs[(run.label, run.mode)] = run  # a re-run replaces, keeping the first position
     if not runs:
         raise ValueError("no result lines in " + ", ".join(paths))
     return list(runs.values())

@@ -23,7 +23,7 @@ import math
 import os
 import re
 import sys
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
 from xml.sax.saxutils import escape
 
 # (mode, overlap) -> display name, colour; the order is the bar order inside a group.
@@ -71,13 +71,10 @@ def _number(rec: dict, key: str, where: str, optional: bool = False) -> Optional
     return float(val)
 
 
-def load_groups(paths: Sequence[str]) -> List[Group]:
-    """Parse ``graph_ab.py`` JSONL files into groups, one per label in first-seen order.
-
-    A later line for a (label, configuration) already seen replaces the earlier one: appending a
-    re-run to the same file updates the chart.
-    """
-    groups: Dict[str, Group] = {}
+def read_jsonl(paths: Sequence[str]) -> Iterator[Tuple[str, Dict[str, Any]]]:
+    """``(where, record)`` for every non-empty line of the JSONL ``paths`` (``where`` =
+    ``path:line`` for error messages); a line that is not a JSON object raises ``ValueError``
+    naming it. Shared by the project's benchmark plotters."""
     for path in paths:
         try:
             lines = open(path).read().splitlines()
@@ -93,19 +90,30 @@ def load_groups(paths: Sequence[str]) -> List[Group]:
                 raise ValueError(f"{where}: not JSON ({exc.msg})") from None
             if not isinstance(rec, dict):
                 raise ValueError(f"{where}: expected a JSON object per line")
-            label, mode, overlap = rec.get("label"), rec.get("mode"), rec.get("overlap")
-            if not isinstance(label, str) or not label:
-                raise ValueError(f"{where}: 'label' must be a non-empty string, got {label!r}")
-            if mode not in ("graph", "eager"):
-                raise ValueError(f"{where}: 'mode' must be 'graph' or 'eager', got {mode!r}")
-            if not isinstance(overlap, bool):
-                raise ValueError(f"{where}: 'overlap' must be true or false, got {overlap!r}")
-            group = groups.setdefault(label, Group(label))
-            group.iter_ms[(mode, overlap)] = _number(rec, "iter_ms", where)
-            replay = _number(rec, "replay_ms", where, optional=True)
-            group.replay_ms = replay if replay is not None else group.replay_ms
-            idle = _number(rec, "gpu_idle_share", where, optional=True)
-            group.idle_share = idle if idle is not None else group.idle_share
+            yield where, rec
+
+
+def load_groups(paths: Sequence[str]) -> List[Group]:
+    """Parse ``graph_ab.py`` JSONL files into groups, one per label in first-seen order.
+
+    A later line for a (label, configuration) already seen replaces the earlier one: appending a
+    re-run to the same file updates the chart.
+    """
+    groups: Dict[str, Group] = {}
+    for where, rec in read_jsonl(paths):
+        label, mode, overlap = rec.get("label"), rec.get("mode"), rec.get("overlap")
+        if not isinstance(label, str) or not label:
+            raise ValueError(f"{where}: 'label' must be a non-empty string, got {label!r}")
+        if mode not in ("graph", "eager"):
+            raise ValueError(f"{where}: 'mode' must be 'graph' or 'eager', got {mode!r}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"{where}: 'overlap' must be true or false, got {overlap!r}")
+        group = groups.setdefault(label, Group(label))
+        group.iter_ms[(mode, overlap)] = _number(rec, "iter_ms", where)
+        replay = _number(rec, "replay_ms", where, optional=True)
+        group.replay_ms = replay if replay is not None else group.replay_ms
+        idle = _number(rec, "gpu_idle_share", where, optional=True)
+        group.idle_share = idle if idle is not None else group.idle_share
     if not groups:
         raise ValueError("no result lines in " + ", ".join(paths))
     return list(groups.values())

@@ -2,8 +2,9 @@
 read weights that every other layer has pushed out of L2, so each timed call here does too."""
 from __future__ import annotations
 
+import os
 import time
-from typing import Callable
+from typing import Callable, Tuple
 
 import torch
 
@@ -33,3 +34,14 @@ def cold_time_us(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> f
         e.record()
     torch.cuda.synchronize()
     return 1000.0 * sum(s.elapsed_time(e) for s, e in zip(starts, ends)) / iters
+
+
+def kernel_bench_device(script: str) -> Tuple[str, torch.dtype]:
+    """``(device, dtype)`` of a kernel benchmark: CUDA in bf16, or under ``TRITON_INTERPRET=1``
+    the CPU in fp32 (a smoke run of the script); anything else exits naming ``script``."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if torch.cuda.is_available() and not interpreted:
+        return "cuda", torch.bfloat16
+    if not interpreted:
+        raise SystemExit(f"{script} needs CUDA (or TRITON_INTERPRET=1 for a smoke run)")
+    return "cpu", torch.float32

@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 from typing import List, NamedTuple, Optional
 
 import torch
 
-from cold_l2 import cold_time_us, flush_buffer  # benchmark/kernels/cold_l2.py
+from cold_l2 import cold_time_us, flush_buffer, kernel_bench_device  # benchmark/kernels/cold_l2.py
 from sgl_kernel.fp8_blocks import block_quantize
 from sgl_kernel.grouped_gemv import grouped_gemv, grouped_gemv_reference
 
@@ -63,12 +62,9 @@ def main() -> None:
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--top", type=int, default=5, help="configs re-timed at --check-tokens")
     args = p.parse_args()
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    on_cuda = torch.cuda.is_available() and not interpreted
-    if not on_cuda and not interpreted:
-        raise SystemExit("tune_grouped_gemv needs CUDA (or TRITON_INTERPRET=1 for a smoke run)")
+    dev, dt = kernel_bench_device("tune_grouped_gemv")
+    on_cuda = dev == "cuda"
     torch.manual_seed(0)
-    dev, dt = ("cuda", torch.bfloat16) if on_cuda else ("cpu", torch.float32)
     e, h, i, k = args.experts, args.hidden, args.intermediate, args.topk
     flush = flush_buffer(dev)
     name_dev = torch.cuda.get_device_name() if on_cuda else "CPU (Triton interpreter)"

@@ -16,13 +16,12 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import os
 from typing import Dict, List, Tuple
 
 import torch
 import torch.nn.functional as F
 
-from cold_l2 import cold_time_us, flush_buffer  # benchmark/kernels/cold_l2.py
+from cold_l2 import cold_time_us, flush_buffer, kernel_bench_device  # benchmark/kernels/cold_l2.py
 from sgl_kernel._triton_mode import LaunchConfig
 from sgl_kernel.fp8_blocks import block_dequantize, block_quantize
 from sgl_kernel.small_m_gemm import launch_config, small_m_gemm, small_m_gemm_reference
@@ -53,12 +52,9 @@ def main() -> None:
                    help="block-fp8 weights (float8_e4m3fn + 128x128 scales); F.linear then runs "
                         "on the dequantised bf16 weight, for reference")
     args = p.parse_args()
-    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
-    on_cuda = torch.cuda.is_available() and not interpreted
-    if not on_cuda and not interpreted:
-        raise SystemExit("tune_small_m_gemm needs CUDA (or TRITON_INTERPRET=1 for a smoke run)")
+    dev, dt = kernel_bench_device("tune_small_m_gemm")
+    on_cuda = dev == "cuda"
     torch.manual_seed(0)
-    dev, dt = ("cuda", torch.bfloat16) if on_cuda else ("cpu", torch.float32)
     flush = flush_buffer(dev)
     grid = [LaunchConfig(*c) for c in itertools.product(args.block_n, args.block_k,
                                                         args.num_warps, args.num_stages)]
@@ -95,7 +91,7 @@ def main() -> None:
                                                             w_scale=scale), args.iters,
                                        flush), cfg))
         timed.sort(key=lambda r: r[0])
-        best, current = timed[0][1], launch_config(n, k)
+        best, current = timed[0][1], launch_config(n, k)  # current: small_m_gemm's default
         cells = []
         for m in args.rows:
             x = xs[m]
@@ -105,7 +101,8 @@ def main() -> None:
             t_lib = cold_time_us(lambda: F.linear(x, w_lib), args.iters, flush)
             cells.append(f"M={m}: best {t_best:.1f} ({nbytes / t_best / 1e3:.0f} GB/s), "
                          f"current {t_cur:.1f}, F.linear {t_lib:.1f}")
-        line = (f"| {name} | {n}x{k} | {'/'.join(map(str, best))} | "
+        line = (f"| {name} | {n}x{k} | {'/'.join(map(str, best))} "
+                f"(current {'/'.join(map(str, current))}) | "
                 + " ; ".join(cells) + " |")
         print(line)
         summary.append(line)
