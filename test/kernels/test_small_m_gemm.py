@@ -108,3 +108,32 @@ def test_linear_layers_route_small_batches_through_it():
                        torch.nn.functional.linear(big, layer.weight))
     assert not set_linear_backend(model, False, torch.device(DEVICE)) and not layer.small_m_gemm
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+@pytest.mark.parametrize("dtype,tol", CASES)
+def test_gated_norm_prologue_matches_norm_then_product(dtype, tol):
+    """``gated_norm``: KDA's output norm (per 64-wide head, sigmoid gate) folded into the
+    product's loads equals GatedRMSNorm followed by the product; rows stay batch-invariant."""
+    from sgl_kernel.small_m_gemm import GatedNormPrologue, small_m_gemm, small_m_gemm_reference
+
+    gen = torch.Generator().manual_seed(7)
+    m, heads, d, n = 5, 6, 64, 48
+    x = torch.randn(m, heads * d, generator=gen).to(DEVICE, dtype)
+    fused = torch.randn(m, heads * d + 8, generator=gen).to(DEVICE, dtype)
+    pro = GatedNormPrologue(fused[:, 8:], (1 + torch.rand(d, generator=gen)).to(DEVICE, dtype),
+                            1e-6, d)
+    w = (torch.randn(n, heads * d, generator=gen) / 20).to(DEVICE, dtype)
+    got = small_m_gemm(x, w, gated_norm=pro)
+    assert _rel(got, small_m_gemm_reference(x, w, gated_norm=pro)) < tol
+    assert torch.equal(small_m_gemm(x[3:4], w, gated_norm=pro._replace(gate=pro.gate[3:4])),
+                       got[3:4])
+    with pytest.raises(ValueError, match="gated_norm"):
+        small_m_gemm(x, w, gated_norm=pro._replace(head_dim=48))
+
+
+def test_model_row_bound_matches_the_kernels():
+    """The KDA layer passes its output norm to o_proj's small-M GEMM up to the GEMM's own bound."""
+    from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS
+    from sglang.srt.models import bailing_moe_v3
+
+    assert bailing_moe_v3._SMALL_M_ROWS == SMALL_M_MAX_ROWS

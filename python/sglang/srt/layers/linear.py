@@ -78,15 +78,21 @@ def normal_dummy_init(fan_in: int):
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
-           small_m_gemm: bool = False) -> torch.Tensor:
+           small_m_gemm: bool = False, gated_norm=None) -> torch.Tensor:
     """``F.linear``, or with ``small_m_gemm`` for decode / verify row counts the batch-invariant
     Triton product (``sgl_kernel.small_m_gemm``: a row rounds the same whatever rows share its
-    launch, so speculative verify rows equal plain decode rows bit for bit)."""
+    launch, so speculative verify rows equal plain decode rows bit for bit). ``gated_norm`` (a
+    ``sgl_kernel.small_m_gemm.GatedNormPrologue``) normalises ``x`` per head first: inside the
+    kernel's loads on that path, else with the torch ``GatedRMSNorm``."""
     if small_m_gemm and x.dim() == 2 and x.dtype == weight.dtype and weight.stride(1) == 1:
         from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS, small_m_gemm as gemm
 
         if x.shape[0] <= SMALL_M_MAX_ROWS:
-            return gemm(x.contiguous(), weight, bias)
+            return gemm(x.contiguous(), weight, bias, gated_norm=gated_norm)
+    if gated_norm is not None:
+        from sgl_kernel.small_m_gemm import gated_norm_reference
+
+        x = gated_norm_reference(x, gated_norm)
     return F.linear(x, weight, bias)
 
 
@@ -287,9 +293,11 @@ class RowParallelLinear(LinearBase):
         self._load(param, loaded, [WeightShard(0, 0, out, 0, out, self.tp_rank * n, n,
                                                self.input_size)])
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``x [.., in / tp]`` (this rank's input block) ``-> [.., out]``."""
-        y = self._product(x, None)
+    def forward(self, x: torch.Tensor, gated_norm=None) -> torch.Tensor:
+        """``x [.., in / tp]`` (this rank's input block) ``-> [.., out]``; ``gated_norm``: x is
+        first normalised per head with its gate (see :func:`linear`)."""
+        y = self._product(x, None) if gated_norm is None else \
+            self.quant_method.apply(self, x, None, gated_norm=gated_norm)
         if self.reduce_results:
             y = tensor_model_parallel_all_reduce(y)
         # Unreduced partial sums get the bias on one rank only, so the later sum counts it once.

@@ -83,6 +83,11 @@ def _uniform_dummy_init(low: float, high: float, log: bool = False):
 # ============================================================================================
 # KDA (docs/model.md §3)
 # ============================================================================================
+
+# Decode / verify row counts whose KDA output norm runs inside o_proj's small-M GEMM (the GEMM's
+# own bound, sgl_kernel.small_m_gemm.SMALL_M_MAX_ROWS; kept here so CPU builds never import triton).
+_SMALL_M_ROWS = 64
+
 class BailingKDA(nn.Module):
     """Kimi Delta Attention with a full-rank forget gate and a sigmoid-gated output norm.
 
@@ -171,6 +176,12 @@ class BailingKDA(nn.Module):
         # as it loads them); q, k, v stay views of the projection output.
         gate = KDAGate(f, b, self.A_log, self.dt_bias, self.lower_bound)
         o = self.attn(q, k, v, None, None, forward_batch, gate=gate)  # [T, h, d]
+        if self.o_proj.small_m_gemm and t <= _SMALL_M_ROWS:  # the output norm inside o_proj's
+            from sgl_kernel.small_m_gemm import GatedNormPrologue  # loads: one launch for both
+
+            norm = self.o_norm
+            return self.o_proj(o.reshape(t, h * d), gated_norm=GatedNormPrologue(
+                z, norm.weight, norm.variance_epsilon, d, norm.activation))
         o = self.o_norm(o, z.view(t, h, d))
         return self.o_proj(o.reshape(t, h * d))
 

@@ -97,8 +97,9 @@ class LinearMethodBase(QuantizeMethodBase):
 
     @abstractmethod
     def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """``x [.., in_local] -> [.., out_local]`` (+ bias), through ``linear()``."""
+              bias: Optional[torch.Tensor] = None, gated_norm=None) -> torch.Tensor:
+        """``x [.., in_local] -> [.., out_local]`` (+ bias), through ``linear()``; ``gated_norm``
+        as :func:`sglang.srt.layers.linear.linear` takes it."""
 
 
 class FusedMoEMethodBase(QuantizeMethodBase):

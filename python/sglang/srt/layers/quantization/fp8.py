@@ -230,7 +230,7 @@ class Fp8LinearMethod(LinearMethodBase):
                                   layer.weight_col_block, dtype)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+              bias: Optional[torch.Tensor] = None, gated_norm=None) -> torch.Tensor:
         """``linear(x, dequant(weight), bias)``; with the layer's ``small_m_gemm`` a decode /
         verify batch runs the small-M kernel on the fp8 weight itself (each tile dequantised as
         it is loaded, the same values)."""
@@ -242,8 +242,9 @@ class Fp8LinearMethod(LinearMethodBase):
             if x.shape[0] <= SMALL_M_MAX_ROWS:
                 return small_m_gemm(x.contiguous(), layer.weight, bias,
                                     w_scale=layer.weight_scale_inv,
-                                    w_scale_rows=layer.weight_row_block)
-        return linear(x, self.dequantized_weight(layer, x.dtype), bias, layer.small_m_gemm)
+                                    w_scale_rows=layer.weight_row_block, gated_norm=gated_norm)
+        return linear(x, self.dequantized_weight(layer, x.dtype), bias, layer.small_m_gemm,
+                      gated_norm)
 
 
 class DequantizedExperts:

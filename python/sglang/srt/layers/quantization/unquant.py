@@ -61,11 +61,11 @@ class UnquantizedLinearMethod(LinearMethodBase):
         _copy_unquantized(param, loaded, shard, expert_id)
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
-              bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+              bias: Optional[torch.Tensor] = None, gated_norm=None) -> torch.Tensor:
         """``linear(x, weight, bias)`` (the small-M GEMM when the layer asks for it)."""
         from sglang.srt.layers.linear import linear
 
-        return linear(x, layer.weight, bias, layer.small_m_gemm)
+        return linear(x, layer.weight, bias, layer.small_m_gemm, gated_norm)
 
 
 class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
