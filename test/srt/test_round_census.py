@@ -235,14 +235,6 @@ def test_hooks_open_nested_ranges_and_come_off():
     assert rows["dense MLP"]["kernels"] == 0 and rows["other"]["kernels"] > 1
 
 
-def test_phase_census_still_runs():
-    stdout = _run("round_census.py", *RUN_ARGS, "--by", "phase", "--speculative-algorithm",
-                  "NEXTN", "--speculative-num-steps", "2")
-    for phase in ("target forward", "KDA verify (in target)", "MTP forward", "acceptance"):
-        assert f"| {phase} | " in stdout, stdout
-    assert "unprofiled" in stdout
-
-
 def test_plot_census_writes_a_png_of_two_runs(census, tmp_path, capsys):
     pytest.importorskip("matplotlib")
     out = tmp_path / "census.png"
