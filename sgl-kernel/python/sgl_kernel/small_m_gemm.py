@@ -200,11 +200,10 @@ def small_m_gemm_reference(x: torch.Tensor, w: torch.Tensor,
 
 
 def gated_norm_reference(x: torch.Tensor, prologue: GatedNormPrologue) -> torch.Tensor:
-    """``x [M, K]`` through the project's ``GatedRMSNorm`` per ``head_dim`` head."""
-    from sglang.srt.layers.layernorm import GatedRMSNorm
+    """``x [M, K]`` through the project's ``GatedRMSNorm`` math per ``head_dim`` head."""
+    from sglang.srt.layers.layernorm import gated_rms_norm
 
     gate, weight, eps, d, act = prologue
-    norm = GatedRMSNorm(d, eps, act, weight.dtype).to(weight.device)
-    norm.weight.data.copy_(weight)
     m, k = x.shape
-    return norm(x.reshape(m, k // d, d), gate.reshape(m, k // d, d)).reshape(m, k)
+    return gated_rms_norm(x.reshape(m, k // d, d), gate.reshape(m, k // d, d), weight, eps,
+                          act).reshape(m, k)

@@ -16,7 +16,7 @@ from sglang.srt.environ import require_triton_runtime
 from sglang.srt.layers.linear import copy_checked
 from sglang.srt.model_loader.weight_utils import LazyWeight
 
-__all__ = ["RMSNorm", "GatedRMSNorm", "rms_norm", "set_norm_backend"]
+__all__ = ["RMSNorm", "GatedRMSNorm", "rms_norm", "gated_rms_norm", "set_norm_backend"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -24,6 +24,17 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
     return (y * weight.float()).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, eps: float,
+                   activation: str = "sigmoid") -> torch.Tensor:
+    """``rmsnorm(x) * weight * act(gate)`` over the last dim in fp32 (``act`` = sigmoid, or
+    swish / silu), returned in x's dtype: the torch form of :class:`GatedRMSNorm`."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    gf = gate.float()
+    act = torch.sigmoid(gf) if activation == "sigmoid" else gf * torch.sigmoid(gf)
+    return (y * weight.float() * act).to(x.dtype)
 
 
 @functools.lru_cache(maxsize=None)
@@ -116,11 +127,7 @@ class GatedRMSNorm(nn.Module):
         if self.use_triton:
             return _triton_rmsnorm()(x, self.weight, self.variance_epsilon, gate=gate,
                                      activation=self.activation)
-        xf = x.float()
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
-        gf = gate.float()
-        act = torch.sigmoid(gf) if self.activation == "sigmoid" else gf * torch.sigmoid(gf)
-        return (y * self.weight.float() * act).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.variance_epsilon, self.activation)
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.variance_epsilon}, act={self.activation}"
