@@ -42,13 +42,12 @@ def test_kernels_equal_with_and_without_pdl_in_a_graph():
     inside one CUDA graph give the same bits as without."""
     import torch
 
-    from sgl_kernel import pdl
+    from pdl_graph_utils import assert_bitwise_equal, outputs_without_and_with_pdl, skip_without_pdl
     from sgl_kernel.grouped_gemv import grouped_gemv
     from sgl_kernel.moe_combine import moe_combine
     from sgl_kernel.small_m_gemm import small_m_gemm
 
-    if torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("PDL needs compute capability 9.0")
+    skip_without_pdl()
     gen = torch.Generator(device="cuda").manual_seed(0)
     e, h, i, k = 16, 256, 128, 4
     x = torch.randn(2, h, device="cuda", generator=gen).bfloat16()
@@ -63,17 +62,4 @@ def test_kernels_equal_with_and_without_pdl_in_a_graph():
         y = grouped_gemv(act[:2 * k], w2, ids, extra_w=w2[0], extra_x=act[2 * k:])
         return small_m_gemm(moe_combine(y, weights, y[2 * k:]), wd)
 
-    results = []
-    for enabled in (False, True):
-        pdl.set_pdl(enabled)
-        try:
-            chain()  # compile outside the capture
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = chain()
-            graph.replay()
-            torch.cuda.synchronize()
-            results.append(out.clone())
-        finally:
-            pdl.set_pdl(False)
-    assert torch.equal(results[0], results[1])
+    assert_bitwise_equal(outputs_without_and_with_pdl(lambda: [chain()]))
