@@ -38,6 +38,7 @@ __all__ = [
     "copy_checked",
     "normal_dummy_init",
     "linear",
+    "small_m_rows",
     "set_linear_backend",
 ]
 
@@ -77,6 +78,16 @@ def normal_dummy_init(fan_in: int):
     return init
 
 
+def small_m_rows(x: torch.Tensor) -> bool:
+    """Whether ``x`` is a decode / verify-sized ``[M, K]`` batch: the rows the small-M Triton
+    GEMM takes (``sgl_kernel.small_m_gemm.SMALL_M_MAX_ROWS``; prefill keeps the library GEMM)."""
+    if x.dim() != 2:
+        return False
+    from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS
+
+    return x.shape[0] <= SMALL_M_MAX_ROWS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
            small_m_gemm: bool = False, gated_norm=None) -> torch.Tensor:
     """``F.linear``, or with ``small_m_gemm`` for decode / verify row counts the batch-invariant
@@ -84,11 +95,10 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
     launch, so speculative verify rows equal plain decode rows bit for bit). ``gated_norm`` (a
     ``sgl_kernel.small_m_gemm.GatedNormPrologue``) normalises ``x`` per head first: inside the
     kernel's loads on that path, else with the torch ``GatedRMSNorm``."""
-    if small_m_gemm and x.dim() == 2 and x.dtype == weight.dtype and weight.stride(1) == 1:
-        from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS, small_m_gemm as gemm
+    if small_m_gemm and x.dtype == weight.dtype and weight.stride(1) == 1 and small_m_rows(x):
+        from sgl_kernel.small_m_gemm import small_m_gemm as gemm
 
-        if x.shape[0] <= SMALL_M_MAX_ROWS:
-            return gemm(x.contiguous(), weight, bias, gated_norm=gated_norm)
+        return gemm(x.contiguous(), weight, bias, gated_norm=gated_norm)
     if gated_norm is not None:
         from sgl_kernel.small_m_gemm import gated_norm_reference
 

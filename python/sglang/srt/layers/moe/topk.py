@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.layers.linear import copy_checked
+from sglang.srt.layers.linear import copy_checked, small_m_rows
 from sglang.srt.model_loader.weight_utils import LazyWeight
 
 __all__ = ["TopKOutput", "select_experts", "MoEGate"]
@@ -119,11 +119,10 @@ class MoEGate(nn.Module):
         """fp32 ``[T, E]`` logits. With ``small_m_gemm`` (``set_linear_backend``) decode /
         verify sizes take one batch-invariant launch that reads x in its own dtype and writes
         the fp32 accumulator (no cast launch, and bf16 gate logits are not rounded to bf16)."""
-        if self.small_m_gemm and x.dim() == 2:
-            from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS, small_m_gemm
+        if self.small_m_gemm and small_m_rows(x):
+            from sgl_kernel.small_m_gemm import small_m_gemm
 
-            if x.shape[0] <= SMALL_M_MAX_ROWS:
-                return small_m_gemm(x.contiguous(), self.weight, out_dtype=torch.float32)
+            return small_m_gemm(x.contiguous(), self.weight, out_dtype=torch.float32)
         if self.router_fp32:
             return F.linear(x.float(), self.weight)
         return F.linear(x.to(self.weight.dtype), self.weight).float()

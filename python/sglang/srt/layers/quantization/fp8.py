@@ -234,15 +234,14 @@ class Fp8LinearMethod(LinearMethodBase):
         """``linear(x, dequant(weight), bias)``; with the layer's ``small_m_gemm`` a decode /
         verify batch runs the small-M kernel on the fp8 weight itself (each tile dequantised as
         it is loaded, the same values)."""
-        from sglang.srt.layers.linear import linear
+        from sglang.srt.layers.linear import linear, small_m_rows
 
-        if layer.small_m_gemm and x.dim() == 2:
-            from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS, small_m_gemm
+        if layer.small_m_gemm and small_m_rows(x):
+            from sgl_kernel.small_m_gemm import small_m_gemm
 
-            if x.shape[0] <= SMALL_M_MAX_ROWS:
-                return small_m_gemm(x.contiguous(), layer.weight, bias,
-                                    w_scale=layer.weight_scale_inv,
-                                    w_scale_rows=layer.weight_row_block, gated_norm=gated_norm)
+            return small_m_gemm(x.contiguous(), layer.weight, bias,
+                                w_scale=layer.weight_scale_inv,
+                                w_scale_rows=layer.weight_row_block, gated_norm=gated_norm)
         return linear(x, self.dequantized_weight(layer, x.dtype), bias, layer.small_m_gemm,
                       gated_norm)
 
