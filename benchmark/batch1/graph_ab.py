@@ -18,7 +18,8 @@ Then the back-to-back replay time of the round's graph (the device time of a rou
 work between replays: the floor the served step can approach when the host is hidden), and, if
 ``--trace-dir`` is given, the GPU idle share of the steady-state loop from a torch profiler trace
 (profiled vs unprofiled iteration time printed beside it). One JSON line per configuration goes
-to ``--result-filename``.
+to ``--result-filename``. The device memory is reported too (weights, KV / state pools, the
+rest of what is allocated: graph pools and activations, free), once after the runs.
 """
 from __future__ import annotations
 
@@ -34,6 +35,41 @@ from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
+
+
+def _tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors held by ``obj``'s attributes (directly, or in lists / dicts)."""
+    total = 0
+    for v in vars(obj).values():
+        items = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]
+        total += sum(t.numel() * t.element_size() for t in items if isinstance(t, torch.Tensor))
+    return total
+
+
+def _memory_report(sched: Scheduler) -> Dict[str, float]:
+    """Device memory in GiB: the target (and draft) weights, the pools, the rest allocated."""
+    if not torch.cuda.is_available():
+        return {}
+    gib = float(1 << 30)
+    runners = [sched.tp_worker.model_runner]
+    draft = getattr(sched.round_worker, "draft_runner", None)
+    if draft is not None:
+        runners.append(draft)
+    weights = {id(t): t.numel() * t.element_size() for r in runners
+               for t in list(r.model.parameters()) + list(r.model.buffers())}
+    target = sched.tp_worker.model_runner
+    pools = {id(p): _tensor_bytes(p) for r in runners
+             for p in (r.req_to_token_pool, r.token_to_kv_pool, r.kda_state_pool)
+             if p is not None}
+    allocated = torch.cuda.memory_allocated()
+    free, total = torch.cuda.mem_get_info()
+    out = {"weights_gib": sum(weights.values()) / gib, "pools_gib": sum(pools.values()) / gib,
+           "kv_tokens": target.max_total_num_tokens, "context_len": target.context_len,
+           "allocated_gib": allocated / gib,
+           "reserved_gib": torch.cuda.memory_reserved() / gib,
+           "free_gib": free / gib, "total_gib": total / gib}
+    out["other_gib"] = out["allocated_gib"] - out["weights_gib"] - out["pools_gib"]
+    return out
 
 
 def _sync() -> None:
@@ -198,7 +234,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     sched.enable_overlap = True
     if args.seam_ab and runner is not None:
         results += _seam_ab(sched, args.steps, args.seam_ab)
-    extra: Dict[str, Any] = {"replay_ms": _replay_ms(sched, args.replays)}
+    extra: Dict[str, Any] = {"replay_ms": _replay_ms(sched, args.replays),
+                             "memory": _memory_report(sched)}
     if args.trace_dir:
         sched.round_worker.graph_runner = runner
         extra.update(_idle_share(sched, args.steps, args.trace_dir))
@@ -214,6 +251,10 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
             print(f"{name:<18}{r['iter_ms']:>9.3f}  runs {[round(x, 3) for x in r['iter_ms_runs']]}"
                   f" replays {r['replays']} glue {r['glue_replays']} failed {r['failed']}")
     print("back-to-back replay ms:", extra["replay_ms"])
+    if extra["memory"]:
+        print("memory GiB: " + ", ".join(f"{k[:-4]} {v:.2f}" for k, v in extra["memory"].items()
+                                          if k.endswith("_gib"))
+              + f"; KV tokens {extra['memory']['kv_tokens']}, context {extra['memory']['context_len']}")
     if "gpu_idle_share" in extra:
         print(f"profiled iter ms {extra['profiled_iter_ms']:.3f}, GPU idle share "
               f"{extra['gpu_idle_share']:.3f}")
