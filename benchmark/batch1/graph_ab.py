@@ -77,13 +77,22 @@ def _sync() -> None:
         torch.cuda.synchronize()
 
 
-def _start(sched: Scheduler, prompt_len: int, budget: int, seed: int) -> None:
+def start_request(sched: Scheduler, prompt_len: int, budget: int, seed: int = 0,
+                  rid: str = "ab") -> None:
+    """Submit one greedy request of ``prompt_len`` random ids and ``budget`` new tokens to the
+    in-process scheduler and run it through its prefill; exit with the reason if the scheduler
+    cannot admit it (it would otherwise wait for ever)."""
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, sched.vocab_size, (prompt_len,), generator=gen).tolist()
     sp = SamplingParams(max_new_tokens=budget, temperature=0.0, ignore_eos=True)
     sp.verify(sched.vocab_size)
-    sched.submit(TokenizedGenerateReqInput("ab", None, ids, sp.normalize(None)))
+    sched.submit(TokenizedGenerateReqInput(rid, None, ids, sp.normalize(None)))
     sched.process_input_requests(sched.recv_requests())
+    if not sched.waiting_queue and sched.chunked_req is None and sched.running_batch is None:
+        raise SystemExit(f"the scheduler refused the request: prompt {prompt_len} + {budget} new "
+                         f"tokens against context {sched.max_req_len} and "
+                         f"{sched.max_total_num_tokens} KV slots (raise --context-length or "
+                         "lower --prompt-len / --steps)")
     while sched.running_batch is None:  # prefill (all chunks)
         sched.step()
 
@@ -222,7 +231,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
         configs = [c for c in configs if c[0] == "eager"]
     rows = len(configs) + 2 + (args.seam_ab * 8 if runner is not None else 0)
     budget = (args.steps + 3) * rows * sched.round_worker.round_tokens + 64
-    _start(sched, args.prompt_len, budget, server_args.random_seed or 0)
+    start_request(sched, args.prompt_len, budget, server_args.random_seed or 0)
     results = []
     for mode, overlap in configs:
         sched.round_worker.graph_runner = runner if mode == "graph" else None

@@ -30,7 +30,6 @@ import collections
 import dataclasses
 import json
 import os
-import random
 import sys
 import time
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -45,18 +44,19 @@ from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.moe.moe_layer import BailingMLP, BailingMoE, FusedMoE
 from sglang.srt.layers.moe.topk import MoEGate
-from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
+from sglang.srt.managers.io_struct import AbortReq
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.models.bailing_moe_v3 import (BailingKDA, BailingMLA, BailingMoeV3DecoderLayer,
                                               BailingMoeV3Model)
 from sglang.srt.models.bailing_moe_v3_nextn import BailingMoeNextNModel
-from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 
 try:  # run as a script, benchmark/batch1 is on sys.path; imported by file path it may not be
+    from graph_ab import start_request
     from weight_floor import decode_step_bytes
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from graph_ab import start_request
     from weight_floor import decode_step_bytes
 
 PREFIX = "census::"  # phase ranges
@@ -261,14 +261,9 @@ def category_floor_bytes(cfg: Any, context: int, weight_bytes: int,
 # Measurement
 # ============================================================================================
 def _start(sched: Scheduler, prompt_len: int, budget: int, prefill_steps: int) -> None:
-    rng = random.Random(0)
-    prompt = [rng.randrange(sched.vocab_size) for _ in range(prompt_len)]
-    params = SamplingParams.from_dict({"max_new_tokens": budget, "temperature": 0,
-                                       "ignore_eos": True})
-    params.verify(sched.vocab_size)
-    sched.submit(TokenizedGenerateReqInput("census", None, prompt, params.normalize(None)))
-    sched.process_input_requests(sched.recv_requests())
-    for _ in range(prefill_steps):  # the prefill, then warm decode steps
+    """The prefill, then warm decode steps."""
+    start_request(sched, prompt_len, budget, rid="census")
+    for _ in range(prefill_steps - 1):
         sched.step()
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from kernel_test_utils import DEVICE, ON_CUDA, needs_triton
+from sgl_kernel._triton_mode import LaunchConfig
 
 pytestmark = needs_triton
 
@@ -63,6 +64,10 @@ def test_block_fp8_weight_matches_the_dequantised_reference(dtype, tol):
     assert got.dtype == dtype
     assert _rel(got, small_m_gemm_reference(x, w, w_scale=scale)) < tol
     assert torch.equal(small_m_gemm(x[4:5], w, w_scale=scale), got[4:5])
+    # Tiles narrower than a scale block (one scale per row and tile) and of two blocks.
+    for block_k in (64, 256):
+        narrow = small_m_gemm(x, w, w_scale=scale, config=LaunchConfig(16, block_k, 4, 1))
+        assert _rel(narrow, small_m_gemm_reference(x, w, w_scale=scale)) < tol
     with pytest.raises(ValueError, match="block scales"):
         small_m_gemm(x, w)
     # Two pieces of 70 rows, each on its own grid: the row -> scale-row map.

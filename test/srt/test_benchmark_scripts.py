@@ -87,3 +87,24 @@ def test_router_numerics_ab_reports_agreement_and_accept_length(tmp_path):
     assert rows[0]["identical"] == 1 and rows[0]["mean_first_difference"] == 12
     assert all(r["nextn_lossless"] == 1 and 1.0 <= r["accept_length"] <= 3 for r in rows)
     assert "| bf16 | " in stdout
+
+
+def test_graph_ab_exits_with_the_reason_when_the_request_cannot_fit():
+    """A prompt plus round budget beyond the context is refused by the scheduler: the script
+    says so and exits instead of waiting for a prefill that never comes."""
+    path = os.pathsep.join([str(ROOT / "python"), str(ROOT / "sgl-kernel/python"),
+                            os.environ.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(ROOT / "benchmark/batch1/graph_ab.py"),
+                          "--device", "cpu", "--context-length", "96", "--prompt-len", "64",
+                          "--steps", "8"], capture_output=True, text=True, timeout=300,
+                         cwd=ROOT, env={**os.environ, "PYTHONPATH": path})
+    assert out.returncode != 0
+    assert "refused the request" in out.stderr and "context 96" in out.stderr, out.stderr[-2000:]
+
+
+def test_top_kernels_lists_the_step_by_device_time():
+    stdout = _run("batch1/top_kernels.py", "--device", "cpu", "--prompt-len", "16", "--steps",
+                  "1", "--warmup", "1", "--top", "3")
+    rows = re.findall(r"^\| (\S[^|]*) \| ([\d.]+) \| (\d+) \|", stdout, re.MULTILINE)
+    assert len(rows) == 4 and rows[-1][0] == "all", stdout
+    assert float(rows[0][1]) >= float(rows[1][1]) >= float(rows[2][1]) > 0

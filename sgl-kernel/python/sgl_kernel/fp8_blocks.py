@@ -16,10 +16,34 @@ from __future__ import annotations
 from typing import Optional, Tuple
 
 import torch
+import triton
+import triton.language as tl
 
-__all__ = ["QBLOCK", "block_quantize", "block_dequantize", "scale_rows", "check_block_scale"]
+__all__ = ["QBLOCK", "block_quantize", "block_dequantize", "scale_rows", "check_block_scale",
+           "dequant_tile"]
 
 QBLOCK = 128
+
+
+@triton.jit
+def dequant_tile(w, s_rows, k0, K, mask_n, out_dtype: tl.constexpr, BLOCK_N: tl.constexpr,
+                 BLOCK_K: tl.constexpr, QB: tl.constexpr):
+    """A block-fp8 weight tile ``w [BLOCK_N, BLOCK_K]`` (columns ``k0 ..``) times its scales,
+    rounded to ``out_dtype``; ``s_rows [BLOCK_N]`` points at each row's scale row.
+
+    The scales are loaded once per row and 128-column block (``BLOCK_N x BLOCK_K / QB`` loads,
+    or ``BLOCK_N`` when the tile is narrower than a block) and broadcast over the block's
+    columns: a per-element gather of the scale costs more than streaming the weight itself."""
+    if BLOCK_K >= QB:
+        KB: tl.constexpr = BLOCK_K // QB
+        kb = k0 // QB + tl.arange(0, KB)
+        scale = tl.load(s_rows[:, None] + kb[None, :],
+                        mask=mask_n[:, None] & (kb < tl.cdiv(K, QB))[None, :], other=0.0)
+        w3 = tl.reshape(w.to(tl.float32), (BLOCK_N, KB, QB)) * scale[:, :, None]
+        return tl.reshape(w3, (BLOCK_N, BLOCK_K)).to(out_dtype)
+    else:
+        scale = tl.load(s_rows + k0 // QB, mask=mask_n, other=0.0)
+        return (w.to(tl.float32) * scale[:, None]).to(out_dtype)
 
 
 def _cdiv(a: int, b: int) -> int:

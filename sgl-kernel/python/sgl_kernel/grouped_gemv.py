@@ -23,19 +23,19 @@ import triton
 import triton.language as tl
 
 from sgl_kernel import pdl
-from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
+from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale, dequant_tile
 from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options
 
 __all__ = ["grouped_gemv", "grouped_gemv_reference", "launch_config", "LaunchConfig"]
 
 
 @triton.jit
-def _dequant(w, scale_ptrs, mask, x_ptr, HAS_SCALE: tl.constexpr):
+def _dequant(w, s_rows, k0, K, mask_n, x_ptr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
+             BLOCK_K: tl.constexpr, QB: tl.constexpr):
     """A weight tile in fp32; a block-fp8 tile times its block scales, rounded to the activation
     dtype first (the reference: the dequantised weight through the unquantized math)."""
     if HAS_SCALE:
-        scale = tl.load(scale_ptrs, mask=mask, other=0.0)
-        w = (w.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
+        w = dequant_tile(w, s_rows, k0, K, mask_n, x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K, QB)
     return w.to(tl.float32)
 
 
@@ -57,14 +57,14 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, ex_ptr, ew_ptr, out_ptr, ws_ptr,
         x_row = x_ptr + (pair // rows_per_x).to(tl.int64) * stride_x
         w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
         up_rows = N * stride_wn
-        s_rows = ws_ptr + expert * stride_wse + (offs_n // QB)[:, None] * stride_wsn
+        s_rows = ws_ptr + expert * stride_wse + (offs_n // QB) * stride_wsn
         s_up = up_scale_row * stride_wsn
         lim = limit
     else:  # an extra pair (shared expert / dense weight): extra row pair - routed_pairs
         x_row = ex_ptr + (pair - routed_pairs).to(tl.int64) * stride_ex
         w_rows = ew_ptr + offs_n.to(tl.int64)[:, None] * stride_ewn
         up_rows = N * stride_ewn
-        s_rows = ews_ptr + (offs_n // QB)[:, None] * stride_ewsn
+        s_rows = ews_ptr + (offs_n // QB) * stride_ewsn
         s_up = up_scale_row * stride_ewsn
         lim = extra_limit
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -74,12 +74,12 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, ex_ptr, ew_ptr, out_ptr, ws_ptr,
         mask_k = offs_k < K
         mask = mask_n[:, None] & mask_k[None, :]
         x = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        w = _dequant(tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0),
-                     s_rows + (offs_k // QB)[None, :], mask, x_ptr, HAS_SCALE)
+        w = _dequant(tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0), s_rows, k0, K,
+                     mask_n, x_ptr, HAS_SCALE, BLOCK_N, BLOCK_K, QB)
         acc += tl.sum(w * x[None, :], axis=1)
         if SWIGLU:  # the up rows follow the N gate rows (their scales on their own grid)
             w_up = _dequant(tl.load(w_rows + up_rows + offs_k[None, :], mask=mask, other=0.0),
-                            s_rows + s_up + (offs_k // QB)[None, :], mask, x_ptr, HAS_SCALE)
+                            s_rows + s_up, k0, K, mask_n, x_ptr, HAS_SCALE, BLOCK_N, BLOCK_K, QB)
             acc_up += tl.sum(w_up * x[None, :], axis=1)
     if SWIGLU:
         # As the unfused path: gate and up rounded to the output dtype, then SwiGLU in fp32.

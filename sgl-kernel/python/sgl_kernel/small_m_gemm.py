@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from sgl_kernel import pdl
-from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
+from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale, dequant_tile
 from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options
 
 __all__ = ["small_m_gemm", "small_m_gemm_reference", "launch_config", "SMALL_M_MAX_ROWS",
@@ -82,9 +82,8 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
             nw = tl.load(nw_ptr + offs_k % NORM_D, mask=mask_k, other=0.0).to(tl.float32)
             x = (y * nw[None, :] * act).to(x_ptr.dtype.element_ty)
         if HAS_SCALE:  # block fp8: dequantise the tile, rounded to the activation dtype
-            scale = tl.load(s_rows[:, None] + (offs_k // QB)[None, :],
-                            mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-            w = (w.to(tl.float32) * scale).to(x_ptr.dtype.element_ty)
+            w = dequant_tile(w, s_rows, k0, K, mask_n, x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K,
+                             QB)
         x = x.to(w.dtype)  # e.g. bf16 activations into an fp32 router gate: no cast launch
         acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if HAS_BIAS:
