@@ -31,7 +31,8 @@
 #                 on, batch 1, context CONTEXT (default 8192): graph_ab per SPECS (default "0 5 3":
 #                 decode step, NEXTN-5 / NEXTN-3 rounds, memory) into $OUT/fp8full.jsonl, the fp8
 #                 weight floors (1, 4 and 6 tokens), then one NEXTN-5 server at concurrency 1
-#                 (SERVED=0 skips it)
+#                 (SERVED=0 skips it); first the top kernels of an eager decode step
+#                 (benchmark/batch1/top_kernels.py). About 8 minutes in all.
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
 # FUSED (default 1) sets SGLANG_TRITON_RMSNORM / SGLANG_TRITON_ROUTER to 1 (0 with FUSED=0); PHASES=1 captures a NEXTN
 # round as one graph per phase (SGLANG_ROUND_GRAPH_PER_PHASE=1); SPECS (default "0 3 4 5")
@@ -96,22 +97,27 @@ fusion)
 fp8full)
   export SGLANG_TRITON_SMALL_M_GEMM=1  # the fp8 dense GEMV (else each call dequantises)
   ctx=${CONTEXT:-8192}
-  FULL="--model-path ling-3.0-flash --load-format dummy --quantization fp8 --mem-fraction-static 0.93 --max-running-requests 2 --context-length $((ctx + 256)) --cuda-graph-max-bs 1"
+  # The context holds the prompt plus every measured round (NEXTN-5: 6 tokens a round).
+  FULL="--model-path ling-3.0-flash --load-format dummy --quantization fp8 --mem-fraction-static 0.93 --max-running-requests 2 --context-length $((ctx + 1024)) --cuda-graph-max-bs 1"
+  timeout ${TOP_TIMEOUT:-110} python3 benchmark/batch1/top_kernels.py $FULL $KARGS --prompt-len 1024 \
+    --steps 2 --top 12 > "$OUT/fp8full_top_kernels.log" 2>&1; grep "^|" "$OUT/fp8full_top_kernels.log"
   for steps in ${SPECS:-0 5 3}; do
     spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
     echo "== fp8full graph_ab nextn $steps"
-    timeout ${AB_TIMEOUT:-200} python3 benchmark/batch1/graph_ab.py $FULL $KARGS $spec --prompt-len $ctx \
-      --steps 32 --replays 50 --label "flash42 fp8 nextn$steps" --result-filename $OUT/fp8full.jsonl 2>&1 \
-      | grep -v Warn | tail -9
+    timeout ${AB_TIMEOUT:-150} python3 benchmark/batch1/graph_ab.py $FULL $KARGS $spec --prompt-len $ctx \
+      --steps 16 --replays 30 --label "flash42 fp8 nextn$steps" --result-filename $OUT/fp8full.jsonl 2>&1 \
+      | grep -v Warn | tail -7
   done
   for tokens in 1 4 6; do
     timeout 60 python3 benchmark/batch1/weight_floor.py --quantization fp8 --context $ctx --tokens $tokens \
       --measure 2>&1 | tail -1 >> "$OUT/fp8full_floor.jsonl"
-    tail -1 "$OUT/fp8full_floor.jsonl" | cut -c1-80; grep -o '"floor_ms": [0-9.]*' "$OUT/fp8full_floor.jsonl" | tail -1
+    echo "floor, $tokens token(s): $(grep -o '"floor_ms": [0-9.]*' "$OUT/fp8full_floor.jsonl" | tail -1)"
   done
   [ "${SERVED:-1}" = 1 ] || exit 0
   eval "exec setsid python3 -m sglang.launch_server $FULL $KARGS --speculative-algorithm NEXTN --speculative-num-steps 5 --port 30700" > "$OUT/server-fp8full.log" 2>&1 &
   pid=$!
+  # The server outlives this script if a limit ends it first: end its process group on exit.
+  trap 'kill -9 -- -$pid 2>/dev/null' EXIT
   for i in $(seq 1 300); do
     curl -sf localhost:30700/health > /dev/null && break
     kill -0 $pid 2>/dev/null || { echo "fp8full server exited:"; tail -5 "$OUT/server-fp8full.log"; break; }
@@ -121,7 +127,6 @@ fp8full)
   timeout 120 python3 -m sglang.bench_serving --backend sglang --port 30700 --dataset-name random-ids \
     --random-input-len 1024 --random-output-len 128 --random-range-ratio 1.0 --num-prompts 2 \
     --max-concurrency 1 --disable-tqdm --output-file "$OUT/served.jsonl" 2>&1 | grep -E "Mean TPOT|Accept|Output token"
-  kill -- -$pid 2>/dev/null
   ;;
 dspark)
   timeout 150 python3 -m pytest -q test/kernels/test_rmsnorm.py test/kernels/test_moe_router.py \
@@ -182,6 +187,7 @@ served)
     # (without exec the subshell stays in between and `kill -- -$pid` finds no such group).
     eval "exec setsid python3 -m sglang.launch_server $margs $KARGS $gargs $oargs $spec --cuda-graph-max-bs 4 --port $port" > "$OUT/server-$port.log" 2>&1 &
     pid=$!
+    trap 'kill -9 -- -$pid 2>/dev/null' EXIT  # a limit that ends this script ends the server too
     for i in $(seq 1 240); do
       curl -sf localhost:$port/health > /dev/null && break
       kill -0 $pid 2>/dev/null || { echo "server $cfg exited:"; tail -3 "$OUT/server-$port.log"; break; }
