@@ -20,8 +20,9 @@
 #                 PROMPTS per sampling setting, default 512) into $OUT/dspark, then NEXTN-3 vs
 #                 DSPARK served with that draft, in the same call
 #   STAGE=kernels the kernel tests on CUDA, the cold-L2 sweeps of the grouped GEMV and the small-M
-#                 GEMM (bf16, then block-fp8 unless FP8=0), and the bf16 NEXTN batch-1 parity
-#                 print (test_nextn's gpu test)
+#                 GEMM (bf16, then block-fp8 unless FP8=0), the KDA recurrence's value tile, and
+#                 the bf16 NEXTN batch-1 parity print (test_nextn's gpu test; it needs more than
+#                 120 s)
 #   STAGE=fusion  the decode-fusion flags (SGLANG_TRITON_MOE_COMBINE, SGLANG_TRITON_SMALL_M_GEMM,
 #                 SGLANG_ENABLE_PDL) off vs on, same call: the graph gates with them on, then per
 #                 setting the category census (decode and NEXTN-3; $OUT/census.jsonl and
@@ -68,6 +69,8 @@ kernels)
     > "$OUT/tune_grouped_gemv_fp8.log" 2>&1; grep -E "^\| default|^###" "$OUT/tune_grouped_gemv_fp8.log";
     timeout 80 python3 tune_small_m_gemm.py --fp8 --rows 1 4 --iters 20 --block-n 16 32 \
     --block-k 256 --num-stages 4 > "$OUT/tune_small_m_gemm_fp8.log" 2>&1; tail -8 "$OUT/tune_small_m_gemm_fp8.log" )
+  ( cd benchmark/kernels && timeout 60 python3 tune_kda_recurrent.py --iters 30 \
+    > "$OUT/tune_kda_recurrent.log" 2>&1; tail -6 "$OUT/tune_kda_recurrent.log" )
   timeout ${NEXTN_TIMEOUT:-150} python3 -m pytest -q -s -m gpu test/srt/test_nextn.py -p no:cacheprovider \
     2>&1 | tee "$OUT/nextn_gpu.log" | grep -E "differing|passed|failed|Error" | cut -c1-300
   ;;

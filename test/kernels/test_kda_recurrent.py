@@ -154,3 +154,39 @@ def test_equal_with_and_without_pdl_in_a_graph():
         return out1, out3, pool, staged
 
     assert_bitwise_equal(outputs_without_and_with_pdl(step))
+
+
+def _chain_outputs(inputs, block_v, num_warps=None):
+    from sgl_kernel.kda_recurrent import kda_recurrent_update
+
+    q, k, v, g, beta, pool, slots = inputs
+    staged = torch.zeros(pool.shape[0], q.shape[1], *pool.shape[1:], device=pool.device)
+    out = torch.empty_like(v)
+    kda_recurrent_update(q, k, v, g, beta, 0.3, pool, slots, out, staged=staged,
+                         block_v=block_v, num_warps=num_warps)
+    return out, staged
+
+
+def test_value_tiles_do_not_change_a_bit():
+    """The value-dim tile is a launch choice only: a verify chain's outputs and staged states
+    are bit-equal whatever ``block_v`` (each value column runs the same arithmetic)."""
+    inputs = _inputs(dv=32)
+    first_out, first_staged = _chain_outputs(inputs, 32)
+    for block_v in (8, 16):
+        out, staged = _chain_outputs(inputs, block_v)
+        assert torch.equal(out, first_out) and torch.equal(staged, first_staged), block_v
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_value_tiles_do_not_change_a_bit_on_cuda():
+    """As above at the Flash KDA head (K = V = 128) on the GPU, at the chosen warps: every
+    ``block_v`` the sweep may pick gives the same bits, so tuning it cannot break the bit
+    equality of a verify position and the decode of the same token."""
+    from sgl_kernel.kda_recurrent import NUM_WARPS
+
+    inputs = _inputs(b=1, n=6, h=4, dk=128, dv=128)
+    first_out, first_staged = _chain_outputs(inputs, 16, NUM_WARPS)
+    for block_v in (32, 64, 128):
+        out, staged = _chain_outputs(inputs, block_v, NUM_WARPS)
+        assert torch.equal(out, first_out) and torch.equal(staged, first_staged), block_v

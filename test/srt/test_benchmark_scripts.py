@@ -108,3 +108,13 @@ def test_top_kernels_lists_the_step_by_device_time():
     rows = re.findall(r"^\| (\S[^|]*) \| ([\d.]+) \| (\d+) \|", stdout, re.MULTILINE)
     assert len(rows) == 4 and rows[-1][0] == "all", stdout
     assert float(rows[0][1]) >= float(rows[1][1]) >= float(rows[2][1]) > 0
+
+
+def test_kda_recurrent_sweep_checks_bits_across_value_tiles():
+    """benchmark/kernels/tune_kda_recurrent.py in the interpreter (2 heads of 16): every tile is
+    checked against the reference and the bit-equality column is filled in."""
+    stdout = _run("kernels/tune_kda_recurrent.py", "--chain", "1", "3", "--block-v", "8", "16",
+                  "--num-warps", "4", "--heads", "2", "--head-dim", "16", "--iters", "1",
+                  TRITON_INTERPRET="1")
+    rows = re.findall(r"^\| (\d+) \| (\d+)/4 [\d.]+ µs .*\| (True|False) \|", stdout, re.MULTILINE)
+    assert [(c, eq) for c, _, eq in rows[-2:]] == [("1", "True"), ("3", "True")], stdout

@@ -22,9 +22,24 @@ import triton
 import triton.language as tl
 
 from sgl_kernel import pdl
-from sgl_kernel._triton_mode import INTERPRETED, NO_FP_FUSION
+from sgl_kernel._triton_mode import INTERPRETED, NO_FP_FUSION, compiler_options
 
-__all__ = ["kda_recurrent_update", "kda_recurrent_reference"]
+__all__ = ["kda_recurrent_update", "kda_recurrent_reference", "launch_config"]
+
+# Value-dim tile and warps of the GPU launch. Every value column is computed by the same
+# arithmetic whatever the tile (the state's reductions run over K), so the tile only changes
+# the launch's parallelism; test_kda_recurrent checks the outputs bit for bit across tiles at
+# these warps and ``benchmark/kernels/tune_kda_recurrent.py`` times the choices (cold L2).
+BLOCK_V, NUM_WARPS = 32, 4
+
+
+def launch_config(dv: int) -> Tuple[int, Optional[int]]:
+    """``(block_v, num_warps)`` for a value dim ``dv``: one value tile and Triton's defaults
+    under the CPU interpreter (its cost is per program), else :data:`BLOCK_V` /
+    :data:`NUM_WARPS`."""
+    if INTERPRETED:
+        return triton.next_power_of_2(dv), None
+    return BLOCK_V, NUM_WARPS
 
 
 # ``N`` is not specialised: Triton would compile ``N == 1`` (decode) as its own straight-line
@@ -112,7 +127,8 @@ def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          staged: Optional[torch.Tensor] = None,
                          block_v: Optional[int] = None,
                          gate_params: Optional[Tuple[torch.Tensor, torch.Tensor,
-                                                     Optional[float]]] = None) -> torch.Tensor:
+                                                     Optional[float]]] = None,
+                         num_warps: Optional[int] = None) -> torch.Tensor:
     """Run ``N`` tokens per request from ``state_pool[slots[b]]`` (``[S, H, K, V]`` fp32).
 
     With ``gate_params = (A_log [H], dt_bias [H * K], lower_bound)`` the gate arrives raw: ``g``
@@ -125,7 +141,8 @@ def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     ``out [B, N, H, V]`` (any float dtype). With ``staged`` (``[S, >= N, H, K, V]`` fp32, the
     pool's speculative scratch) the state after position ``i`` is written to ``staged[slot, i]``
     and ``state_pool`` is only read (verify); without it the final state replaces
-    ``state_pool[slot]`` (decode). Returns ``out``.
+    ``state_pool[slot]`` (decode). ``block_v`` / ``num_warps`` override :func:`launch_config`
+    (the tuning sweep). Returns ``out``.
     """
     _check(q, k, v, g, beta, state_pool, slots, gate_params is not None)
     b, n, h, dk = q.shape
@@ -140,8 +157,9 @@ def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          f"got {tuple(staged.shape)} {staged.dtype}")
     if b == 0 or n == 0:
         return out
-    if block_v is None:  # the interpreter's cost is per program: one value tile there
-        block_v = triton.next_power_of_2(dv) if INTERPRETED else 32
+    default_v, default_warps = launch_config(dv)
+    block_v = block_v or default_v
+    num_warps = num_warps or default_warps
     st = staged if staged is not None else state_pool  # unused pointer when not staging
     st_strides = (st.stride(0), st.stride(1), st.stride(2), st.stride(3)) if staged is not None \
         else (0, 0, 0, 0)
@@ -165,7 +183,7 @@ def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         out.stride(0), out.stride(1), out.stride(2), *st_strides,
         STAGE=staged is not None, RAW_GATE=gate_params is not None, SAFE_GATE=lower is not None,
         USE_PDL=pdl_on, BLOCK_K=triton.next_power_of_2(dk),
-        BLOCK_V=block_v, **pdl.launch_options(pdl_on),
+        BLOCK_V=block_v, **pdl.launch_options(pdl_on), **compiler_options(num_warps, None),
         # No mul+add contraction: the decode and verify programs differ in their stores, and a
         # contraction the compiler picks in one and not the other broke their bit equality on an
         # H200 (values equal to 1e-4, not bit for bit). The kernel is bound by the state's bytes.
