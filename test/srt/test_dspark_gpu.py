@@ -62,19 +62,24 @@ def test_greedy_lossless_on_cuda(dtype, block):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("planner", [False, True], ids=["full-window", "sps-planner"])
-def test_graphs_equal_eager_on_cuda(ckpts, planner):
+@pytest.mark.parametrize("planner", ["none", "sps", "compact"],
+                         ids=["full-window", "sps-planner", "compact"])
+def test_graphs_equal_eager_on_cuda(ckpts, planner, monkeypatch):
     """The graph gate of DSpark on the GPU, bf16, the bundled draft (``dspark/``), default
     kernels: DSPARK through CUDA graphs with overlap == DSPARK eager without overlap, greedy
     over 256 tokens at batch 1 and at batch 4 with staggered arrivals and seeded sampled; then
     penalised sampled requests through the same graphs and the greedy batch again, unchanged
     (state pollution). While the rounds are launched the CUDA sync debug mode warns on any
-    host-device synchronisation (a device-to-host read); a replayed round must cause none."""
+    host-device synchronisation (a device-to-host read); a replayed round must cause none.
+    ``compact``: the SPS planner with ``SGLANG_RAGGED_VERIFY_MODE=compact`` (one graph per
+    verify-width tier)."""
     from test_cuda_graph_runner import _gpu_prompts
 
     kw = dict(GPU_KW, dtype="bfloat16", speculative_algorithm="DSPARK")
-    if planner:
+    if planner != "none":
         kw["speculative_dspark_sps_table_path"] = ckpts["sps"]
+    if planner == "compact":
+        monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "compact")
     # Eager keeps the overlap schedule: with a planner, overlap picks the lagged-budget mode,
     # whose verify lengths (so the seeded samples, not their distribution) differ from the
     # early-stop mode's; overlap on == off is proven where the modes agree (CPU tests).

@@ -301,7 +301,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     from sglang.srt.model_executor.model_runner import ModelRunner, runner_kwargs_from_server_args
     from sglang.srt.server_args import ServerArgs
     from sglang.srt.speculative.dspark_sps import SPSTable
-    from sglang.srt.speculative.dspark_worker import DSparkWorker, dspark_setup
+    from sglang.srt.speculative.dspark_setup import dspark_setup
+    from sglang.srt.speculative.dspark_worker import DSparkWorker
 
     ap = build_argparser()
     ns = ap.parse_args(argv)

@@ -64,6 +64,9 @@ SPECULATIVE_ALGORITHMS = ("NEXTN", "DSPARK")
 SPECULATIVE_ALIASES: Dict[str, str] = {"EAGLE": "NEXTN"}
 # (num_steps, eagle_topk, num_draft_tokens) upstream auto-chooses for Bailing MTP.
 NEXTN_DEFAULT_SPEC: Tuple[int, int, int] = (3, 1, 4)
+# SGLANG_RAGGED_VERIFY_MODE, upstream's names: how a DSpark round's planned verify lengths shape
+# its target forward. "auto" is cap-accept with an SPS table and static without.
+RAGGED_VERIFY_MODES = ("auto", "static", "cap-accept", "compact")
 
 # ---------------------------------------------------------------------------- CUDA graphs
 # Largest captured batch when --cuda-graph-max-bs is not given. Batch 1 comes first in this

@@ -88,6 +88,9 @@ class GraphKey(NamedTuple):
     width: Optional[int]  # gather-width bucket (None: the backend does not depend on it)
     variant: str  # "greedy" or "sampled"
     return_logprob: bool
+    # The worker's round shape (e.g. a verify-width tier: GraphedRoundMixin.round_shapes); None
+    # for a worker whose rounds have one shape.
+    round_shape: Optional[int] = None
 
 
 def graph_variant(info: SamplingBatchInfo) -> Optional[str]:
@@ -163,6 +166,8 @@ class CudaGraphRunner:
     outputs of one phase the static inputs of the next) instead of one graph of ``body``, which
     must then run the same phases (A/B of the two layouts). Every output is batch-major.
     ``refill_mode``: how the static inputs are refilled (:class:`GraphRefill`).
+    ``set_round_shape``: called with a key's ``round_shape`` before its body runs for a capture
+    (a worker whose rounds come in several shapes, :meth:`GraphedRoundMixin.round_shapes`).
     """
 
     def __init__(self, body: RoundBody, *, device: torch.device, vocab_size: int,
@@ -171,8 +176,10 @@ class CudaGraphRunner:
                  max_graph_tokens: Optional[int] = None, width_independent: bool = True,
                  emulate: Optional[bool] = None, capture_now: bool = True,
                  phases: Optional[Sequence[RoundPhase]] = None, per_phase: bool = False,
-                 refill_mode: str = "changed"):
+                 refill_mode: str = "changed",
+                 set_round_shape: Optional[Callable[[Optional[int]], None]] = None):
         self.body = body
+        self.set_round_shape = set_round_shape
         if per_phase and not phases:
             raise ValueError("CudaGraphRunner: per_phase needs the round's phases")
         self.phases = list(phases) if per_phase else None
@@ -225,14 +232,14 @@ class CudaGraphRunner:
         return min(-(-max(bound, 1) // WIDTH_BUCKET) * WIDTH_BUCKET, self.max_width)
 
     def key(self, bs: int, info: SamplingBatchInfo, return_logprob: bool,
-            bound: int) -> Optional[GraphKey]:
+            bound: int, round_shape: Optional[int] = None) -> Optional[GraphKey]:
         """The graph a batch would replay, or None when it runs eagerly."""
         bucket = self.bucket(bs)
         variant = graph_variant(info)
         if bucket is None or variant is None:
             return None
         width = None if self.width_independent else self.width_bucket(bound)
-        key = GraphKey(bucket, width, variant, bool(return_logprob))
+        key = GraphKey(bucket, width, variant, bool(return_logprob), round_shape)
         if key in self.failed or (key not in self.graphs and len(self.graphs) >= MAX_GRAPHS):
             return None
         return key
@@ -261,6 +268,8 @@ class CudaGraphRunner:
         live_loc = self.loc.clone()
         self.slots.zero_()
         self.loc.zero_()
+        if self.set_round_shape is not None:
+            self.set_round_shape(key.round_shape)
         try:
             for backend in self._backends:
                 backend.init_forward_metadata_capture_cuda_graph(
@@ -373,6 +382,16 @@ class GraphedRoundMixin:
             return None
         return runner.refill.loc_buffer(bs)
 
+    def next_round_shape(self) -> Optional[int]:
+        """The shape of the round being launched, known on the host before it is enqueued (e.g.
+        a verify-width tier chosen from rounds already consumed), or None for a worker whose
+        rounds have one shape. Graphs are keyed by it (:attr:`GraphKey.round_shape`)."""
+        return None
+
+    def apply_round_shape(self, shape: Optional[int]) -> None:
+        """Make :meth:`round_phases` run rounds of ``shape`` (a :meth:`next_round_shape`
+        value); nothing for a worker with one shape."""
+
     def round_needs_eager(self) -> bool:
         """True when the round being launched asks for an output no graph holds (it then runs
         eagerly and no graph is captured for it); False by default."""
@@ -441,7 +460,8 @@ class GraphedRoundMixin:
             max_graph_tokens=min(limits) if limits else None,
             width_independent=all(b.width_independent for b in setup["backends"]),
             round_tokens=self.round_tokens, emulate=emulate, capture_now=capture_now, phases=phases,
-            per_phase=per_phase and len(phases) > 1, refill_mode=refill_mode, **setup)
+            per_phase=per_phase and len(phases) > 1, refill_mode=refill_mode,
+            set_round_shape=self.apply_round_shape, **setup)
         return self.graph_runner
 
     def run_round(self, slots: torch.Tensor, loc: torch.Tensor, info: SamplingBatchInfo,
@@ -451,8 +471,10 @@ class GraphedRoundMixin:
         stream, ahead of the next replay), else run eagerly."""
         out = None
         runner = self.graph_runner
+        shape = self.next_round_shape()
+        self.apply_round_shape(shape)
         if runner is not None and not self.round_needs_eager():
-            key = runner.key(int(slots.shape[0]), info, return_logprob, bound)
+            key = runner.key(int(slots.shape[0]), info, return_logprob, bound, shape)
             if key is not None:
                 out = runner.replay(key, slots, loc, info)
         if out is not None:

@@ -39,7 +39,7 @@ so no summation order matters), then form ``Theta`` by one IEEE multiplication.
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from typing import List, Optional, Sequence, Union
 
 import numpy as np
 import torch
@@ -57,6 +57,8 @@ __all__ = [
     "top_k_verify_lens_reference",
     "prefix_survival_reference",
     "DSparkPlanner",
+    "verify_tiers",
+    "tier_for_budget",
 ]
 
 TAU_FIXED_POINT_BITS = 32
@@ -325,3 +327,20 @@ class DSparkPlanner:
         """Verify lengths ``[R]``: the ``capacity`` best current candidates."""
         return top_k_verify_lens(self.survival(confidence_logits), capacity, active, max_lens,
                                  self.sps_table.max_batch_tokens)
+
+
+# ============================================================================================
+# Verify-width tiers (SGLANG_RAGGED_VERIFY_MODE=compact)
+# ============================================================================================
+def verify_tiers(gamma: int) -> List[int]:
+    """Drafts per request a compact round may verify: a quarter, half and all of the block
+    (one CUDA graph each), ascending and distinct."""
+    return sorted({max(1, gamma // 4), max(1, gamma // 2), gamma})
+
+
+def tier_for_budget(tiers: Sequence[int], budget: Optional[int]) -> int:
+    """The smallest tier holding ``budget`` drafts (a request verifies at most the batch's
+    budget), the largest when the budget is unknown or exceeds them all."""
+    if budget is None:
+        return tiers[-1]
+    return next((t for t in tiers if t >= budget), tiers[-1])

@@ -31,14 +31,17 @@ KV not written yet) sits at position ``P``, a round is:
 
 After a prefill (or each prefill chunk) the prompt tokens' hidden states become context.
 
-What the plan buys here: the verify window keeps its fixed width so that a round is one
-fixed-shape device program (capturable in a CUDA graph, no host reads), i.e. upstream's
-``cap-accept`` ragged mode: ``l`` caps acceptance but does not shrink the target forward, so an
-SPS table changes which tokens a round commits (never their distribution) and not its cost. A
-compact verify would need the round's token count on the host before the forward is enqueued;
-under overlap the host could only know it from confidences two rounds old, which is why the
-budget uses exactly those (here it is computed on the device, from the relay) and the top-K rule
-keeps the admission lossless. Without a table nothing is capped.
+What the plan buys (``SGLANG_RAGGED_VERIFY_MODE``, upstream's names; :mod:`dspark_setup`):
+with ``cap-accept`` (the default with a table) the verify window keeps the block's width, so a
+round is one fixed-shape device program (capturable in a CUDA graph, no host reads): ``l`` caps
+acceptance but does not shrink the target forward, so the table changes which tokens a round
+commits (never their distribution), not its cost. ``compact`` shrinks the forward too: the
+round's width must be known on the host before it is enqueued, and under overlap the host knows
+the lagged planner's budget for round ``k + 1`` when it launches it (the budget comes from
+round ``k - 1``'s confidences, and round ``k - 1`` has been consumed), so each round verifies
+the smallest tier of :func:`~dspark_planner.verify_tiers` that holds it — one CUDA graph per
+tier — with every verify length capped at the tier (a constant of the round, so admission stays
+exact). ``static`` (the default without a table) verifies every draft.
 
 Memory: the draft's weights and its context store (one K/V row per draft layer for every KV
 slot of the target's pool, :class:`PagedDSparkContext`) are allocated after the target's pools;
@@ -53,14 +56,10 @@ tokens and the planned lengths through a :class:`PendingRound` one round later.
 from __future__ import annotations
 
 import logging
-import os
-from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.configs.bailing_moe_v3 import ConfigError
-from sglang.srt.configs.dspark import DSparkDraftConfig, find_dspark_draft
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.environ import envs
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
@@ -77,9 +76,8 @@ from sglang.srt.models.dspark import DSparkDraftModel, MarkovDraft, load_dspark_
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.speculative.base_spec_worker import BaseSpecWorker, SpecRequirements
 from sglang.srt.speculative.dspark_paged_context import PagedDSparkContext
-from sglang.srt.speculative.dspark_planner import DSparkPlanner
-from sglang.srt.speculative.dspark_sps import SPSTable
-from sglang.srt.speculative.dspark_sts import load_sts_temperatures
+from sglang.srt.speculative.dspark_planner import DSparkPlanner, tier_for_budget, verify_tiers
+from sglang.srt.speculative.dspark_setup import dspark_setup, ragged_verify_mode
 from sglang.srt.speculative.dspark_verify import DSparkVerifyResult, verify_block
 from sglang.srt.speculative.spec_sampling import (
     chain_uniforms,
@@ -97,95 +95,12 @@ from sglang.srt.speculative.spec_utils import (
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["DSparkSetup", "check_nextn_only_flags", "dspark_setup", "load_dspark_tables",
-           "DSparkWorker"]
+__all__ = ["DSparkWorker"]
 
 # Confidence logit a request starts with in the lagged planner's relay (sigmoid ~ 1): before it
 # has two rounds of history its budget assumes every draft survives. Any value works for
 # losslessness; it only has to be independent of the current drafts.
 _LAG_INIT_LOGIT = 20.0
-# Flags that size a NEXTN chain; DSPARK's window comes from the block size.
-_NEXTN_ONLY = (("--speculative-num-steps", "speculative_num_steps"),
-               ("--speculative-num-draft-tokens", "speculative_num_draft_tokens"))
-
-
-@dataclass(frozen=True)
-class DSparkSetup:
-    """A validated DSPARK configuration: where the draft is, its config, the planner tables."""
-
-    draft_path: str
-    config: DSparkDraftConfig
-    sps_table: Optional[SPSTable] = None
-    sts_temperatures: Optional[List[float]] = None
-
-    @property
-    def gamma(self) -> int:
-        """Draft tokens per round."""
-        return self.config.gamma
-
-
-def check_nextn_only_flags(server_args: Any) -> None:
-    """``ValueError`` naming a NEXTN-only flag set with DSPARK (the chain-sizing flags, and an
-    EAGLE top-k other than 1)."""
-    for flag, name in _NEXTN_ONLY:
-        if getattr(server_args, name, None) is not None:
-            raise ValueError(f"{flag} is NEXTN-only; DSPARK's verify window is the draft's block "
-                             "size + 1 (--speculative-dspark-block-size)")
-    topk = getattr(server_args, "speculative_eagle_topk", None)
-    if topk is not None and topk != 1:
-        raise ValueError(f"--speculative-eagle-topk {topk}: NEXTN-only (DSPARK drafts one "
-                         "block, a single chain)")
-
-
-def dspark_setup(server_args: Any, target_config: ModelConfig) -> DSparkSetup:
-    """Validate the DSPARK flags and the draft for ``target_config``; every problem is a
-    ``ValueError`` naming the flag (or the draft file) it is about."""
-    check_nextn_only_flags(server_args)
-    draft_flag = getattr(server_args, "speculative_draft_model_path", None)
-    try:
-        path = find_dspark_draft(target_config.model_path, draft_flag)
-    except ConfigError as e:
-        raise ValueError(f"--speculative-draft-model-path: {e}") from e
-    block = getattr(server_args, "speculative_dspark_block_size", None)
-    try:
-        config = DSparkDraftConfig.from_path(path, target_config.hf_config, block)
-    except ConfigError as e:
-        where = " (--speculative-dspark-block-size)" if block is not None else ""
-        raise ValueError(f"DSpark draft {path!r}{where}: {e}") from e
-    sps_path = getattr(server_args, "speculative_dspark_sps_table_path", None)
-    if sps_path is not None and not config.enable_confidence_head:
-        raise ValueError(f"--speculative-dspark-sps-table-path: the confidence scheduler needs a "
-                         f"draft with a confidence head; {path!r} has none "
-                         "(enable_confidence_head is false)")
-    table, temps = load_dspark_tables(
-        sps_path, getattr(server_args, "speculative_dspark_confidence_sts_path", None),
-        config.gamma)
-    return DSparkSetup(path, config, table, temps)
-
-
-def load_dspark_tables(sps_path: Optional[str], sts_path: Optional[str],
-                       gamma: Optional[int] = None
-                       ) -> Tuple[Optional[SPSTable], Optional[List[float]]]:
-    """The planner's SPS table and STS temperatures (``gamma`` of them when given) from
-    ``--speculative-dspark-sps-table-path`` / ``--speculative-dspark-confidence-sts-path``;
-    a missing or malformed file is a ``ValueError`` naming its flag."""
-    if sts_path is not None and sps_path is None:
-        raise ValueError("--speculative-dspark-confidence-sts-path calibrates the confidence "
-                         "scheduler, which runs only with --speculative-dspark-sps-table-path")
-    out: List[Any] = []
-    for flag, path, load in (
-            ("--speculative-dspark-sps-table-path", sps_path, SPSTable.load),
-            ("--speculative-dspark-confidence-sts-path", sts_path,
-             lambda p: load_sts_temperatures(p, gamma))):
-        if path is not None and not os.path.isfile(path):
-            raise ValueError(f"{flag} {path!r}: no such file")
-        try:
-            out.append(None if path is None else load(path))
-        except ValueError as e:
-            raise ValueError(f"{flag}: {e}") from e
-    return out[0], out[1]
-
-
 class _RoundStats:
     """Host-side DSpark counters, fed by each round's host copies (one round late)."""
 
@@ -206,17 +121,22 @@ class _DSparkPendingRound(PendingRound):
     (``RoundOutput.cap_lens``, read with its other host copies), counted into the stats."""
 
     def __init__(self, tensors: Dict[str, torch.Tensor], stats: _RoundStats,
-                 on_current_stream: bool = False):
+                 on_current_stream: bool = False, on_budget_hint=None):
         super().__init__(tensors, on_current_stream)
         self._stats: Optional[_RoundStats] = stats
+        self._on_budget_hint = on_budget_hint
 
     def wait(self) -> RoundOutput:
-        """As :meth:`PendingRound.wait`, with ``cap_lens``; the first call updates the stats."""
+        """As :meth:`PendingRound.wait`, with ``cap_lens``; the first call updates the stats
+        (and hands a compact round's budget hint to the worker)."""
         out = super().wait()
-        out.cap_lens = self.host_copy.wait()["verify_len"].tolist()
+        host = self.host_copy.wait()
+        out.cap_lens = host["verify_len"].tolist()
         if self._stats is not None:
             self._stats.add(out.cap_lens, out.accept_lens)
             self._stats = None
+            if self._on_budget_hint is not None and "budget_hint" in host:
+                self._on_budget_hint(int(host["budget_hint"][0]))
         return out
 
 
@@ -270,17 +190,24 @@ class DSparkWorker(GraphedRoundMixin, BaseSpecWorker):
             pool.req_to_token, t.token_to_kv_pool.size, cfg.num_hidden_layers,
             cfg.num_key_value_heads, cfg.head_dim, t.dtype, self.device)
         self.overlap = not getattr(server_args, "disable_overlap_schedule", False)
-        self.planner = None if setup.sps_table is None else DSparkPlanner(
+        self.ragged_mode = ragged_verify_mode(setup.sps_table is not None, self.overlap)
+        self.planner = None if self.ragged_mode == "static" else DSparkPlanner(
             self.gamma, setup.sps_table, setup.sts_temperatures, self.device)
+        # compact: drafts verified per request this round (a tier, host-chosen from the budget
+        # hint of the latest round consumed); otherwise always the whole block.
+        self.tiers = verify_tiers(self.gamma) if self.ragged_mode == "compact" else [self.gamma]
+        self.verify_drafts = self.gamma
+        self._budget_hint: Optional[int] = None
         lagged = self.planner is not None and self.overlap
         payload = {f"conf_lag{i}": ((self.gamma,), torch.float32) for i in (1, 2)} if lagged \
             else {}
         self.future_map = FutureMap(pool.size, self.device, payload=payload,
                                     lazy={name: _LAG_INIT_LOGIT for name in payload})
         self.stats = _RoundStats()
-        logger.info("DSPARK: draft %s (%d layers), block size %d, verify window %d, planner %s, "
-                    "context store %.1f MiB", setup.draft_path, cfg.num_hidden_layers,
-                    self.gamma, self.gamma + 1, self.planner_mode, self.context.nbytes / 2**20)
+        logger.info("DSPARK: draft %s (%d layers), block size %d, verify window %s, planner %s "
+                    "(%s), context store %.1f MiB", setup.draft_path, cfg.num_hidden_layers,
+                    self.gamma, "/".join(str(t + 1) for t in self.tiers), self.planner_mode,
+                    self.ragged_mode, self.context.nbytes / 2**20)
 
     @property
     def round_tokens(self) -> int:
@@ -299,6 +226,22 @@ class DSparkWorker(GraphedRoundMixin, BaseSpecWorker):
             return "verify-all"
         return "lagged-top-k" if self.overlap else "early-stop"
 
+    def next_round_shape(self) -> Optional[int]:
+        """compact: the drafts per request the next round verifies, the smallest tier that
+        holds the planner's budget for it. That budget comes from the confidences of the round
+        two launches earlier, which the host has consumed when it launches this one (the overlap
+        schedule), so the choice reads nothing from the device; before any hint, the block."""
+        if self.ragged_mode != "compact":
+            return None
+        return tier_for_budget(self.tiers, self._budget_hint)
+
+    def apply_round_shape(self, shape: Optional[int]) -> None:
+        """Verify ``shape`` drafts per request (None: the block)."""
+        self.verify_drafts = self.gamma if shape is None else int(shape)
+
+    def _set_budget_hint(self, budget: int) -> None:
+        self._budget_hint = budget
+
     def internal_state(self) -> Dict[str, Any]:
         """DSpark entries for ``/server_info``'s ``internal_states``: counters since start over
         every (request, round) pair launched (a round launched after its request finished
@@ -308,6 +251,7 @@ class DSparkWorker(GraphedRoundMixin, BaseSpecWorker):
             "speculative_dspark_block_size": self.gamma,
             "speculative_num_draft_tokens": self.gamma + 1,
             "dspark_planner": self.planner_mode,
+            "dspark_ragged_verify_mode": self.ragged_mode,
             "dspark_num_verify_reqs": s.request_rounds,
             "dspark_avg_planned_verify_len": s.planned_drafts / max(s.request_rounds, 1),
             "dspark_avg_correct_drafts": s.correct_drafts / max(s.request_rounds, 1),
@@ -377,9 +321,11 @@ class DSparkWorker(GraphedRoundMixin, BaseSpecWorker):
             history = torch.zeros(slots.shape[0], self.gamma, dtype=torch.int64,
                                   device=self.device)
             draft = self.draft.markov_draft(base, anchor, pick=self._picker(info, history))
-            verify_len = self._plan(slots, h, draft)
+            verify_len, hint = self._plan(slots, h, draft)
         out = {"prefix": prefix, "anchor": anchor, "drafts": draft.tokens,
                "verify_len": verify_len}
+        if hint is not None:
+            out["budget_hint"] = hint
         if draft.probs is not None:
             out["draft_probs"] = draft.probs  # [B, g, V]
         return out
@@ -388,24 +334,31 @@ class DSparkWorker(GraphedRoundMixin, BaseSpecWorker):
                       loc: torch.Tensor, info: SamplingBatchInfo, seq_lens_bound: int,
                       return_logprob: bool) -> Dict[str, torch.Tensor]:
         """Target verify of the window, capped acceptance, KDA commit, the relay's new lengths
-        and anchors, the committed tokens into the sampling history."""
-        drafts, prefix = prev["drafts"], prev["prefix"]
-        window = torch.cat([prev["anchor"].unsqueeze(1), drafts], dim=1)  # [B, g + 1]
+        and anchors, the committed tokens into the sampling history. The window is the anchor
+        and the round's first :attr:`verify_drafts` drafts (the block unless compact); outputs
+        keep the block's width, padded."""
+        d = self.verify_drafts
+        drafts, prefix = prev["drafts"][:, :d], prev["prefix"]
+        window = torch.cat([prev["anchor"].unsqueeze(1), drafts], dim=1)  # [B, d + 1]
         b, n = window.shape
+        loc = loc[:, :n]
         batch = build_verify_forward_batch(window, slots, prefix, loc,
                                            capture_hidden_mode=CaptureHiddenMode.NULL,
                                            seq_lens_upper_bound=seq_lens_bound)
         target_out = self.target_runner.forward(batch)
+        draft_probs = prev.get("draft_probs")
         verdict, processed, rows_info = self._verify(
-            target_out.next_token_logits, drafts, info, prev.get("draft_probs"),
-            prev["verify_len"])
+            target_out.next_token_logits, drafts, info,
+            None if draft_probs is None else draft_probs[:, :d], prev["verify_len"])
         layout = chain_commit_layout(prefix, verdict.accept_len, loc)
         kda_pool = self.target_runner.kda_state_pool
         if kda_pool is not None and kda_pool.layer_ids:
             kda_pool.commit_after_verify(slots, layout.last_accepted_index)
         self.future_map.scatter(slots, seq_lens=layout.new_seq_lens, tokens=verdict.next_seed)
         info.append_tokens(verdict.accepted_tokens.clamp(min=0), valid=layout.keep_mask)
-        out = {"accept_len": verdict.accept_len, "tokens": verdict.accepted_tokens,
+        pad = self.gamma - d
+        out = {"accept_len": verdict.accept_len,
+               "tokens": torch.nn.functional.pad(verdict.accepted_tokens, (0, pad), value=-1),
                "target_aux": target_out.aux_hidden_states.view(b, n, -1)}
         if return_logprob:
             # As the sampler: the penalised logits over the temperature at each position (raw
@@ -414,7 +367,7 @@ class DSparkWorker(GraphedRoundMixin, BaseSpecWorker):
                 source = target_out.next_token_logits[:, :self.vocab_size].float()
             else:
                 source = processed / rows_info.temperatures.unsqueeze(1)
-            out["lp_source"] = source.view(b, n, -1)
+            out["lp_source"] = torch.nn.functional.pad(source.view(b, n, -1), (0, 0, 0, pad))
         return out
 
     def _context_phase(self, prev: Dict[str, torch.Tensor], slots: torch.Tensor,
@@ -439,6 +392,8 @@ class DSparkWorker(GraphedRoundMixin, BaseSpecWorker):
         """Start the host copies of a round's outputs (logprobs computed here, after the body)."""
         copies = {"accept_len": out["accept_len"], "tokens": out["tokens"], "loc": loc,
                   "verify_len": out["verify_len"]}
+        if "budget_hint" in out:
+            copies["budget_hint"] = out["budget_hint"]
         if return_logprob:
             lp = torch.log_softmax(out["lp_source"], dim=-1)  # [B, g + 1, V]
             committed = out["tokens"].clamp(min=0)
@@ -446,7 +401,8 @@ class DSparkWorker(GraphedRoundMixin, BaseSpecWorker):
             if top_logprobs_num > 0:
                 k = min(top_logprobs_num, self.vocab_size)
                 copies["top_val"], copies["top_idx"] = lp.topk(k, -1)
-        return _DSparkPendingRound(copies, self.stats, on_current_stream=on_current_stream)
+        return _DSparkPendingRound(copies, self.stats, on_current_stream=on_current_stream,
+                                   on_budget_hint=self._set_budget_hint)
 
     # ------------------------------------------------------------------ pieces
     def _picker(self, info: SamplingBatchInfo, history: torch.Tensor):
@@ -471,20 +427,30 @@ class DSparkWorker(GraphedRoundMixin, BaseSpecWorker):
 
         return pick
 
-    def _plan(self, slots: torch.Tensor, h: torch.Tensor, draft: MarkovDraft) -> torch.Tensor:
-        """Verify lengths ``[B]`` (module docstring, step 2); padding rows (slot 0) are
-        inactive, so they take no share of the budget."""
+    def _plan(self, slots: torch.Tensor, h: torch.Tensor, draft: MarkovDraft
+              ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Verify lengths ``[B]`` (module docstring, step 2) and, compact, the budget hint
+        ``[B]``; padding rows (slot 0) are inactive, so they take no share of the budget.
+
+        compact caps every length at the round's tier, a constant of the round (chosen before
+        its drafts existed): the capped length is still decided by drafts up to it, so the
+        verdict stays exact. The hint is the budget of the round two launches on, whose lagged
+        confidences are this round's."""
         b = slots.shape[0]
         if self.planner is None:
-            return torch.full((b,), self.gamma, dtype=torch.int64, device=self.device)
+            return torch.full((b,), self.gamma, dtype=torch.int64, device=self.device), None
         conf = self.draft.confidence(h, draft.prev_tokens)  # [B, g] logits
         active = slots != 0
         if not self.overlap:
-            return self.planner.plan(conf, active)
+            return self.planner.plan(conf, active), None
         lag1, lag2 = self.future_map.gather(slots, "conf_lag1", "conf_lag2")
         budget = self.planner.capacity(lag2, active)
         self.future_map.scatter(slots, conf_lag1=conf, conf_lag2=lag1)
-        return self.planner.plan_top_k(conf, budget, active)
+        if self.ragged_mode != "compact":
+            return self.planner.plan_top_k(conf, budget, active), None
+        cap = torch.full((b,), self.verify_drafts, dtype=torch.int64, device=self.device)
+        hint = self.planner.capacity(conf, active).reshape(1).expand(b).contiguous()
+        return self.planner.plan_top_k(conf, budget, active, max_lens=cap), hint
 
     def _verify(self, logits: torch.Tensor, drafts: torch.Tensor, info: SamplingBatchInfo,
                 draft_probs: Optional[torch.Tensor], verify_len: torch.Tensor
