@@ -32,8 +32,9 @@
 #                 on, batch 1, context CONTEXT (default 8192): graph_ab per SPECS (default "0 5 3":
 #                 decode step, NEXTN-5 / NEXTN-3 rounds, memory) into $OUT/fp8full.jsonl, the fp8
 #                 weight floors (1, 4 and 6 tokens), then one NEXTN-5 server at concurrency 1
-#                 (SERVED=0 skips it); first the top kernels of an eager decode step
-#                 (benchmark/batch1/top_kernels.py). About 8 minutes in all.
+#                 (SERVED=0 skips it); first the fp8 tile sweeps (SWEEP=0 skips them) and the
+#                 top kernels of an eager decode step (benchmark/batch1/top_kernels.py).
+#                 About 9 minutes in all: SPECS / SERVED split it over calls.
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
 # FUSED (default 1) sets SGLANG_TRITON_RMSNORM / SGLANG_TRITON_ROUTER to 1 (0 with FUSED=0); PHASES=1 captures a NEXTN
 # round as one graph per phase (SGLANG_ROUND_GRAPH_PER_PHASE=1); SPECS (default "0 3 4 5")
@@ -102,6 +103,14 @@ fp8full)
   ctx=${CONTEXT:-8192}
   # The context holds the prompt plus every measured round (NEXTN-5: 6 tokens a round).
   FULL="--model-path ling-3.0-flash --load-format dummy --quantization fp8 --mem-fraction-static 0.93 --max-running-requests 2 --context-length $((ctx + 1024)) --cuda-graph-max-bs 1"
+  if [ "${SWEEP:-1}" = 1 ]; then  # the fp8 tiles first: they own the step (docs/performance.md)
+    ( cd benchmark/kernels && timeout 70 python3 tune_small_m_gemm.py --fp8 --rows 1 4 \
+      --shapes "kda qkvbfg" "attn out" --block-n 16 32 --block-k 128 256 512 --num-stages 3 \
+      --iters 10 > "$OUT/fp8full_small_m.log" 2>&1; tail -4 "$OUT/fp8full_small_m.log"
+      timeout 40 python3 tune_grouped_gemv.py --fp8 --tokens 1 --check-tokens 1 --iters 10 \
+      --block-n 4 8 --block-k 512 1024 --num-stages 3 > "$OUT/fp8full_grouped.log" 2>&1
+      grep -E "^\| default|^###" "$OUT/fp8full_grouped.log" )
+  fi
   timeout ${TOP_TIMEOUT:-110} python3 benchmark/batch1/top_kernels.py $FULL $KARGS --prompt-len 1024 \
     --steps 2 --top 12 > "$OUT/fp8full_top_kernels.log" 2>&1; grep "^|" "$OUT/fp8full_top_kernels.log"
   for steps in ${SPECS:-0 5 3}; do
@@ -171,16 +180,25 @@ ab)
   ;;
 served)
   # CONFIGS: "model:graphs:steps[:overlap]" (model flash12|bundled, graphs 1|0, NEXTN steps with
-  # 0 = none or "dspark" (DSPARK with the model's dspark/ draft), overlap 1|0, 1 the default).
+  # 0 = none or "dspark" (DSPARK with the model's dspark/ draft; "dspark-cap" / "dspark-compact":
+  # with the confidence scheduler on an SPS table profiled here first, SGLANG_RAGGED_VERIFY_MODE
+  # cap-accept / compact), overlap 1|0, 1 the default).
   port=30600
   for cfg in ${CONFIGS:-flash12:1:0 flash12:1:3 flash12:0:0 bundled:1:0 bundled:1:3}; do
     IFS=: read -r model graphs steps overlap <<< "$cfg"
     oargs=$([ "${overlap:-1}" = 1 ] && echo "" || echo "--disable-overlap-schedule")
     margs=$([ $model = flash12 ] && echo "$FLASH12" || echo "")
     gargs=$([ $graphs = 1 ] && echo "" || echo "--disable-cuda-graph")
+    unset SGLANG_RAGGED_VERIFY_MODE
     case $steps in
       0) spec="" ;;
       dspark) spec="--speculative-algorithm DSPARK" ;;  # the model's dspark/ draft
+      dspark-cap|dspark-compact)  # the confidence scheduler, on an SPS table of this GPU
+        [ -f "$OUT/sps_$model.json" ] || timeout 150 python3 -m sglang.benchmark.dspark_sps_profiler \
+          $margs $KARGS --device cuda --dtype bfloat16 --cuda-graph --max-running-requests 1 \
+          --output "$OUT/sps_$model.json" > "$OUT/sps_profiler_$model.log" 2>&1
+        spec="--speculative-algorithm DSPARK --speculative-dspark-sps-table-path $OUT/sps_$model.json"
+        export SGLANG_RAGGED_VERIFY_MODE=$([ $steps = dspark-compact ] && echo compact || echo cap-accept) ;;
       *) spec="--speculative-algorithm NEXTN --speculative-num-steps $steps" ;;
     esac
     port=$((port + 1))
