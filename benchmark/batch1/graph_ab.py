@@ -57,7 +57,7 @@ def _memory_report(sched: Scheduler) -> Dict[str, float]:
         runners.append(draft)
     weights = {id(t): t.numel() * t.element_size() for r in runners
                for t in list(r.model.parameters()) + list(r.model.buffers())}
-    target = sched.tp_worker.model_runner
+    target = runners[0]
     pools = {id(p): _tensor_bytes(p) for r in runners
              for p in (r.req_to_token_pool, r.token_to_kv_pool, r.kda_state_pool)
              if p is not None}

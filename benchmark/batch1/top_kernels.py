@@ -32,7 +32,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     args = parser.parse_args(argv)
     args.disable_cuda_graph = True
     sched = Scheduler(ServerArgs.from_cli_args(args))
-    start_request(sched, args.prompt_len, (args.warmup + args.steps + 2) * 16 + 16)
+    # Tokens for every profiled iteration (a speculative round commits up to round_tokens).
+    start_request(sched, args.prompt_len,
+                  (args.warmup + args.steps + 3) * sched.round_worker.round_tokens + 64)
     sync = torch.cuda.synchronize if sched.device.type == "cuda" else (lambda: None)
     for _ in range(args.warmup):
         sched.step()

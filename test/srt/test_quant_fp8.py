@@ -11,7 +11,7 @@ import glob
 import json
 import os
 import shutil
-from typing import Dict, List, Set
+from typing import Dict, Set
 
 import pytest
 import torch
@@ -26,11 +26,11 @@ from sglang.srt.layers.quantization import (Fp8Config, Fp8LinearMethod, quantiza
                                             resolve_quant_config)
 from sglang.srt.layers.quantization.fp8_utils import (FP8_DTYPE, dequantize_block_fp8,
                                                       quantize_block_fp8)
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_loader.loader import CheckpointError, build_model, model_weight_bytes
 from sglang.srt.model_loader.weight_utils import LazyWeight
 from sglang.test.random_checkpoint import tiny_config, write_random_checkpoint
+from sglang.test.runner_utils import greedy_logits
 from sglang.train.reference import ReferenceBailingMoeV3
 
 from layer_test_utils import fake_tp
@@ -236,14 +236,10 @@ def _runner(path: str, quantization=None, is_draft=False) -> ModelRunner:
 
 @torch.no_grad()
 def _prefill_logits(runner: ModelRunner, ids: torch.Tensor) -> torch.Tensor:
+    """Every position's logits of one fresh request (the pools emptied first)."""
     runner.req_to_token_pool.clear()
     runner.token_to_kv_pool_allocator.clear()
-    reqs = runner.req_to_token_pool.alloc(1)
-    runner.kda_state_pool.clear_slots(reqs)
-    loc = runner.token_to_kv_pool_allocator.alloc(len(ids))
-    runner.req_to_token_pool.write(reqs[0], 0, loc)
-    fb = ForwardBatch.for_extend(ids, reqs, [0], [len(ids)], loc, return_full_logits=True)
-    return runner.forward(fb).next_token_logits
+    return greedy_logits(runner, ids.tolist(), 0)[0]
 
 
 def test_fp8_checkpoint_loads_as_quantize_at_load(ckpts):

@@ -88,8 +88,8 @@ class GraphKey(NamedTuple):
     width: Optional[int]  # gather-width bucket (None: the backend does not depend on it)
     variant: str  # "greedy" or "sampled"
     return_logprob: bool
-    # The worker's round shape (e.g. a verify-width tier: GraphedRoundMixin.round_shapes); None
-    # for a worker whose rounds have one shape.
+    # The worker's round shape (e.g. a verify-width tier: GraphedRoundMixin.next_round_shape);
+    # None for a worker whose rounds have one shape.
     round_shape: Optional[int] = None
 
 
@@ -167,7 +167,7 @@ class CudaGraphRunner:
     must then run the same phases (A/B of the two layouts). Every output is batch-major.
     ``refill_mode``: how the static inputs are refilled (:class:`GraphRefill`).
     ``set_round_shape``: called with a key's ``round_shape`` before its body runs for a capture
-    (a worker whose rounds come in several shapes, :meth:`GraphedRoundMixin.round_shapes`).
+    (a worker whose rounds come in several shapes, :meth:`GraphedRoundMixin.apply_round_shape`).
     """
 
     def __init__(self, body: RoundBody, *, device: torch.device, vocab_size: int,

@@ -356,9 +356,10 @@ class DSparkWorker(GraphedRoundMixin, BaseSpecWorker):
             kda_pool.commit_after_verify(slots, layout.last_accepted_index)
         self.future_map.scatter(slots, seq_lens=layout.new_seq_lens, tokens=verdict.next_seed)
         info.append_tokens(verdict.accepted_tokens.clamp(min=0), valid=layout.keep_mask)
-        pad = self.gamma - d
+        pad = self.gamma - d  # compact tiers only: no copy for a full-width window
+        tokens = verdict.accepted_tokens
         out = {"accept_len": verdict.accept_len,
-               "tokens": torch.nn.functional.pad(verdict.accepted_tokens, (0, pad), value=-1),
+               "tokens": torch.nn.functional.pad(tokens, (0, pad), value=-1) if pad else tokens,
                "target_aux": target_out.aux_hidden_states.view(b, n, -1)}
         if return_logprob:
             # As the sampler: the penalised logits over the temperature at each position (raw
@@ -367,7 +368,8 @@ class DSparkWorker(GraphedRoundMixin, BaseSpecWorker):
                 source = target_out.next_token_logits[:, :self.vocab_size].float()
             else:
                 source = processed / rows_info.temperatures.unsqueeze(1)
-            out["lp_source"] = torch.nn.functional.pad(source.view(b, n, -1), (0, 0, 0, pad))
+            source = source.view(b, n, -1)
+            out["lp_source"] = torch.nn.functional.pad(source, (0, 0, 0, pad)) if pad else source
         return out
 
     def _context_phase(self, prev: Dict[str, torch.Tensor], slots: torch.Tensor,
