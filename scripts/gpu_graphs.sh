@@ -32,8 +32,9 @@
 #                 on, batch 1, context CONTEXT (default 8192): graph_ab per SPECS (default "0 5 3":
 #                 decode step, NEXTN-5 / NEXTN-3 rounds, memory) into $OUT/fp8full.jsonl, the fp8
 #                 weight floors (1, 4 and 6 tokens), then one NEXTN-5 server at concurrency 1
-#                 (SERVED=0 skips it); first the fp8 tile sweeps (SWEEP=0 skips them) and the
-#                 top kernels of an eager decode step (benchmark/batch1/top_kernels.py).
+#                 (SERVED=0 skips it, FLOORS=0 the floors); first the fp8 tile sweeps (SWEEP=0
+#                 skips them), after graph_ab the top kernels of an eager decode step
+#                 (benchmark/batch1/top_kernels.py; TOP=0 skips them).
 #                 About 9 minutes in all: SPECS / SERVED split it over calls.
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
 # FUSED (default 1) sets SGLANG_TRITON_RMSNORM / SGLANG_TRITON_ROUTER to 1 (0 with FUSED=0); PHASES=1 captures a NEXTN
@@ -104,15 +105,15 @@ fp8full)
   # The context holds the prompt plus every measured round (NEXTN-5: 6 tokens a round).
   FULL="--model-path ling-3.0-flash --load-format dummy --quantization fp8 --mem-fraction-static 0.93 --max-running-requests 2 --context-length $((ctx + 1024)) --cuda-graph-max-bs 1"
   if [ "${SWEEP:-1}" = 1 ]; then  # the fp8 tiles first: they own the step (docs/performance.md)
-    ( cd benchmark/kernels && timeout 70 python3 tune_small_m_gemm.py --fp8 --rows 1 4 \
-      --shapes "kda qkvbfg" "attn out" --block-n 16 32 --block-k 128 256 512 --num-stages 3 \
-      --iters 10 > "$OUT/fp8full_small_m.log" 2>&1; tail -4 "$OUT/fp8full_small_m.log"
-      timeout 40 python3 tune_grouped_gemv.py --fp8 --tokens 1 --check-tokens 1 --iters 10 \
-      --block-n 4 8 --block-k 512 1024 --num-stages 3 > "$OUT/fp8full_grouped.log" 2>&1
-      grep -E "^\| default|^###" "$OUT/fp8full_grouped.log" )
+    ( cd benchmark/kernels && timeout 200 python3 tune_small_m_gemm.py --fp8 --rows 1 4 \
+      --shapes "kda qkvbfg" "attn out" "mla q" --block-n 16 32 64 --num-stages 3 4 6 \
+      --split-k 1 2 4 8 --iters 10 > "$OUT/fp8full_small_m.log" 2>&1
+      grep -E "ranking|^\| [a-z]" "$OUT/fp8full_small_m.log" | cut -c1-400
+      timeout 150 python3 tune_grouped_gemv.py --fp8 --tokens 1 --check-tokens 4 --iters 10 \
+        --block-n 2 4 8 --block-k 256 512 1024 --num-warps 4 8 --num-stages 3 \
+        > "$OUT/fp8full_grouped.log" 2>&1
+      grep -E "^\| |^###|tokens" "$OUT/fp8full_grouped.log" | head -40 )
   fi
-  timeout ${TOP_TIMEOUT:-110} python3 benchmark/batch1/top_kernels.py $FULL $KARGS --prompt-len 1024 \
-    --steps 2 --top 12 > "$OUT/fp8full_top_kernels.log" 2>&1; grep "^|" "$OUT/fp8full_top_kernels.log"
   for steps in ${SPECS:-0 5 3}; do
     spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
     echo "== fp8full graph_ab nextn $steps"
@@ -120,7 +121,10 @@ fp8full)
       --steps 16 --replays 30 --label "flash42 fp8 nextn$steps" --result-filename $OUT/fp8full.jsonl 2>&1 \
       | grep -v Warn | tail -7
   done
-  for tokens in 1 4 6; do
+  [ "${TOP:-1}" = 1 ] && { timeout ${TOP_TIMEOUT:-200} python3 benchmark/batch1/top_kernels.py $FULL $KARGS \
+    --prompt-len 64 --steps 2 --top 16 > "$OUT/fp8full_top_kernels.log" 2>&1
+    grep "^|" "$OUT/fp8full_top_kernels.log"; }
+  [ "${FLOORS:-1}" = 1 ] && for tokens in 1 4 6; do
     timeout 60 python3 benchmark/batch1/weight_floor.py --quantization fp8 --context $ctx --tokens $tokens \
       --measure 2>&1 | tail -1 >> "$OUT/fp8full_floor.jsonl"
     echo "floor, $tokens token(s): $(grep -o '"floor_ms": [0-9.]*' "$OUT/fp8full_floor.jsonl" | tail -1)"

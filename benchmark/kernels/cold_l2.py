@@ -9,6 +9,7 @@ from typing import Callable, Tuple
 import torch
 
 FLUSH_BYTES = 256 << 20  # > the H200's L2 (60 MB)
+SPIN_CYCLES = 1_000_000  # about 0.5 ms at the H200's clock: longer than any wrapper's launch
 
 
 def flush_buffer(device: str) -> torch.Tensor:
@@ -29,6 +30,9 @@ def cold_time_us(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> f
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     for s, e in zip(starts, ends):
         flush.zero_()
+        # Keep the GPU busy while the host enqueues the call: otherwise a Python wrapper that
+        # takes longer to launch than the flush takes to run is timed along with the kernel.
+        torch.cuda._sleep(SPIN_CYCLES)
         s.record()
         fn()
         e.record()

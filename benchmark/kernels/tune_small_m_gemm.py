@@ -46,6 +46,8 @@ def main() -> None:
     p.add_argument("--block-k", type=int, nargs="+", default=[128, 256, 512])
     p.add_argument("--num-warps", type=int, nargs="+", default=[4])
     p.add_argument("--num-stages", type=int, nargs="+", default=[3, 5])
+    p.add_argument("--split-k", type=int, nargs="+", default=[1],
+                   help="K ranges summed by a second launch (a block-fp8 tile is one block wide)")
     p.add_argument("--iters", type=int, default=30)
     p.add_argument("--scale", type=int, default=1, help="divide N by this (smoke runs)")
     p.add_argument("--fp8", action="store_true",
@@ -56,12 +58,13 @@ def main() -> None:
     on_cuda = dev == "cuda"
     torch.manual_seed(0)
     flush = flush_buffer(dev)
-    grid = [LaunchConfig(*c) for c in itertools.product(args.block_n, args.block_k,
-                                                        args.num_warps, args.num_stages)]
+    grid = [LaunchConfig(*c) for c in itertools.product(
+        args.block_n, [128] if args.fp8 else args.block_k, args.num_warps, args.num_stages,
+        args.split_k)]
     name_dev = torch.cuda.get_device_name() if on_cuda else "CPU (Triton interpreter)"
     print(f"{name_dev}, {dt}{' (block-fp8 weights)' if args.fp8 else ''}, cold L2, "
           f"{args.iters} iters; config = "
-          "BLOCK_N/BLOCK_K/num_warps/num_stages")
+          "BLOCK_N/BLOCK_K/num_warps/num_stages/split_k")
     summary: List[str] = []
     for name in args.shapes:
         n, k = FLASH_SHAPES[name]
@@ -91,7 +94,9 @@ def main() -> None:
                                                             w_scale=scale), args.iters,
                                        flush), cfg))
         timed.sort(key=lambda r: r[0])
-        best, current = timed[0][1], launch_config(n, k)  # current: small_m_gemm's default
+        print(f"  {name} ranking at M={m0}: "
+              + ", ".join(f"{'/'.join(map(str, c))} {t:.1f}" for t, c in timed[:5]))
+        best, current = timed[0][1], launch_config(n, k, args.fp8)  # small_m_gemm's default
         cells = []
         for m in args.rows:
             x = xs[m]

@@ -94,9 +94,10 @@ def test_extra_pairs_ride_the_routed_launch(triton_mode, dtype, tol):
 
 
 @pytest.mark.parametrize("dtype,tol", [FP32, FP16] + ([(torch.bfloat16, 1e-2)] if ON_CUDA else []))
-def test_block_fp8_weights_match_the_dequantised_reference(triton_mode, dtype, tol):
-    """float8_e4m3fn experts (and shared expert) with 128 x 128 block scales: each tile is
-    dequantised as loaded; gate and up on their own grids (I = 96 is not a block multiple)."""
+def test_block_fp8_weights_match_the_fp32_dequantised_reference(triton_mode, dtype, tol):
+    """float8_e4m3fn experts (and shared expert) with 128 x 128 block scales: the fp32 product
+    with the weight q * scale (the scales applied to x); gate and up on their own grids (I = 96
+    is not a block multiple); tiles narrower and wider than a scale block."""
     from sgl_kernel.fp8_blocks import block_quantize
 
     gen = torch.Generator().manual_seed(12)
@@ -107,9 +108,14 @@ def test_block_fp8_weights_match_the_dequantised_reference(triton_mode, dtype, t
     ids = torch.randint(0, e, (t * 2,), generator=gen).to(DEVICE)
     w, ws, sw, sws = (z.to(DEVICE) for z in (w, ws, sw, sws))
     kw = dict(rows_per_x=2, swiglu_limit=0.0, extra_w=sw, w_scale=ws, extra_w_scale=sws)
-    got = triton_mode.grouped_gemv(x, w, ids, block_n=64, block_k=64, **kw)
     ref = triton_mode.grouped_gemv_reference(x, w, ids, **kw)
-    assert got.shape == (t * 3, i) and _rel(got, ref) < tol
+    for block_k in (64, 256):
+        other = triton_mode.grouped_gemv(x, w, ids, block_n=64, block_k=block_k, **kw)
+        assert other.shape == (t * 3, i) and _rel(other, ref) < tol
+    got = triton_mode.grouped_gemv(x, w, ids, **kw)
+    assert _rel(got, ref) < tol
+    with pytest.raises(ValueError, match="share a scale row"):
+        triton_mode.grouped_gemv(x, w, ids, block_n=256, **kw)
     down, ds = block_quantize(torch.randn(e, k, i, generator=gen) / i ** 0.5)
     down, ds = down.to(DEVICE), ds.to(DEVICE)
     got2 = triton_mode.grouped_gemv(got[:t * 2], down, ids, w_scale=ds)

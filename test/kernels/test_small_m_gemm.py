@@ -51,9 +51,31 @@ def test_mixed_dtypes_convert_x_and_round_once_to_out_dtype():
 
 
 @pytest.mark.parametrize("dtype,tol", CASES)
-def test_block_fp8_weight_matches_the_dequantised_reference(dtype, tol):
-    """A float8_e4m3fn weight with 128 x 128 block scales (ragged edges): dequantised per tile,
-    equal to the reference and still batch-invariant."""
+def test_split_k_matches_reference_and_is_batch_invariant(dtype, tol):
+    """``split_k``: K ranges summed by a second launch in range order (with a ragged last range,
+    an empty one, a bias and a strided out) equal the reference, bit-equal across M."""
+    from sgl_kernel.small_m_gemm import small_m_gemm, small_m_gemm_reference
+
+    gen = torch.Generator().manual_seed(9)
+    m, n, k = 18, 40, 330
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    ref = small_m_gemm_reference(x, w, bias)
+    for split in (2, 4, 8):  # 64-wide tiles: 6 in 2 ranges; 4: 2+2+2+empty; 8 -> 6 ranges
+        cfg = LaunchConfig(16, 64, 4, 1, split)
+        got = small_m_gemm(x, w, bias, config=cfg)
+        assert _rel(got, ref) < tol
+        assert torch.equal(small_m_gemm(x[5:6], w, bias, config=cfg), got[5:6])
+        wide = torch.zeros(m, n + 8, dtype=dtype, device=DEVICE)
+        small_m_gemm(x, w, bias, out=wide[:, 4:4 + n], config=cfg)
+        assert torch.equal(wide[:, 4:4 + n], got) and not wide[:, :4].any()
+
+
+@pytest.mark.parametrize("dtype,tol", CASES)
+def test_block_fp8_weight_matches_the_fp32_dequantised_reference(dtype, tol):
+    """A float8_e4m3fn weight with 128 x 128 block scales (ragged edges): each block's fp32 sum
+    scaled, equal to the reference with and without a K split, and still batch-invariant."""
     from sgl_kernel.fp8_blocks import block_quantize
     from sgl_kernel.small_m_gemm import small_m_gemm, small_m_gemm_reference
 
@@ -64,10 +86,12 @@ def test_block_fp8_weight_matches_the_dequantised_reference(dtype, tol):
     assert got.dtype == dtype
     assert _rel(got, small_m_gemm_reference(x, w, w_scale=scale)) < tol
     assert torch.equal(small_m_gemm(x[4:5], w, w_scale=scale), got[4:5])
-    # Tiles narrower than a scale block (one scale per row and tile) and of two blocks.
-    for block_k in (64, 256):
-        narrow = small_m_gemm(x, w, w_scale=scale, config=LaunchConfig(16, block_k, 4, 1))
-        assert _rel(narrow, small_m_gemm_reference(x, w, w_scale=scale)) < tol
+    # Any asked tile width steps one scale block at a time; split over K ranges of blocks.
+    for cfg in (LaunchConfig(16, 64, 4, 1), LaunchConfig(32, 256, 4, 1, 2),
+                LaunchConfig(16, 128, 4, 1, 3)):
+        other = small_m_gemm(x, w, w_scale=scale, config=cfg)
+        assert _rel(other, small_m_gemm_reference(x, w, w_scale=scale)) < tol
+        assert torch.equal(small_m_gemm(x[1:2], w, w_scale=scale, config=cfg), other[1:2])
     with pytest.raises(ValueError, match="block scales"):
         small_m_gemm(x, w)
     # Two pieces of 70 rows, each on its own grid: the row -> scale-row map.

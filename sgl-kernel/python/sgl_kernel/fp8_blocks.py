@@ -7,43 +7,23 @@ on its own grid, ``scale [.., 2 * ceil(I/128), ceil(K/128)]`` with the up half's
 the gate half's, so the halves stay apart when ``I`` is not a multiple of 128; when it is, this
 is the plain grid of the ``[2I, K]`` matrix.
 
-The kernels dequantise a tile as they load it and round it to the activation dtype, then run the
-unquantized math: their torch reference is :func:`block_dequantize` followed by the unquantized
-reference.
+The kernels compute in fp32 with the weight ``q * scale`` (never rounded to the activation
+dtype) and never form it: the grouped GEMV scales the activations (a tile's rows share one
+scale row), the small-M GEMM scales each 128-column block's tensor-core sum. Either way a weight
+element costs one conversion and one multiply-add: scaling every element first costs more
+instructions than the byte is worth to stream. Their torch references start from
+:func:`block_dequantize` in fp32; the summation orders differ, within fp32 rounding.
 """
 from __future__ import annotations
 
 from typing import Optional, Tuple
 
 import torch
-import triton
-import triton.language as tl
 
 __all__ = ["QBLOCK", "block_quantize", "block_dequantize", "scale_rows", "check_block_scale",
-           "dequant_tile"]
+           "block_dequantize_rows"]
 
 QBLOCK = 128
-
-
-@triton.jit
-def dequant_tile(w, s_rows, k0, K, mask_n, out_dtype: tl.constexpr, BLOCK_N: tl.constexpr,
-                 BLOCK_K: tl.constexpr, QB: tl.constexpr):
-    """A block-fp8 weight tile ``w [BLOCK_N, BLOCK_K]`` (columns ``k0 ..``) times its scales,
-    rounded to ``out_dtype``; ``s_rows [BLOCK_N]`` points at each row's scale row.
-
-    The scales are loaded once per row and 128-column block (``BLOCK_N x BLOCK_K / QB`` loads,
-    or ``BLOCK_N`` when the tile is narrower than a block) and broadcast over the block's
-    columns: a per-element gather of the scale costs more than streaming the weight itself."""
-    if BLOCK_K >= QB:
-        KB: tl.constexpr = BLOCK_K // QB
-        kb = k0 // QB + tl.arange(0, KB)
-        scale = tl.load(s_rows[:, None] + kb[None, :],
-                        mask=mask_n[:, None] & (kb < tl.cdiv(K, QB))[None, :], other=0.0)
-        w3 = tl.reshape(w.to(tl.float32), (BLOCK_N, KB, QB)) * scale[:, :, None]
-        return tl.reshape(w3, (BLOCK_N, BLOCK_K)).to(out_dtype)
-    else:
-        scale = tl.load(s_rows + k0 // QB, mask=mask_n, other=0.0)
-        return (w.to(tl.float32) * scale[:, None]).to(out_dtype)
 
 
 def _cdiv(a: int, b: int) -> int:
@@ -93,3 +73,12 @@ def block_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
     rows = block_index(_pieces(n, split), QBLOCK, q.device)
     cols = torch.arange(k, device=q.device) // QBLOCK
     return dequantize_indexed(q, scale, rows, cols, dtype)
+
+
+
+def block_dequantize_rows(q: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
+                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """``q [N, K] * scale[rows[n], k // 128]`` in ``dtype``: a weight of several pieces, each on
+    its own grid, with ``rows [N]`` the scale row of every weight row."""
+    cols = torch.arange(q.shape[-1], device=q.device) // QBLOCK
+    return (q.float() * scale[rows.long()][:, cols]).to(dtype)

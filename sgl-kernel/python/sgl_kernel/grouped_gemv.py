@@ -23,20 +23,10 @@ import triton
 import triton.language as tl
 
 from sgl_kernel import pdl
-from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale, dequant_tile
+from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
 from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options
 
 __all__ = ["grouped_gemv", "grouped_gemv_reference", "launch_config", "LaunchConfig"]
-
-
-@triton.jit
-def _dequant(w, s_rows, k0, K, mask_n, x_ptr, HAS_SCALE: tl.constexpr, BLOCK_N: tl.constexpr,
-             BLOCK_K: tl.constexpr, QB: tl.constexpr):
-    """A weight tile in fp32; a block-fp8 tile times its block scales, rounded to the activation
-    dtype first (the reference: the dequantised weight through the unquantized math)."""
-    if HAS_SCALE:
-        w = dequant_tile(w, s_rows, k0, K, mask_n, x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K, QB)
-    return w.to(tl.float32)
 
 
 @triton.jit
@@ -48,7 +38,8 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, ex_ptr, ew_ptr, out_ptr, ws_ptr,
                          QB: tl.constexpr, USE_PDL: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair = tl.program_id(0)
-    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n0 = tl.program_id(1) * BLOCK_N  # BLOCK_N divides the scale block: one scale row
+    offs_n = n0 + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     pdl.wait(USE_PDL)  # ids and x come from the kernels before
     pdl.launch_dependents(USE_PDL)
@@ -57,14 +48,14 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, ex_ptr, ew_ptr, out_ptr, ws_ptr,
         x_row = x_ptr + (pair // rows_per_x).to(tl.int64) * stride_x
         w_rows = w_ptr + expert * stride_we + offs_n.to(tl.int64)[:, None] * stride_wn
         up_rows = N * stride_wn
-        s_rows = ws_ptr + expert * stride_wse + (offs_n // QB) * stride_wsn
+        s_row = ws_ptr + expert * stride_wse + (n0 // QB) * stride_wsn
         s_up = up_scale_row * stride_wsn
         lim = limit
     else:  # an extra pair (shared expert / dense weight): extra row pair - routed_pairs
         x_row = ex_ptr + (pair - routed_pairs).to(tl.int64) * stride_ex
         w_rows = ew_ptr + offs_n.to(tl.int64)[:, None] * stride_ewn
         up_rows = N * stride_ewn
-        s_rows = ews_ptr + (offs_n // QB) * stride_ewsn
+        s_row = ews_ptr + (n0 // QB) * stride_ewsn
         s_up = up_scale_row * stride_ewsn
         lim = extra_limit
     acc = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -74,13 +65,18 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, ex_ptr, ew_ptr, out_ptr, ws_ptr,
         mask_k = offs_k < K
         mask = mask_n[:, None] & mask_k[None, :]
         x = tl.load(x_row + offs_k, mask=mask_k, other=0.0).to(tl.float32)
-        w = _dequant(tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0), s_rows, k0, K,
-                     mask_n, x_ptr, HAS_SCALE, BLOCK_N, BLOCK_K, QB)
-        acc += tl.sum(w * x[None, :], axis=1)
+        x_gate, x_up = x, x
+        if HAS_SCALE:  # block fp8: the tile's rows share one scale row, so the block scales
+            # multiply x (BLOCK_K products) and each weight element costs one conversion and
+            # one multiply-add, as a 16-bit weight does.
+            x_gate = x * tl.load(s_row + offs_k // QB, mask=mask_k, other=0.0)
+            if SWIGLU:
+                x_up = x * tl.load(s_row + s_up + offs_k // QB, mask=mask_k, other=0.0)
+        w = tl.load(w_rows + offs_k[None, :], mask=mask, other=0.0).to(tl.float32)
+        acc += tl.sum(w * x_gate[None, :], axis=1)
         if SWIGLU:  # the up rows follow the N gate rows (their scales on their own grid)
-            w_up = _dequant(tl.load(w_rows + up_rows + offs_k[None, :], mask=mask, other=0.0),
-                            s_rows + s_up, k0, K, mask_n, x_ptr, HAS_SCALE, BLOCK_N, BLOCK_K, QB)
-            acc_up += tl.sum(w_up * x[None, :], axis=1)
+            w_up = tl.load(w_rows + up_rows + offs_k[None, :], mask=mask, other=0.0)
+            acc_up += tl.sum(w_up.to(tl.float32) * x_up[None, :], axis=1)
     if SWIGLU:
         # As the unfused path: gate and up rounded to the output dtype, then SwiGLU in fp32.
         gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
@@ -95,20 +91,24 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, ex_ptr, ew_ptr, out_ptr, ws_ptr,
              acc.to(out_ptr.dtype.element_ty), mask=mask_n)
 
 
-def launch_config(n: int, k: int, swiglu: bool) -> LaunchConfig:
+def launch_config(n: int, k: int, swiglu: bool, fp8: bool = False) -> LaunchConfig:
     """The launch config of an ``[n, k]`` weight (``n`` output rows; SwiGLU reads ``2n``).
 
-    A function of the shape only, never of the number of pairs: the blocks fix each output's
-    summation order, so a NEXTN verify row and the decode of the same token round alike. The
-    up-projection (SwiGLU) streams each expert in narrow row blocks so that a few pairs still
-    fill the GPU: 4 rows x 1024 columns measured 21.0 µs against 67.7 µs for 32 x 128 on
-    Ling-3.0-flash's ``[1536, 2560]`` experts at 8 pairs (H200, in a CUDA graph); the other
-    shapes keep 32 x 128 until ``benchmark/kernels/tune_grouped_gemv.py`` has swept them. Under
+    A function of the shape (and the weight's format) only, never of the number of pairs: the
+    blocks fix each output's summation order, so a NEXTN verify row and the decode of the same
+    token round alike. The up-projection (SwiGLU) streams each expert in narrow row blocks so
+    that a few pairs still fill the GPU: 4 rows x 1024 columns measured 21.0 µs against 67.7 µs
+    for 32 x 128 on Ling-3.0-flash's ``[1536, 2560]`` bf16 experts at 8 pairs (H200, in a CUDA
+    graph); in block fp8, 16 x 512 with 8 warps measured 17.9 µs against 22.3 for 4 x 1024
+    (cold L2, ``benchmark/kernels/tune_grouped_gemv.py --fp8``, docs/performance.md). The
+    other shapes keep 32 x 128 (the fp8 down-projection's sweep found nothing faster). Under
     Triton's CPU interpreter one tile per pair (its cost is per program and per op, not per
     element).
     """
     if INTERPRETED:
         return LaunchConfig(triton.next_power_of_2(n), min(triton.next_power_of_2(k), 1024))
+    if swiglu and fp8:
+        return LaunchConfig(16, min(triton.next_power_of_2(k), 512), 8, 3)
     if swiglu:
         return LaunchConfig(4, min(triton.next_power_of_2(k), 1024))
     return LaunchConfig(32, 128)
@@ -142,7 +142,9 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
 
     Block-fp8 weights (``float8_e4m3fn``) come with their fp32 block scales ``w_scale [E, ..]``
     / ``extra_w_scale`` in the layout of :mod:`sgl_kernel.fp8_blocks` (SwiGLU: gate and up on
-    their own grids); each tile is dequantised as it is loaded, rounded to x's dtype.
+    their own grids). The product is in fp32 with the weight ``q * scale`` (never rounded to
+    x's dtype): the scales multiply x, since a tile's rows (``block_n`` dividing 128) share
+    one scale row.
     """
     if x.dim() != 2 or w.dim() != 3 or ids.dim() != 1 or x.shape[1] != w.shape[2]:
         raise ValueError(f"grouped_gemv: expected x [T, K], w [E, N, K], ids [P]; got "
@@ -185,8 +187,13 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                          f"dim, got {tuple(out.shape)}")
     if p == 0 or n == 0:
         return out
-    cfg = launch_config(n, k, swiglu)
+    cfg = launch_config(n, k, swiglu, fp8)
     block_n, block_k = block_n or cfg.block_n, block_k or cfg.block_k
+    if fp8 and block_n == cfg.block_n:  # the interpreter's one tile per pair: at most a block
+        block_n = min(block_n, QBLOCK)
+    if fp8 and (block_n > QBLOCK or QBLOCK % block_n):
+        raise ValueError(f"grouped_gemv: a block-fp8 tile's rows must share a scale row "
+                         f"(block_n dividing {QBLOCK}), got block_n={block_n}")
     opts = compiler_options(num_warps or cfg.num_warps, num_stages or cfg.num_stages)
     ew = extra_w if extra_w is not None else w  # placeholders when absent: never read
     ws = w_scale if fp8 else _placeholder(x.device)
@@ -222,21 +229,24 @@ def grouped_gemv_reference(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                            w_scale: Optional[torch.Tensor] = None,
                            extra_w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Plain-torch :func:`grouped_gemv` (fp32 products, one rounding to x's dtype; the project's
-    ``silu_and_mul`` for the SwiGLU form; block-fp8 weights dequantised to x's dtype first)."""
+    ``silu_and_mul`` for the SwiGLU form; block-fp8 weights dequantised in fp32)."""
     from sglang.srt.layers.activation import silu_and_mul
 
     split = w.shape[1] // 2 if swiglu_limit is not None else None
-    if w_scale is not None:
-        w = block_dequantize(w, w_scale, x.dtype, split)
-    if extra_w_scale is not None:
-        extra_w = block_dequantize(extra_w, extra_w_scale, x.dtype, split)
 
-    def rows_times(weights: torch.Tensor, rows: torch.Tensor, limit: Optional[float]):
+    def rows_times(weights: torch.Tensor, scale: Optional[torch.Tensor], rows: torch.Tensor,
+                   limit: Optional[float]):
+        if scale is not None:
+            weights = block_dequantize(weights, scale, torch.float32, split)
         out = torch.einsum("pnk,pk->pn", weights.float(), rows.float()).to(x.dtype)
         return out if swiglu_limit is None else silu_and_mul(out, limit)
 
-    parts = [rows_times(w[ids.long()], x.repeat_interleave(rows_per_x, dim=0), swiglu_limit)]
+    picked = ids.long()
+    parts = [rows_times(w[picked], None if w_scale is None else w_scale[picked],
+                        x.repeat_interleave(rows_per_x, dim=0), swiglu_limit)]
     if extra_w is not None:
         ex = x if extra_x is None else extra_x
-        parts.append(rows_times(extra_w.expand(ex.shape[0], -1, -1), ex, extra_limit))
+        parts.append(rows_times(extra_w.expand(ex.shape[0], -1, -1),
+                                None if extra_w_scale is None
+                                else extra_w_scale.expand(ex.shape[0], -1, -1), ex, extra_limit))
     return torch.cat(parts)

@@ -11,7 +11,10 @@ bit for bit the same at any ``M``. At these sizes the product is weight streamin
 rows cost tensor-core work only.
 
 Accumulation is fp32 (``tl.dot`` with ``ieee`` precision for fp32 inputs), bias added in fp32,
-one rounding to x's dtype. Reference: :func:`small_m_gemm_reference`.
+one rounding to x's dtype. A weight of few row blocks splits K over more programs (the
+config's ``split_k``, fixed by the shape): each range's fp32 partial goes to a workspace and a
+second launch adds them in range order, so the split keeps both properties. Reference:
+:func:`small_m_gemm_reference`.
 """
 from __future__ import annotations
 
@@ -22,7 +25,8 @@ import triton
 import triton.language as tl
 
 from sgl_kernel import pdl
-from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale, dequant_tile
+from sgl_kernel.fp8_blocks import (QBLOCK, block_dequantize, block_dequantize_rows,
+                                   check_block_scale)
 from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options
 
 __all__ = ["small_m_gemm", "small_m_gemm_reference", "launch_config", "SMALL_M_MAX_ROWS",
@@ -46,20 +50,43 @@ SMALL_M_MAX_ROWS = 64
 
 
 @triton.jit
+def _load_x(x_rows, z_rows, nw_ptr, offs_k, mask_m, K, eps, NORM_D: tl.constexpr,
+            GATE_ACT: tl.constexpr, BLOCK_M: tl.constexpr, WIDTH: tl.constexpr):
+    """The activation tile ``[BLOCK_M, WIDTH]`` of columns ``offs_k``; with the gated RMSNorm
+    prologue normalised per NORM_D-wide head of the tile, as GatedRMSNorm, in x's dtype."""
+    mask_k = offs_k < K
+    x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
+    if NORM_D > 0:
+        x3 = tl.reshape(x.to(tl.float32), (BLOCK_M, WIDTH // NORM_D, NORM_D))
+        r = tl.rsqrt(tl.sum(x3 * x3, axis=2) / NORM_D + eps)
+        y = tl.reshape(x3 * r[:, :, None], (BLOCK_M, WIDTH))
+        z = tl.load(z_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
+                    other=0.0).to(tl.float32)
+        act = tl.sigmoid(z) if GATE_ACT == 1 else z * tl.sigmoid(z)
+        nw = tl.load(nw_ptr + offs_k % NORM_D, mask=mask_k, other=0.0).to(tl.float32)
+        x = (y * nw[None, :] * act).to(x_rows.dtype.element_ty)
+    return x
+
+
+@triton.jit
 def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, nw_ptr, M, N, K,
-                         stride_xm, stride_wn, stride_om, stride_sn, stride_zm, eps,
+                         k_per_split, stride_xm, stride_wn, stride_om, stride_sn, stride_zm,
+                         stride_os, eps,
                          HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ROW_MAP: tl.constexpr,
                          QB: tl.constexpr, NORM_D: tl.constexpr, GATE_ACT: tl.constexpr,
-                         USE_PDL: tl.constexpr,
+                         USE_PDL: tl.constexpr, SPLIT: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
-    # Axis 0 walks the weight's row blocks (many programs), axis 1 the 16-row tiles of x.
+    # Axis 0 walks the weight's row blocks (many programs), axis 1 the 16-row tiles of x, axis 2
+    # the K ranges of a split (each writes its fp32 partial; _split_sum_kernel adds them).
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_n, mask_m = offs_n < N, offs_m < M
     w_rows = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn
     x_rows = x_ptr + offs_m.to(tl.int64)[:, None] * stride_xm
     z_rows = z_ptr + offs_m.to(tl.int64)[:, None] * stride_zm
+    k_lo = tl.program_id(2) * k_per_split
+    k_hi = tl.minimum(k_lo + k_per_split, K)
     pdl.wait(USE_PDL)  # x comes from the kernel before
     pdl.launch_dependents(USE_PDL)
     if ROW_MAP:  # a weight of several pieces, each on its own block grid
@@ -67,41 +94,70 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
     else:
         s_rows = s_ptr + (offs_n // QB).to(tl.int64) * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & mask_k[None, :], other=0.0)
-        x = tl.load(x_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0)
-        if NORM_D > 0:  # gated RMSNorm prologue: per NORM_D-wide head of the tile, as GatedRMSNorm
-            x3 = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // NORM_D, NORM_D))
-            r = tl.rsqrt(tl.sum(x3 * x3, axis=2) / NORM_D + eps)
-            y = tl.reshape(x3 * r[:, :, None], (BLOCK_M, BLOCK_K))
-            z = tl.load(z_rows + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :],
-                        other=0.0).to(tl.float32)
-            act = tl.sigmoid(z) if GATE_ACT == 1 else z * tl.sigmoid(z)
-            nw = tl.load(nw_ptr + offs_k % NORM_D, mask=mask_k, other=0.0).to(tl.float32)
-            x = (y * nw[None, :] * act).to(x_ptr.dtype.element_ty)
-        if HAS_SCALE:  # block fp8: dequantise the tile, rounded to the activation dtype
-            w = dequant_tile(w, s_rows, k0, K, mask_n, x_ptr.dtype.element_ty, BLOCK_N, BLOCK_K,
-                             QB)
-        x = x.to(w.dtype)  # e.g. bf16 activations into an fp32 router gate: no cast launch
-        acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+        x = _load_x(x_rows, z_rows, nw_ptr, offs_k, mask_m, k_hi, eps, NORM_D, GATE_ACT, BLOCK_M,
+                    BLOCK_K)
+        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < k_hi)[None, :],
+                    other=0.0)
+        if HAS_SCALE:  # block fp8 (BLOCK_K = one scale block): raw e4m3 values, exact in x's
+            # dtype, through the tensor cores; the block's fp32 sum times its scales.
+            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+            scale = tl.load(s_rows + k0 // QB, mask=mask_n, other=0.0)
+            acc += part * scale[None, :]
+        else:
+            x = x.to(w.dtype)  # e.g. bf16 activations into an fp32 router gate: no cast launch
+            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if SPLIT > 1:
+        part_out = out_ptr + tl.program_id(2) * stride_os
+        part_out += offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(part_out, acc, mask=mask_m[:, None] & mask_n[None, :])
+    else:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, b_ptr, out_ptr, MN, N, stride_ps, stride_om,
+                      HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, SPLIT: tl.constexpr,
+                      BLOCK: tl.constexpr):
+    # The split's partials added in split order (fixed: deterministic, batch-invariant), the
+    # bias in fp32, one rounding.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    pdl.wait(USE_PDL)
+    pdl.launch_dependents(USE_PDL)
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + s * stride_ps + offs, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    out = out_ptr + (offs // N).to(tl.int64) * stride_om + offs % N
+    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def launch_config(n: int, k: int) -> LaunchConfig:
-    """The tiles of an ``[n, k]`` weight: a function of the shape only (never of ``M``), which
-    is what makes the product batch-invariant. On the GPU one tile for every shape (16 weight
-    rows x 256 columns, 4 warps, 4 stages) until ``benchmark/kernels/tune_small_m_gemm.py`` has
-    swept them on the H200; under the CPU interpreter the largest tiles (its cost is per
-    program and per op)."""
+def launch_config(n: int, k: int, fp8: bool = False) -> LaunchConfig:
+    """The tiles of an ``[n, k]`` weight: a function of the shape (and the weight's format)
+    only, never of ``M``, which is what makes the product batch-invariant. On the GPU 16 weight
+    rows x 256 columns, 4 warps, 4 stages for 16-bit and fp32 weights; block fp8 reads one scale
+    block (128 columns) per step in 32-row tiles, and a weight of few row blocks splits K so
+    that the GPU's 132 SMs each stream more than one program. On the H200 (cold L2,
+    ``benchmark/kernels/tune_small_m_gemm.py --fp8``) this was within noise of the best of 108
+    configs on KDA's fused projection (27 µs, 1.9 TB/s), the attention output (13 µs, split 8;
+    20 µs unsplit) and MLA's q projection. Under the CPU interpreter the largest tiles (its cost
+    is per program and per op)."""
     if INTERPRETED:
         return LaunchConfig(min(triton.next_power_of_2(n), 128),
-                            min(triton.next_power_of_2(k), 256))
-    return LaunchConfig(16, 256, 4, 4)
+                            QBLOCK if fp8 else min(triton.next_power_of_2(k), 256))
+    if not fp8:
+        return LaunchConfig(16, 256, 4, 4)
+    row_blocks = triton.cdiv(n, 32)
+    split = 1
+    while row_blocks * split < 512 and split < 8 and k // (QBLOCK * split * 2) >= 2:
+        split *= 2
+    return LaunchConfig(32, QBLOCK, 4, 4, split)
 
 
 def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -117,7 +173,7 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
     w's dtype as it is loaded (an fp32 router gate takes the bf16 hidden states as they are), and
     the fp32 accumulator is rounded once to ``out_dtype`` (fp32 router logits stay unrounded).
     A block-fp8 ``w`` (``float8_e4m3fn``) comes with its fp32 block scales ``w_scale``
-    (:mod:`sgl_kernel.fp8_blocks`); each tile is dequantised to x's dtype as it is loaded. A
+    (:mod:`sgl_kernel.fp8_blocks`): each 128-column block's fp32 sum is scaled. A
     weight of several pieces each on its own grid (KDA's fused q|k|v|b|f|g) passes
     ``w_scale_rows [N]``, the scale row of every weight row.
     ``gated_norm`` (:class:`GatedNormPrologue`) normalises x per head with its gate as the tiles
@@ -148,7 +204,9 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
         raise ValueError(f"small_m_gemm: out must be [{m}, {n}] with a contiguous last dim")
     if m == 0 or n == 0:
         return out
-    cfg = config or launch_config(n, k)
+    cfg = config or launch_config(n, k, fp8)
+    if fp8 and cfg.block_k != QBLOCK:  # one scale block per step: its sum is scaled
+        cfg = cfg._replace(block_k=QBLOCK)
     norm_d, act, z, nw, eps = 0, 1, x, x, 0.0
     if gated_norm is not None:
         z, nw, eps, norm_d, act_name = gated_norm
@@ -160,19 +218,35 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
                              f"swish, got {tuple(z.shape)}, {norm_d}, {tuple(nw.shape)}, "
                              f"{act_name!r}")
         if cfg.block_k % norm_d:
+            if fp8:
+                raise ValueError(f"small_m_gemm: a block-fp8 weight's gated_norm heads must "
+                                 f"divide {QBLOCK}, got {norm_d}")
             cfg = cfg._replace(block_k=max(cfg.block_k, norm_d) // norm_d * norm_d)
     opts = compiler_options(cfg.num_warps, cfg.num_stages)
     pdl_on = pdl.use_pdl(m)
     compute = x.dtype if fp8 else w.dtype
-    _small_m_gemm_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, BLOCK_M))](
-        x, w, bias if bias is not None else x, out, w_scale if fp8 else x,
-        w_scale_rows if w_scale_rows is not None else x, z, nw, m, n, k, x.stride(0),
-        w.stride(0), out.stride(0), w_scale.stride(0) if fp8 else 0, z.stride(0), float(eps),
+    # K ranges of whole tiles; a split's fp32 partials go to a workspace first.
+    split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
+    k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), split) * cfg.block_k
+    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
+                                                device=x.device)
+    _small_m_gemm_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, BLOCK_M), split)](
+        x, w, bias if bias is not None else x, target, w_scale if fp8 else x,
+        w_scale_rows if w_scale_rows is not None else x, z, nw, m, n, k, k_per_split,
+        x.stride(0), w.stride(0), target.stride(-2), w_scale.stride(0) if fp8 else 0,
+        z.stride(0), target.stride(0) if split > 1 else 0, float(eps),
         HAS_BIAS=bias is not None, HAS_SCALE=fp8, ROW_MAP=fp8 and w_scale_rows is not None,
-        QB=QBLOCK, NORM_D=norm_d, GATE_ACT=act, USE_PDL=pdl_on, BLOCK_M=BLOCK_M,
+        QB=QBLOCK, NORM_D=norm_d, GATE_ACT=act, USE_PDL=pdl_on, SPLIT=split, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",  # tf32: the default,
         **opts, **pdl.launch_options(pdl_on))  # which 16-bit inputs ignore
+    if split > 1:
+        block = 1024
+        _split_sum_kernel[(triton.cdiv(m * n, block),)](
+            target, bias if bias is not None else x, out, m * n, n, target.stride(0),
+            out.stride(0),
+            HAS_BIAS=bias is not None, USE_PDL=pdl_on, SPLIT=split, BLOCK=block,
+            **pdl.launch_options(pdl_on))
     return out
 
 
@@ -182,17 +256,17 @@ def small_m_gemm_reference(x: torch.Tensor, w: torch.Tensor,
                            w_scale: Optional[torch.Tensor] = None,
                            w_scale_rows: Optional[torch.Tensor] = None,
                            gated_norm: Optional[GatedNormPrologue] = None) -> torch.Tensor:
-    """Plain-torch :func:`small_m_gemm`: x in w's dtype (a block-fp8 w dequantised to x's dtype
-    first), fp32 product (and bias), one rounding to ``out_dtype`` (default x's); with
+    """Plain-torch :func:`small_m_gemm`: x in w's dtype (a block-fp8 w dequantised in fp32),
+    fp32 product and bias, one rounding to
+    ``out_dtype`` (default x's); with
     ``gated_norm`` x goes through the torch ``GatedRMSNorm`` first."""
     if gated_norm is not None:
         x = gated_norm_reference(x, gated_norm)
     if w_scale is not None and w_scale_rows is not None:
-        cols = torch.arange(w.shape[1], device=w.device) // QBLOCK
-        w = (w.float() * w_scale[w_scale_rows.long()][:, cols]).to(x.dtype)
+        w = block_dequantize_rows(w, w_scale, w_scale_rows)
     elif w_scale is not None:
-        w = block_dequantize(w, w_scale, x.dtype)
-    out = x.to(w.dtype).float() @ w.float().t()
+        w = block_dequantize(w, w_scale, torch.float32)
+    out = (x.float() if w_scale is not None else x.to(w.dtype).float()) @ w.float().t()
     if bias is not None:
         out = out + bias.float()
     return out.to(out_dtype or x.dtype)

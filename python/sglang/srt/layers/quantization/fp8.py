@@ -232,8 +232,8 @@ class Fp8LinearMethod(LinearMethodBase):
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None, gated_norm=None) -> torch.Tensor:
         """``linear(x, dequant(weight), bias)``; with the layer's ``small_m_gemm`` a decode /
-        verify batch runs the small-M kernel on the fp8 weight itself (each tile dequantised as
-        it is loaded, the same values)."""
+        verify batch runs the small-M kernel on the fp8 weight itself (each 128-column block's fp32
+        sum scaled: the dequantised product up to fp32 rounding)."""
         from sglang.srt.layers.linear import linear, small_m_rows
 
         if layer.small_m_gemm and small_m_rows(x):
