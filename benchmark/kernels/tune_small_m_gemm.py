@@ -96,7 +96,7 @@ def main() -> None:
         timed.sort(key=lambda r: r[0])
         print(f"  {name} ranking at M={m0}: "
               + ", ".join(f"{'/'.join(map(str, c))} {t:.1f}" for t, c in timed[:5]))
-        best, current = timed[0][1], launch_config(n, k, args.fp8)  # small_m_gemm's default
+        best, current = timed[0][1], launch_config(n, k, w.dtype)  # small_m_gemm's default
         cells = []
         for m in args.rows:
             x = xs[m]

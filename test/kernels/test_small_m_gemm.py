@@ -166,3 +166,17 @@ def test_model_row_bound_matches_the_kernels():
     from sglang.srt.models import bailing_moe_v3
 
     assert bailing_moe_v3._SMALL_M_ROWS == SMALL_M_MAX_ROWS
+
+
+def test_split_rule_fills_the_gpu_and_keeps_two_tiles_per_range():
+    """The GPU configs' K split: doubled while the grid is under 512 programs, at most 8, and
+    never below two tiles per range; a weight of many row blocks is not split."""
+    from sgl_kernel.small_m_gemm import _split_for
+
+    assert _split_for(20512, 2560, 32, 128) == 1  # KDA's fused projection: 641 row blocks
+    assert _split_for(2560, 4096, 32, 128) == 8  # the attention output: 80 row blocks
+    assert _split_for(512, 2560, 16, 128) == 8  # the router gate (fp32 tiles)
+    assert _split_for(512, 512, 16, 256) == 1  # two tiles: one range
+    for n, k in ((576, 2560), (2560, 768), (6144, 2560)):
+        split = _split_for(n, k, 16, 256)
+        assert split in (1, 2, 4, 8) and -(-k // 256) >= 2 * split

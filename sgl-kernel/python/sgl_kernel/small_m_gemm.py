@@ -138,26 +138,37 @@ def _split_sum_kernel(part_ptr, b_ptr, out_ptr, MN, N, stride_ps, stride_om,
     tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def launch_config(n: int, k: int, fp8: bool = False) -> LaunchConfig:
-    """The tiles of an ``[n, k]`` weight: a function of the shape (and the weight's format)
-    only, never of ``M``, which is what makes the product batch-invariant. On the GPU 16 weight
-    rows x 256 columns, 4 warps, 4 stages for 16-bit and fp32 weights; block fp8 reads one scale
-    block (128 columns) per step in 32-row tiles, and a weight of few row blocks splits K so
-    that the GPU's 132 SMs each stream more than one program. On the H200 (cold L2,
-    ``benchmark/kernels/tune_small_m_gemm.py --fp8``) this was within noise of the best of 108
-    configs on KDA's fused projection (27 µs, 1.9 TB/s), the attention output (13 µs, split 8;
-    20 µs unsplit) and MLA's q projection. Under the CPU interpreter the largest tiles (its cost
-    is per program and per op)."""
+def launch_config(n: int, k: int, weight_dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
+    """The tiles of an ``[n, k]`` weight: a function of the shape and the weight's dtype only,
+    never of ``M``, which is what makes the product batch-invariant.
+
+    On the GPU: 16 weight rows x 256 columns for 16-bit weights, 128 columns for fp32 ones (the
+    router gate: the same bytes per tile), 4 warps, 4 stages; block fp8 reads one scale block
+    (128 columns) per step in 32-row tiles. A weight of few row blocks splits K
+    (:func:`_split_for`) so that the GPU's 132 SMs each stream several programs. On the H200
+    (cold L2, ``benchmark/kernels/tune_small_m_gemm.py --fp8``) the fp8 tile was within noise
+    of the best of 108 configs on KDA's fused projection (27 µs, 1.9 TB/s), the attention
+    output (13 µs split 8, 20 µs unsplit) and MLA's q projection; the splits of 16-bit and fp32
+    weights follow the same rule, not yet swept. Under the CPU interpreter the largest tiles
+    (its cost is per program and per op)."""
+    fp8 = weight_dtype == torch.float8_e4m3fn
     if INTERPRETED:
         return LaunchConfig(min(triton.next_power_of_2(n), 128),
                             QBLOCK if fp8 else min(triton.next_power_of_2(k), 256))
-    if not fp8:
-        return LaunchConfig(16, 256, 4, 4)
-    row_blocks = triton.cdiv(n, 32)
-    split = 1
-    while row_blocks * split < 512 and split < 8 and k // (QBLOCK * split * 2) >= 2:
+    if fp8:
+        block_n, block_k = 32, QBLOCK
+    else:
+        block_n, block_k = 16, 128 if weight_dtype == torch.float32 else 256
+    return LaunchConfig(block_n, block_k, 4, 4, _split_for(n, k, block_n, block_k))
+
+
+def _split_for(n: int, k: int, block_n: int, block_k: int) -> int:
+    """K ranges for an ``[n, k]`` weight in these tiles: doubled while the grid has fewer than
+    512 programs (about four per SM), up to 8, each range keeping at least two tiles."""
+    row_blocks, tiles, split = triton.cdiv(n, block_n), triton.cdiv(k, block_k), 1
+    while row_blocks * split < 512 and split < 8 and tiles >= 4 * split:
         split *= 2
-    return LaunchConfig(32, QBLOCK, 4, 4, split)
+    return split
 
 
 def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] = None,
@@ -204,7 +215,7 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
         raise ValueError(f"small_m_gemm: out must be [{m}, {n}] with a contiguous last dim")
     if m == 0 or n == 0:
         return out
-    cfg = config or launch_config(n, k, fp8)
+    cfg = config or launch_config(n, k, w.dtype)
     if fp8 and cfg.block_k != QBLOCK:  # one scale block per step: its sum is scaled
         cfg = cfg._replace(block_k=QBLOCK)
     norm_d, act, z, nw, eps = 0, 1, x, x, 0.0
