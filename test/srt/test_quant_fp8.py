@@ -359,8 +359,8 @@ def test_dummy_weights_quantise_at_load(ckpts):
                     reason="needs CUDA or TRITON_INTERPRET=1 (test/conftest.py)")
 def test_triton_paths_read_fp8_weights(ckpts, monkeypatch):
     """The fp8 checkpoint through the Triton kernels (grouped mat-vec with the shared expert as
-    pairs, the one-kernel combine, the small-M GEMM for dense layers and the LM head; tiles
-    dequantised as loaded) equals its torch reference path (fp32, interpreter on CPU). A
+    pairs, the one-kernel combine, the small-M GEMM for dense layers and the LM head; the block
+    scales applied to the fp32 sums) equals its torch reference path (fp32, interpreter on CPU). A
     decode-sized prefill (3 tokens) takes the small-batch paths."""
     from sglang.srt.layers.moe.moe_layer import BailingMoE
 

@@ -274,6 +274,11 @@ class ModelRunner:
             self.model, resolve_fused_kernel_flag("SGLANG_TRITON_SMALL_M_GEMM",
                                                   envs.SGLANG_TRITON_SMALL_M_GEMM.get(),
                                                   self.device.type), self.device)
+        if (getattr(self.model, "quant_config", None) is not None
+                and self.device.type == "cuda" and not self.small_m_gemm):
+            logger.warning("fp8 weights without SGLANG_TRITON_SMALL_M_GEMM=1: every dense "
+                           "layer dequantises its weight at each decode step (the small-M GEMM "
+                           "reads the fp8 weight itself; docs/performance.md)")
         self._init_pools(draft_extra_mla_layers, max_total_tokens, mem_fraction_static,
                          req_to_token_pool, token_to_kv_pool_allocator, token_to_kv_pool,
                          kda_state_pool)
