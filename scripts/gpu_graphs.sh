@@ -106,8 +106,8 @@ fp8full)
   FULL="--model-path ling-3.0-flash --load-format dummy --quantization fp8 --mem-fraction-static 0.93 --max-running-requests 2 --context-length $((ctx + 1024)) --cuda-graph-max-bs 1"
   if [ "${SWEEP:-1}" = 1 ]; then  # the fp8 tiles first: they own the step (docs/performance.md)
     ( cd benchmark/kernels && timeout 200 python3 tune_small_m_gemm.py --fp8 --rows 1 4 \
-      --shapes "kda qkvbfg" "attn out" "mla q" --block-n 16 32 64 --num-stages 3 4 6 \
-      --split-k 1 2 4 8 --iters 10 > "$OUT/fp8full_small_m.log" 2>&1
+      --shapes "kda qkvbfg" "attn out + norm" "mla q" "router gate" --block-n 32 64 \
+      --num-stages 4 --split-k 1 4 8 --swap-ab 0 1 --iters 10 > "$OUT/fp8full_small_m.log" 2>&1
       grep -E "ranking|^\| [a-z]" "$OUT/fp8full_small_m.log" | cut -c1-400
       timeout 150 python3 tune_grouped_gemv.py --fp8 --tokens 1 --check-tokens 4 --iters 10 \
         --block-n 2 4 8 --block-k 256 512 1024 --num-warps 4 8 --num-stages 3 \

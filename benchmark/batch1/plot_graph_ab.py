@@ -10,7 +10,8 @@ first-seen order, one bar per configuration (graph + overlap, graph, eager + ove
 with its iteration time at the bar end, a dashed tick at the label's back-to-back graph replay
 time and, with ``--floor-ms``, a dotted tick at the weight-bandwidth floor on the labels matching
 ``--floor-match`` (default: labels containing "nextn0", the plain decode step the floor is
-computed for). The axis is linear; ``--max-ms`` clips longer bars, which get a break mark and
+computed for); a line's own ``floor_ms`` field sets its label's floor instead (charts of
+several models or step widths, each with its floor). The axis is linear; ``--max-ms`` clips longer bars, which get a break mark and
 keep their true value as text. A Markdown table of the same numbers goes to stdout.
 
 Only the standard library is used, so the figure can be redrawn anywhere.
@@ -48,6 +49,7 @@ class Group:
         self.iter_ms: Dict[Tuple[str, bool], float] = {}
         self.replay_ms: Optional[float] = None
         self.idle_share: Optional[float] = None
+        self.floor_ms: Optional[float] = None  # the data's own floor for this label
 
     def configs(self) -> List[Tuple[Tuple[str, bool], str, str]]:
         """The configurations this label has, in bar order."""
@@ -114,6 +116,8 @@ def load_groups(paths: Sequence[str]) -> List[Group]:
         group.replay_ms = replay if replay is not None else group.replay_ms
         idle = _number(rec, "gpu_idle_share", where, optional=True)
         group.idle_share = idle if idle is not None else group.idle_share
+        floor = _number(rec, "floor_ms", where, optional=True)
+        group.floor_ms = floor if floor is not None else group.floor_ms
     if not groups:
         raise ValueError("no result lines in " + ", ".join(paths))
     return list(groups.values())
@@ -153,10 +157,13 @@ def render_svg(groups: Sequence[Group], title: str = "", max_ms: Optional[float]
                floor_ms: Optional[float] = None, floor_match: str = "nextn0") -> str:
     """The chart as an SVG document; the bars are its only ``<rect>`` elements (one per row)."""
     floor_re = re.compile(floor_match)
-    floored = {g.label for g in groups if floor_ms is not None and floor_re.search(g.label)}
+    floors = {g.label: g.floor_ms if g.floor_ms is not None
+              else floor_ms if floor_ms is not None and floor_re.search(g.label) else None
+              for g in groups}
+    floored = {label for label, f in floors.items() if f is not None}
     values = [v for g in groups for v in g.iter_ms.values()]
     values += [g.replay_ms for g in groups if g.replay_ms is not None]
-    values += [floor_ms] if floored else []
+    values += [floors[label] for label in floored]
     axis_max = max_ms if max_ms is not None else max(values) * 1.05
     plot_w = WIDTH - LEFT - RIGHT
 
@@ -200,11 +207,12 @@ def render_svg(groups: Sequence[Group], title: str = "", max_ms: Optional[float]
                         f'y2="{span[1]}" stroke="black" stroke-width="1.2" '
                         f'stroke-dasharray="4,3"><title>replay {g.replay_ms:.3f} ms</title>'
                         f"</line>")
-        if g.label in floored and floor_ms <= axis_max:
-            x = x_of(floor_ms)
+        floor = floors[g.label]
+        if floor is not None and floor <= axis_max:
+            x = x_of(floor)
             body.append(f'<line class="floor" x1="{x:.1f}" y1="{span[0]}" x2="{x:.1f}" '
                         f'y2="{span[1]}" stroke="#c00000" stroke-width="2" '
-                        f'stroke-dasharray="1.5,2"><title>weight floor {floor_ms:.3f} ms</title>'
+                        f'stroke-dasharray="1.5,2"><title>weight floor {floor:.3f} ms</title>'
                         f"</line>")
         y += GROUP_GAP
 
@@ -231,7 +239,9 @@ def render_svg(groups: Sequence[Group], title: str = "", max_ms: Optional[float]
     lx, ly = LEFT, TOP_TITLE + 8
     entries = [("black", "4,3", "graph replayed back to back")]
     if floored:
-        entries.append(("#c00000", "1.5,2", f"weight floor ({floor_ms:g} ms)"))
+        same = {floors[label] for label in floored}
+        entries.append(("#c00000", "1.5,2", f"weight floor ({same.pop():g} ms)" if len(same) == 1
+                        else "weight floor (per label)"))
     for colour, dash, text in entries:
         legend.append(f'<line x1="{lx}" y1="{ly - 10}" x2="{lx}" y2="{ly + 4}" '
                       f'stroke="{colour}" stroke-width="1.5" stroke-dasharray="{dash}"/>')

@@ -53,7 +53,8 @@ def test_mixed_dtypes_convert_x_and_round_once_to_out_dtype():
 @pytest.mark.parametrize("dtype,tol", CASES)
 def test_split_k_matches_reference_and_is_batch_invariant(dtype, tol):
     """``split_k``: K ranges summed by a second launch in range order (with a ragged last range,
-    an empty one, a bias and a strided out) equal the reference, bit-equal across M."""
+    an empty one, a bias and a strided out), and ``swap_ab``, equal the reference, bit-equal
+    across M."""
     from sgl_kernel.small_m_gemm import small_m_gemm, small_m_gemm_reference
 
     gen = torch.Generator().manual_seed(9)
@@ -62,8 +63,10 @@ def test_split_k_matches_reference_and_is_batch_invariant(dtype, tol):
     w = (torch.randn(n, k, generator=gen) / k ** 0.5).to(DEVICE, dtype)
     bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
     ref = small_m_gemm_reference(x, w, bias)
-    for split in (2, 4, 8):  # 64-wide tiles: 6 in 2 ranges; 4: 2+2+2+empty; 8 -> 6 ranges
-        cfg = LaunchConfig(16, 64, 4, 1, split)
+    for split, swap in ((2, False), (4, True), (8, False), (1, True)):
+        # 64-wide tiles: 6 in 2 ranges; 4: 2+2+2+empty; 8 -> 6 ranges; swap_ab: the weight as
+        # the first operand
+        cfg = LaunchConfig(16, 64, 4, 1, split, swap)
         got = small_m_gemm(x, w, bias, config=cfg)
         assert _rel(got, ref) < tol
         assert torch.equal(small_m_gemm(x[5:6], w, bias, config=cfg), got[5:6])
@@ -88,7 +91,7 @@ def test_block_fp8_weight_matches_the_fp32_dequantised_reference(dtype, tol):
     assert torch.equal(small_m_gemm(x[4:5], w, w_scale=scale), got[4:5])
     # Any asked tile width steps one scale block at a time; split over K ranges of blocks.
     for cfg in (LaunchConfig(16, 64, 4, 1), LaunchConfig(32, 256, 4, 1, 2),
-                LaunchConfig(16, 128, 4, 1, 3)):
+                LaunchConfig(16, 128, 4, 1, 3), LaunchConfig(32, 128, 4, 1, 2, True)):
         other = small_m_gemm(x, w, w_scale=scale, config=cfg)
         assert _rel(other, small_m_gemm_reference(x, w, w_scale=scale)) < tol
         assert torch.equal(small_m_gemm(x[1:2], w, w_scale=scale, config=cfg), other[1:2])
@@ -154,6 +157,8 @@ def test_gated_norm_prologue_matches_norm_then_product(dtype, tol):
     w = (torch.randn(n, heads * d, generator=gen) / 20).to(DEVICE, dtype)
     got = small_m_gemm(x, w, gated_norm=pro)
     assert _rel(got, small_m_gemm_reference(x, w, gated_norm=pro)) < tol
+    swapped = small_m_gemm(x, w, gated_norm=pro, config=LaunchConfig(16, 128, 4, 1, 2, True))
+    assert _rel(swapped, small_m_gemm_reference(x, w, gated_norm=pro)) < tol
     assert torch.equal(small_m_gemm(x[3:4], w, gated_norm=pro._replace(gate=pro.gate[3:4])),
                        got[3:4])
     with pytest.raises(ValueError, match="gated_norm"):

@@ -111,3 +111,23 @@ def test_floor_without_matching_label_is_an_error(tmp_path, capsys):
         plot.main([str(src), "--out", str(tmp_path / "x.svg"), "--floor-ms", "1",
                    "--floor-match", "nextn7"])
     assert "no label matches" in capsys.readouterr().err
+
+
+def test_each_label_can_carry_its_own_floor(tmp_path):
+    """A line's ``floor_ms`` draws that label's floor (two models, two floors), overriding
+    --floor-ms; the legend then says the floor is per label."""
+    lines = [_line("bf16 12 layers nextn0", "graph", True, 2.4, 2.38, floor_ms=0.84),
+             _line("fp8 42 layers nextn0", "graph", True, 5.98, 5.79, floor_ms=1.42),
+             _line("fp8 42 layers nextn5", "graph", True, 12.0, 11.4)]
+    src, out = tmp_path / "f.jsonl", tmp_path / "f.svg"
+    src.write_text("\n".join(lines) + "\n")
+    assert plot.main([str(src), "--out", str(out), "--floor-ms", "3.0"]) == 0
+    root = ET.parse(out).getroot()
+    floors = sorted(ln.find(f"{NS}title").text for ln in root.iter(f"{NS}line")
+                    if ln.get("class") == "floor")
+    assert floors == ["weight floor 0.840 ms", "weight floor 1.420 ms"]
+    assert "weight floor (per label)" in [t.text for t in root.iter(f"{NS}text")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(_line("x nextn0", "graph", True, 1.0, 1.0, floor_ms=-1) + "\n")
+    with pytest.raises(SystemExit):
+        plot.main([str(bad), "--out", str(tmp_path / "bad.svg")])

@@ -13,14 +13,16 @@ NO_FP_FUSION = {} if INTERPRETED else {"enable_fp_fusion": False}
 
 
 class LaunchConfig(NamedTuple):
-    """Tile sizes and compiler options of one launch (``None`` = Triton's default); ``split_k``
-    ranges of K summed by a second launch, for kernels that take one."""
+    """Tile sizes and compiler options of one launch (``None`` = Triton's default); for the
+    kernels that take them, ``split_k`` ranges of K summed by a second launch and ``swap_ab``
+    (the weight as the tensor-core product's first operand)."""
 
     block_n: int
     block_k: int
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None
     split_k: int = 1
+    swap_ab: bool = False
 
 
 def compiler_options(num_warps: Optional[int], num_stages: Optional[int]) -> dict:

@@ -74,7 +74,7 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
                          stride_os, eps,
                          HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ROW_MAP: tl.constexpr,
                          QB: tl.constexpr, NORM_D: tl.constexpr, GATE_ACT: tl.constexpr,
-                         USE_PDL: tl.constexpr, SPLIT: tl.constexpr,
+                         USE_PDL: tl.constexpr, SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
     # Axis 0 walks the weight's row blocks (many programs), axis 1 the 16-row tiles of x, axis 2
@@ -93,7 +93,12 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
         s_rows = s_ptr + tl.load(srow_ptr + offs_n, mask=mask_n, other=0).to(tl.int64) * stride_sn
     else:
         s_rows = s_ptr + (offs_n // QB).to(tl.int64) * stride_sn
-    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    # SWAP_AB: the weight tile is the dot's first operand and the accumulator [BLOCK_N,
+    # BLOCK_M] (the weight rows on the tensor-core M axis, the few x rows on N).
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         x = _load_x(x_rows, z_rows, nw_ptr, offs_k, mask_m, k_hi, eps, NORM_D, GATE_ACT, BLOCK_M,
@@ -102,21 +107,34 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
                     other=0.0)
         if HAS_SCALE:  # block fp8 (BLOCK_K = one scale block): raw e4m3 values, exact in x's
             # dtype, through the tensor cores; the block's fp32 sum times its scales.
-            part = tl.dot(x, tl.trans(w.to(x.dtype)), input_precision=DOT_PRECISION)
+            w = w.to(x.dtype)
             scale = tl.load(s_rows + k0 // QB, mask=mask_n, other=0.0)
-            acc += part * scale[None, :]
+            if SWAP_AB:
+                acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION) * scale[:, None]
+            else:
+                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
         else:
             x = x.to(w.dtype)  # e.g. bf16 activations into an fp32 router gate: no cast launch
-            acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+            if SWAP_AB:
+                acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
+            else:
+                acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
+    if SWAP_AB:
+        offs_o = offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        mask_o = mask_n[:, None] & mask_m[None, :]
+    else:
+        offs_o = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        mask_o = mask_m[:, None] & mask_n[None, :]
     if SPLIT > 1:
-        part_out = out_ptr + tl.program_id(2) * stride_os
-        part_out += offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(part_out, acc, mask=mask_m[:, None] & mask_n[None, :])
+        tl.store(out_ptr + tl.program_id(2) * stride_os + offs_o, acc, mask=mask_o)
     else:
         if HAS_BIAS:
-            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        out = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+            bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+            if SWAP_AB:
+                acc += bias[:, None]
+            else:
+                acc += bias[None, :]
+        tl.store(out_ptr + offs_o, acc.to(out_ptr.dtype.element_ty), mask=mask_o)
 
 
 @triton.jit
@@ -247,7 +265,8 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
         x.stride(0), w.stride(0), target.stride(-2), w_scale.stride(0) if fp8 else 0,
         z.stride(0), target.stride(0) if split > 1 else 0, float(eps),
         HAS_BIAS=bias is not None, HAS_SCALE=fp8, ROW_MAP=fp8 and w_scale_rows is not None,
-        QB=QBLOCK, NORM_D=norm_d, GATE_ACT=act, USE_PDL=pdl_on, SPLIT=split, BLOCK_M=BLOCK_M,
+        QB=QBLOCK, NORM_D=norm_d, GATE_ACT=act, USE_PDL=pdl_on, SPLIT=split,
+        SWAP_AB=cfg.swap_ab, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",  # tf32: the default,
         **opts, **pdl.launch_options(pdl_on))  # which 16-bit inputs ignore
