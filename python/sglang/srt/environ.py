@@ -244,12 +244,13 @@ class Envs:
     SGLANG_TRITON_SMALL_M_GEMM = EnvField(
         "SGLANG_TRITON_SMALL_M_GEMM",
         str,
-        "0",
+        "auto",
         "Run the dense projections and the LM head of decode / verify batches (up to 64 rows) "
         "as the batch-invariant Triton GEMM (sgl_kernel.small_m_gemm): a row rounds the same "
         "alone and beside others, so that bf16 speculative decoding can equal plain decoding "
-        "at batch 1. Opt-in (1 or auto = on for CUDA) until measured on the GPU host; 1 off "
-        "CUDA needs TRITON_INTERPRET=1.",
+        "at batch 1; block-fp8 weights are read as they are. auto: on for CUDA with fp8 "
+        "weights (else each dense call dequantises its weight), off for 16-bit weights until "
+        "their graph gates pass with every kernel set; 1 off CUDA needs TRITON_INTERPRET=1.",
     )
     SGLANG_ENABLE_PDL = EnvField(
         "SGLANG_ENABLE_PDL",

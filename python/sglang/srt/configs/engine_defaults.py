@@ -198,6 +198,16 @@ def resolve_fused_kernel_flag(name: str, raw: str, device_type: str) -> bool:
     raise ValueError(f"environment variable {name}={raw!r}: use auto, 1 or 0")
 
 
+def resolve_small_m_gemm_flag(raw: str, device_type: str, quantized: bool) -> bool:
+    """``SGLANG_TRITON_SMALL_M_GEMM``: ``auto`` is on for CUDA when the model has block-fp8
+    weights (without the kernel their dense layers dequantise the whole weight at every call)
+    and off for 16-bit weights, whose graph == eager gate has not passed with every kernel set
+    (docs/performance.md); otherwise a boolean."""
+    if raw.strip().lower() == "auto":
+        return device_type == "cuda" and quantized
+    return resolve_fused_kernel_flag("SGLANG_TRITON_SMALL_M_GEMM", raw, device_type)
+
+
 def resolve_pdl_flag(raw: str, device_type: str, capability: tuple = (0, 0)) -> bool:
     """``SGLANG_ENABLE_PDL``: ``auto`` is on for CUDA devices of compute capability 9.0 or newer
     (programmatic dependent launch needs Hopper); ``1`` there too, an error elsewhere."""

@@ -34,6 +34,7 @@ from sglang.srt.configs.engine_defaults import (
     DEFAULT_MEM_FRACTION_STATIC,
     resolve_pdl_flag,
     resolve_fused_kernel_flag,
+    resolve_small_m_gemm_flag,
     resolve_kernel_backend,
     torch_dtype,
 )
@@ -270,13 +271,12 @@ class ModelRunner:
                                                   envs.SGLANG_TRITON_RMSNORM.get(),
                                                   self.device.type), self.device)
         self.pdl = self._init_pdl()
+        quantized = getattr(self.model, "quant_config", None) is not None
         self.small_m_gemm = set_linear_backend(
-            self.model, resolve_fused_kernel_flag("SGLANG_TRITON_SMALL_M_GEMM",
-                                                  envs.SGLANG_TRITON_SMALL_M_GEMM.get(),
-                                                  self.device.type), self.device)
-        if (getattr(self.model, "quant_config", None) is not None
-                and self.device.type == "cuda" and not self.small_m_gemm):
-            logger.warning("fp8 weights without SGLANG_TRITON_SMALL_M_GEMM=1: every dense "
+            self.model, resolve_small_m_gemm_flag(envs.SGLANG_TRITON_SMALL_M_GEMM.get(),
+                                                  self.device.type, quantized), self.device)
+        if quantized and self.device.type == "cuda" and not self.small_m_gemm:
+            logger.warning("fp8 weights with SGLANG_TRITON_SMALL_M_GEMM=0: every dense "
                            "layer dequantises its weight at each decode step (the small-M GEMM "
                            "reads the fp8 weight itself; docs/performance.md)")
         self._init_pools(draft_extra_mla_layers, max_total_tokens, mem_fraction_static,
