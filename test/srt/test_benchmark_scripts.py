@@ -59,7 +59,7 @@ def test_small_m_gemm_sweep_runs_and_compares_with_the_library():
     stdout = _run("kernels/tune_small_m_gemm.py", "--rows", "1", "3", "--shapes", "mla kv_a",
                   "--scale", "16", "--block-n", "16", "32", "--block-k", "256", "--num-stages",
                   "3", "--iters", "1", TRITON_INTERPRET="1")
-    row = re.findall(r"^\| mla kv_a \| 36x2560 \| (\d+/256/4/3/1) \(current [\w/]+\) \| (.*) \|$",
+    row = re.findall(r"^\| mla kv_a \| 36x2560 \| (\d+/256/4/3/1/False) \(current [\w/]+\) \| (.*) \|$",
                      stdout, re.MULTILINE)
     assert row and "M=1: best" in row[-1][1] and "M=3: best" in row[-1][1], stdout
     assert "F.linear" in row[-1][1]
