@@ -122,7 +122,7 @@ fp8full)
       | grep -v Warn | tail -7
   done
   [ "${TOP:-1}" = 1 ] && { timeout ${TOP_TIMEOUT:-200} python3 benchmark/batch1/top_kernels.py $FULL $KARGS \
-    --prompt-len 64 --steps 2 --top 16 > "$OUT/fp8full_top_kernels.log" 2>&1
+    --prompt-len 64 --steps 2 --top 16 --by-shape > "$OUT/fp8full_top_kernels.log" 2>&1
     grep "^|" "$OUT/fp8full_top_kernels.log"; }
   [ "${FLOORS:-1}" = 1 ] && for tokens in 1 4 6; do
     timeout 60 python3 benchmark/batch1/weight_floor.py --quantization fp8 --context $ctx --tokens $tokens \

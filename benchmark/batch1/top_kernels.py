@@ -7,6 +7,8 @@ Builds the in-process scheduler as ``graph_ab.py`` does (eager: ``--disable-cuda
 added, so every kernel is seen by name), prefills one request, warms up, then profiles
 ``--steps`` iterations with the torch profiler and prints the ``--top`` kernels by device time
 (µs per iteration and share). ``round_census.py`` gives the same time by model category.
+``--by-shape`` also splits the small-M GEMM's and the grouped GEMV's time by weight (shape,
+dtype, norm prologue): their calls run inside named profiler ranges, in this process only.
 """
 from __future__ import annotations
 
@@ -22,6 +24,29 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from graph_ab import Scheduler, ServerArgs, start_request  # noqa: E402
 
 
+SHAPED = (("sgl_kernel.small_m_gemm", "small_m_gemm"), ("sgl_kernel.grouped_gemv", "grouped_gemv"))
+
+
+def name_calls_by_shape() -> None:
+    """Wrap the shaped kernels' entry points (the engine imports them at call time) so that each
+    call opens a profiler range ``name[shape dtype(, norm)]``: the kernels it launches are then
+    attributed to that weight."""
+    import importlib
+
+    for module_name, fn_name in SHAPED:
+        module = importlib.import_module(module_name)
+        fn = getattr(module, fn_name)
+
+        def named(x, w, *rest, _fn=fn, _name=fn_name, **kw):
+            norm = ", norm" if kw.get("gated_norm") is not None else ""
+            dims = "x".join(str(d) for d in w.shape)
+            with torch.profiler.record_function(
+                    f"{_name}[{dims} {str(w.dtype).replace('torch.', '')}{norm}]"):
+                return _fn(x, w, *rest, **kw)
+
+        setattr(module, fn_name, named)
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="benchmark/batch1/top_kernels.py")
     ServerArgs.add_cli_args(parser)
@@ -29,7 +54,11 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--steps", type=int, default=2)
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--top", type=int, default=20)
+    parser.add_argument("--by-shape", action="store_true",
+                        help="also split the small-M GEMM and grouped GEMV time by weight")
     args = parser.parse_args(argv)
+    if args.by_shape:
+        name_calls_by_shape()
     args.disable_cuda_graph = True
     sched = Scheduler(ServerArgs.from_cli_args(args))
     # Tokens for every profiled iteration (a speculative round commits up to round_tokens).
@@ -39,13 +68,17 @@ def main(argv: Optional[List[str]] = None) -> None:
     for _ in range(args.warmup):
         sched.step()
     sync()
-    activities = [ProfilerActivity.CUDA] if sched.device.type == "cuda" else [ProfilerActivity.CPU]
+    on_cuda = sched.device.type == "cuda"
+    activities = [ProfilerActivity.CUDA] if on_cuda else [ProfilerActivity.CPU]
+    if args.by_shape and on_cuda:  # the ranges are host events that own their kernels
+        activities.append(ProfilerActivity.CPU)
     with profile(activities=activities) as prof:
         for _ in range(args.steps):
             sched.step()
         sync()
-    rows = [(e.key, e.self_device_time_total if sched.device.type == "cuda"
-             else e.self_cpu_time_total, e.count) for e in prof.key_averages()]
+    events = prof.key_averages()
+    rows = [(e.key, e.self_device_time_total if on_cuda else e.self_cpu_time_total, e.count)
+            for e in events]
     rows = [r for r in rows if r[1] > 0]
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows) or 1.0
@@ -54,6 +87,14 @@ def main(argv: Optional[List[str]] = None) -> None:
         print(f"| {name[:80]} | {us / args.steps:.1f} | {count / args.steps:.0f} | "
               f"{us / total:.1%} |")
     print(f"| all | {total / args.steps:.1f} | {sum(r[2] for r in rows) / args.steps:.0f} | |")
+    if args.by_shape:
+        shaped = [(e.key, e.device_time_total if on_cuda else e.cpu_time_total, e.count)
+                  for e in events if e.key.startswith(tuple(f"{n}[" for _, n in SHAPED))]
+        shaped.sort(key=lambda r: -r[1])
+        print("\n| weight | µs / iteration | calls / iteration | µs / call |\n|---|---|---|---|")
+        for name, us, count in shaped:
+            print(f"| {name} | {us / args.steps:.1f} | {count / args.steps:.0f} | "
+                  f"{us / max(count, 1):.1f} |")
 
 
 if __name__ == "__main__":

@@ -110,6 +110,36 @@ def test_top_kernels_lists_the_step_by_device_time():
     assert float(rows[0][1]) >= float(rows[1][1]) >= float(rows[2][1]) > 0
 
 
+def test_top_kernels_names_the_shaped_kernels_by_weight(monkeypatch):
+    """``top_kernels.py --by-shape``: after ``name_calls_by_shape`` a small-M GEMM call is a
+    profiler range named by its weight (shape, dtype, norm prologue) that owns its kernel time;
+    the entry points are restored after the test."""
+    import importlib.util
+
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    import sgl_kernel.grouped_gemv as gg
+    import sgl_kernel.small_m_gemm as sm
+
+    spec = importlib.util.spec_from_file_location("top_kernels",
+                                                  ROOT / "benchmark/batch1/top_kernels.py")
+    top = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(top)
+    monkeypatch.setattr(sm, "small_m_gemm", sm.small_m_gemm)  # undone at teardown
+    monkeypatch.setattr(gg, "grouped_gemv", gg.grouped_gemv)
+    top.name_calls_by_shape()
+    x, w = torch.randn(3, 32), torch.randn(16, 32)
+    norm = sm.GatedNormPrologue(torch.randn(3, 32), torch.ones(16), 1e-6, 16)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        plain = sm.small_m_gemm(x, w)
+        normed = sm.small_m_gemm(x, w, gated_norm=norm)
+    keys = {e.key for e in prof.key_averages()}
+    assert {"small_m_gemm[16x32 float32]", "small_m_gemm[16x32 float32, norm]"} <= keys, keys
+    assert torch.allclose(plain, sm.small_m_gemm_reference(x, w), atol=1e-5)
+    assert torch.allclose(normed, sm.small_m_gemm_reference(x, w, gated_norm=norm), atol=1e-5)
+
+
 def test_kda_recurrent_sweep_checks_bits_across_value_tiles():
     """benchmark/kernels/tune_kda_recurrent.py in the interpreter (2 heads of 16): every tile is
     checked against the reference and the bit-equality column is filled in."""
