@@ -260,10 +260,11 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
             print(f"{name:<18}{r['iter_ms']:>9.3f}  runs {[round(x, 3) for x in r['iter_ms_runs']]}"
                   f" replays {r['replays']} glue {r['glue_replays']} failed {r['failed']}")
     print("back-to-back replay ms:", extra["replay_ms"])
-    if extra["memory"]:
-        print("memory GiB: " + ", ".join(f"{k[:-4]} {v:.2f}" for k, v in extra["memory"].items()
+    mem = extra["memory"]
+    if mem:
+        print("memory GiB: " + ", ".join(f"{k[:-4]} {v:.2f}" for k, v in mem.items()
                                           if k.endswith("_gib"))
-              + f"; KV tokens {extra['memory']['kv_tokens']}, context {extra['memory']['context_len']}")
+              + f"; KV tokens {mem['kv_tokens']}, context {mem['context_len']}")
     if "gpu_idle_share" in extra:
         print(f"profiled iter ms {extra['profiled_iter_ms']:.3f}, GPU idle share "
               f"{extra['gpu_idle_share']:.3f}")

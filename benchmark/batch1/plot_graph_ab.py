@@ -11,8 +11,9 @@ with its iteration time at the bar end, a dashed tick at the label's back-to-bac
 time and, with ``--floor-ms``, a dotted tick at the weight-bandwidth floor on the labels matching
 ``--floor-match`` (default: labels containing "nextn0", the plain decode step the floor is
 computed for); a line's own ``floor_ms`` field sets its label's floor instead (charts of
-several models or step widths, each with its floor). The axis is linear; ``--max-ms`` clips longer bars, which get a break mark and
-keep their true value as text. A Markdown table of the same numbers goes to stdout.
+several models or step widths, each with its floor). The axis is linear; ``--max-ms`` clips
+longer bars, which get a break mark and keep their true value as text. A Markdown table of
+the same numbers goes to stdout.
 
 Only the standard library is used, so the figure can be redrawn anywhere.
 """

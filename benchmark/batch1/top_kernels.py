@@ -24,7 +24,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from graph_ab import Scheduler, ServerArgs, start_request  # noqa: E402
 
 
-SHAPED = (("sgl_kernel.small_m_gemm", "small_m_gemm"), ("sgl_kernel.grouped_gemv", "grouped_gemv"))
+SHAPED = (("sgl_kernel.small_m_gemm", "small_m_gemm"),
+          ("sgl_kernel.grouped_gemv", "grouped_gemv"))
 
 
 def name_calls_by_shape() -> None:

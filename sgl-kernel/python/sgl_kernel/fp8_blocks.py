@@ -20,8 +20,7 @@ from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["QBLOCK", "block_quantize", "block_dequantize", "scale_rows", "check_block_scale",
-           "block_dequantize_rows"]
+__all__ = ["QBLOCK", "block_quantize", "block_dequantize", "scale_rows", "check_block_scale"]
 
 QBLOCK = 128
 
@@ -64,21 +63,15 @@ def block_quantize(w: torch.Tensor, split: Optional[int] = None
 
 
 def block_dequantize(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
-                     split: Optional[int] = None) -> torch.Tensor:
-    """The weight ``q * scale`` (fp32 product) rounded to ``dtype``: what the kernels compute
-    with, so their references start from it."""
+                     split: Optional[int] = None,
+                     rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """The weight ``q * scale`` (fp32 product) rounded to ``dtype`` (in fp32: the weight the
+    kernels compute with, so their references start from it). ``rows [N]`` gives every weight
+    row's scale row for a weight of several pieces each on its own grid (else from ``split``)."""
     from sglang.srt.layers.quantization.fp8_utils import block_index, dequantize_indexed
 
     n, k = q.shape[-2:]
-    rows = block_index(_pieces(n, split), QBLOCK, q.device)
+    if rows is None:
+        rows = block_index(_pieces(n, split), QBLOCK, q.device)
     cols = torch.arange(k, device=q.device) // QBLOCK
-    return dequantize_indexed(q, scale, rows, cols, dtype)
-
-
-
-def block_dequantize_rows(q: torch.Tensor, scale: torch.Tensor, rows: torch.Tensor,
-                          dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """``q [N, K] * scale[rows[n], k // 128]`` in ``dtype``: a weight of several pieces, each on
-    its own grid, with ``rows [N]`` the scale row of every weight row."""
-    cols = torch.arange(q.shape[-1], device=q.device) // QBLOCK
-    return (q.float() * scale[rows.long()][:, cols]).to(dtype)
+    return dequantize_indexed(q, scale, rows.long(), cols, dtype)

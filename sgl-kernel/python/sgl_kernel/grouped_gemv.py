@@ -103,10 +103,11 @@ def launch_config(n: int, k: int, swiglu: bool, fp8: bool = False) -> LaunchConf
     (cold L2, ``benchmark/kernels/tune_grouped_gemv.py --fp8``, docs/performance.md). The
     other shapes keep 32 x 128 (the fp8 down-projection's sweep found nothing faster). Under
     Triton's CPU interpreter one tile per pair (its cost is per program and per op, not per
-    element).
+    element), at most 128 rows in block fp8.
     """
-    if INTERPRETED:
-        return LaunchConfig(triton.next_power_of_2(n), min(triton.next_power_of_2(k), 1024))
+    if INTERPRETED:  # a block-fp8 tile stays within one scale block of rows
+        return LaunchConfig(min(triton.next_power_of_2(n), QBLOCK) if fp8
+                            else triton.next_power_of_2(n), min(triton.next_power_of_2(k), 1024))
     if swiglu and fp8:
         return LaunchConfig(16, min(triton.next_power_of_2(k), 512), 8, 3)
     if swiglu:
@@ -189,8 +190,6 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
         return out
     cfg = launch_config(n, k, swiglu, fp8)
     block_n, block_k = block_n or cfg.block_n, block_k or cfg.block_k
-    if fp8 and block_n == cfg.block_n:  # the interpreter's one tile per pair: at most a block
-        block_n = min(block_n, QBLOCK)
     if fp8 and (block_n > QBLOCK or QBLOCK % block_n):
         raise ValueError(f"grouped_gemv: a block-fp8 tile's rows must share a scale row "
                          f"(block_n dividing {QBLOCK}), got block_n={block_n}")

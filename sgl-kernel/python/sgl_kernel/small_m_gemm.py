@@ -25,8 +25,7 @@ import triton
 import triton.language as tl
 
 from sgl_kernel import pdl
-from sgl_kernel.fp8_blocks import (QBLOCK, block_dequantize, block_dequantize_rows,
-                                   check_block_scale)
+from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
 from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options
 
 __all__ = ["small_m_gemm", "small_m_gemm_reference", "launch_config", "SMALL_M_MAX_ROWS",
@@ -292,10 +291,8 @@ def small_m_gemm_reference(x: torch.Tensor, w: torch.Tensor,
     ``gated_norm`` x goes through the torch ``GatedRMSNorm`` first."""
     if gated_norm is not None:
         x = gated_norm_reference(x, gated_norm)
-    if w_scale is not None and w_scale_rows is not None:
-        w = block_dequantize_rows(w, w_scale, w_scale_rows)
-    elif w_scale is not None:
-        w = block_dequantize(w, w_scale, torch.float32)
+    if w_scale is not None:
+        w = block_dequantize(w, w_scale, torch.float32, rows=w_scale_rows)
     out = (x.float() if w_scale is not None else x.to(w.dtype).float()) @ w.float().t()
     if bias is not None:
         out = out + bias.float()
