@@ -8,14 +8,20 @@ added, so every kernel is seen by name), prefills one request, warms up, then pr
 ``--steps`` iterations with the torch profiler and prints the ``--top`` kernels by device time
 (µs per iteration and share). ``round_census.py`` gives the same time by model category.
 ``--by-shape`` also splits the small-M GEMM's and the grouped GEMV's time by weight (shape,
-dtype, norm prologue): their calls run inside named profiler ranges, in this process only.
+dtype, norm prologue): their calls run inside named profiler ranges, in this process only, and
+each range is charged the device time of the kernels that run inside its GPU span (the span
+itself also covers the gaps of an eager step, so it is not the kernels' time).
 """
 from __future__ import annotations
 
 import argparse
+import bisect
+import json
 import os
 import sys
-from typing import List, Optional
+import tempfile
+from collections import defaultdict
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -48,6 +54,24 @@ def name_calls_by_shape() -> None:
         setattr(module, fn_name, named)
 
 
+def kernel_time_by_range(trace: Sequence[dict], prefixes: Tuple[str, ...]
+                         ) -> Dict[str, Tuple[float, int]]:
+    """``{range name: (kernel µs, calls)}`` from a chrome trace's events: every GPU range whose
+    name starts with one of ``prefixes`` gets the durations of the kernels that start inside
+    it."""
+    kernels = sorted((e["ts"], e.get("dur", 0.0)) for e in trace if e.get("cat") == "kernel")
+    starts = [ts for ts, _ in kernels]
+    out: Dict[str, List[float]] = defaultdict(lambda: [0.0, 0])
+    for e in trace:
+        if e.get("cat") != "gpu_user_annotation" or not e["name"].startswith(prefixes):
+            continue
+        lo = bisect.bisect_left(starts, e["ts"])
+        hi = bisect.bisect_left(starts, e["ts"] + e.get("dur", 0.0))
+        out[e["name"]][0] += sum(d for _, d in kernels[lo:hi])
+        out[e["name"]][1] += 1
+    return {name: (us, calls) for name, (us, calls) in out.items()}
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     parser = argparse.ArgumentParser(prog="benchmark/batch1/top_kernels.py")
     ServerArgs.add_cli_args(parser)
@@ -78,8 +102,9 @@ def main(argv: Optional[List[str]] = None) -> None:
             sched.step()
         sync()
     events = prof.key_averages()
+    prefixes = tuple(f"{n}[" for _, n in SHAPED)
     rows = [(e.key, e.self_device_time_total if on_cuda else e.self_cpu_time_total, e.count)
-            for e in events]
+            for e in events if not e.key.startswith(prefixes)]
     rows = [r for r in rows if r[1] > 0]
     rows.sort(key=lambda r: -r[1])
     total = sum(r[1] for r in rows) or 1.0
@@ -89,8 +114,16 @@ def main(argv: Optional[List[str]] = None) -> None:
               f"{us / total:.1%} |")
     print(f"| all | {total / args.steps:.1f} | {sum(r[2] for r in rows) / args.steps:.0f} | |")
     if args.by_shape:
-        shaped = [(e.key, e.device_time_total if on_cuda else e.cpu_time_total, e.count)
-                  for e in events if e.key.startswith(tuple(f"{n}[" for _, n in SHAPED))]
+        if on_cuda:
+            with tempfile.TemporaryDirectory() as tmp:
+                prof.export_chrome_trace(os.path.join(tmp, "trace.json"))
+                with open(os.path.join(tmp, "trace.json")) as f:
+                    trace = json.load(f)["traceEvents"]
+            shaped = [(name, us, calls) for name, (us, calls)
+                      in kernel_time_by_range(trace, prefixes).items()]
+        else:  # off CUDA the ranges' own CPU time is the op's time
+            shaped = [(e.key, e.cpu_time_total, e.count) for e in events
+                      if e.key.startswith(prefixes)]
         shaped.sort(key=lambda r: -r[1])
         print("\n| weight | µs / iteration | calls / iteration | µs / call |\n|---|---|---|---|")
         for name, us, count in shaped:

@@ -55,7 +55,7 @@ def main() -> None:
     p.add_argument("--num-warps", type=int, nargs="+", default=[4])
     p.add_argument("--num-stages", type=int, nargs="+", default=[3, 5])
     p.add_argument("--split-k", type=int, nargs="+", default=[1],
-                   help="K ranges summed by a second launch (a block-fp8 tile is one block wide)")
+                   help="K ranges summed in range order (a block-fp8 tile is one block wide)")
     p.add_argument("--swap-ab", type=int, nargs="+", default=[0], choices=(0, 1),
                    help="1: the weight tile as the tensor-core product's first operand")
     p.add_argument("--iters", type=int, default=30)

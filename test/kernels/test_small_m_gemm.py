@@ -52,7 +52,7 @@ def test_mixed_dtypes_convert_x_and_round_once_to_out_dtype():
 
 @pytest.mark.parametrize("dtype,tol", CASES)
 def test_split_k_matches_reference_and_is_batch_invariant(dtype, tol):
-    """``split_k``: K ranges summed by a second launch in range order (with a ragged last range,
+    """``split_k``: K ranges summed in range order by the tile's last range (with a ragged last range,
     an empty one, a bias and a strided out), and ``swap_ab``, equal the reference, bit-equal
     across M."""
     from sgl_kernel.small_m_gemm import small_m_gemm, small_m_gemm_reference
@@ -73,6 +73,9 @@ def test_split_k_matches_reference_and_is_batch_invariant(dtype, tol):
         wide = torch.zeros(m, n + 8, dtype=dtype, device=DEVICE)
         small_m_gemm(x, w, bias, out=wide[:, 4:4 + n], config=cfg)
         assert torch.equal(wide[:, 4:4 + n], got) and not wide[:, :4].any()
+    from sgl_kernel.small_m_gemm import _COUNTS  # every tile's arrival count reset for the next
+
+    assert not _COUNTS[x.device].any()
 
 
 @pytest.mark.parametrize("dtype,tol", CASES)
@@ -140,6 +143,37 @@ def test_linear_layers_route_small_batches_through_it():
                        torch.nn.functional.linear(big, layer.weight))
     assert not set_linear_backend(model, False, torch.device(DEVICE)) and not layer.small_m_gemm
     assert torch.equal(layer(x), torch.nn.functional.linear(x, layer.weight, layer.bias))
+
+
+def test_fp32_router_gate_of_bf16_values_takes_a_bf16_copy():
+    """``MoEGate.set_small_m_gemm``: an fp32 gate whose values are all bf16 (a bf16
+    checkpoint's, or dummy ones) keeps a bf16 copy for bf16 activations, which gives the fp32
+    logits (bf16 x bf16 is exact in fp32); a gate with other values, or fp32 activations, keeps
+    the fp32 weight."""
+    from sgl_kernel.small_m_gemm import small_m_gemm
+    from sglang.srt.layers.moe.topk import MoEGate
+    from sglang.srt.model_loader import init_dummy_weights
+
+    gate = MoEGate(64, 48, 2, 1, 1, True, 1.0, router_dtype="fp32").to(DEVICE)
+    init_dummy_weights(gate, seed=3)
+    w = gate.weight.detach()
+    assert w.dtype == torch.float32 and torch.equal(w.bfloat16().float(), w)
+    gate.set_small_m_gemm(True)
+    assert gate.small_m_gemm and torch.equal(gate._bf16_weight.float(), w)
+    x = torch.randn(3, 64, device=DEVICE)
+    assert torch.equal(gate.router_logits(x), small_m_gemm(x, w, out_dtype=torch.float32))
+    if ON_CUDA:  # bf16 activations: the bf16 copy, the fp32 gate's logits
+        xb = x.bfloat16()
+        got = gate.router_logits(xb)
+        assert got.dtype == torch.float32
+        torch.testing.assert_close(got, xb.float() @ w.t(), rtol=1e-5, atol=1e-5)
+        assert torch.equal(gate.router_logits(xb[1:2]), got[1:2])
+    with torch.no_grad():
+        gate.weight.add_(1e-4 * torch.rand_like(gate.weight))  # no longer bf16 values
+    gate.set_small_m_gemm(True)
+    assert gate._bf16_weight is None
+    gate.set_small_m_gemm(False)
+    assert not gate.small_m_gemm and gate._bf16_weight is None
 
 
 @pytest.mark.parametrize("dtype,tol", CASES)

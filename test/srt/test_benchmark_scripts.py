@@ -140,6 +140,27 @@ def test_top_kernels_names_the_shaped_kernels_by_weight(monkeypatch):
     assert torch.allclose(normed, sm.small_m_gemm_reference(x, w, gated_norm=norm), atol=1e-5)
 
 
+def test_top_kernels_charges_a_range_the_kernels_inside_its_gpu_span():
+    """A GPU range of an eager step spans host gaps: ``kernel_time_by_range`` charges it the
+    kernels that start inside it (not its span), per call, and ignores other ranges."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("top_kernels",
+                                                  ROOT / "benchmark/batch1/top_kernels.py")
+    top = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(top)
+    ann, ker = "gpu_user_annotation", "kernel"
+    trace = [{"cat": ann, "name": "small_m_gemm[8x4 float32]", "ts": 0.0, "dur": 50.0},
+             {"cat": ker, "name": "k", "ts": 1.0, "dur": 3.0},
+             {"cat": ker, "name": "k", "ts": 40.0, "dur": 2.0},
+             {"cat": ker, "name": "other", "ts": 60.0, "dur": 7.0},
+             {"cat": ann, "name": "small_m_gemm[8x4 float32]", "ts": 100.0, "dur": 10.0},
+             {"cat": ker, "name": "k", "ts": 105.0, "dur": 4.0},
+             {"cat": ann, "name": "unrelated", "ts": 55.0, "dur": 20.0}]
+    got = top.kernel_time_by_range(trace, ("small_m_gemm[",))
+    assert got == {"small_m_gemm[8x4 float32]": (9.0, 2)}
+
+
 def test_kda_recurrent_sweep_checks_bits_across_value_tiles():
     """benchmark/kernels/tune_kda_recurrent.py in the interpreter (2 heads of 16): every tile is
     checked against the reference and the bit-equality column is filled in."""

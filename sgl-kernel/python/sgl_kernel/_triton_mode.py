@@ -14,7 +14,7 @@ NO_FP_FUSION = {} if INTERPRETED else {"enable_fp_fusion": False}
 
 class LaunchConfig(NamedTuple):
     """Tile sizes and compiler options of one launch (``None`` = Triton's default); for the
-    kernels that take them, ``split_k`` ranges of K summed by a second launch and ``swap_ab``
+    kernels that take them, ``split_k`` ranges of K summed in range order and ``swap_ab``
     (the weight as the tensor-core product's first operand)."""
 
     block_n: int

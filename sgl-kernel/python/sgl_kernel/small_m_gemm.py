@@ -12,8 +12,9 @@ rows cost tensor-core work only.
 
 Accumulation is fp32 (``tl.dot`` with ``ieee`` precision for fp32 inputs), bias added in fp32,
 one rounding to x's dtype. A weight of few row blocks splits K over more programs (the
-config's ``split_k``, fixed by the shape): each range's fp32 partial goes to a workspace and a
-second launch adds them in range order, so the split keeps both properties. Reference:
+config's ``split_k``, fixed by the shape): each range's fp32 partial goes to a workspace and the
+last range of a tile to finish adds them all in range order, so the split keeps both
+properties in one launch. Reference:
 :func:`small_m_gemm_reference`.
 """
 from __future__ import annotations
@@ -68,16 +69,17 @@ def _load_x(x_rows, z_rows, nw_ptr, offs_k, mask_m, K, eps, NORM_D: tl.constexpr
 
 
 @triton.jit
-def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, nw_ptr, M, N, K,
+def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, nw_ptr,
+                         part_ptr, count_ptr, M, N, K,
                          k_per_split, stride_xm, stride_wn, stride_om, stride_sn, stride_zm,
-                         stride_os, eps,
+                         stride_ps, eps,
                          HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ROW_MAP: tl.constexpr,
                          QB: tl.constexpr, NORM_D: tl.constexpr, GATE_ACT: tl.constexpr,
                          USE_PDL: tl.constexpr, SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
     # Axis 0 walks the weight's row blocks (many programs), axis 1 the 16-row tiles of x, axis 2
-    # the K ranges of a split (each writes its fp32 partial; _split_sum_kernel adds them).
+    # the K ranges of a split (each writes its fp32 partial; the tile's last one adds them).
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
     mask_n, mask_m = offs_n < N, offs_m < M
@@ -120,13 +122,29 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
                 acc = tl.dot(x, tl.trans(w), acc, input_precision=DOT_PRECISION)
     if SWAP_AB:
         offs_o = offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        offs_p = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
         mask_o = mask_n[:, None] & mask_m[None, :]
     else:
         offs_o = offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        offs_p = offs_m.to(tl.int64)[:, None] * N + offs_n[None, :]
         mask_o = mask_m[:, None] & mask_n[None, :]
+    last = True
     if SPLIT > 1:
-        tl.store(out_ptr + tl.program_id(2) * stride_os + offs_o, acc, mask=mask_o)
-    else:
+        # Each range's fp32 partial goes to the workspace [SPLIT, M, N]; the tile's last range
+        # to finish (counted by an atomic that orders the stores before it) adds all of them in
+        # range order, so the sum is fixed whichever finishes last: deterministic and
+        # batch-invariant, without a second launch. It resets the tile's count for the next.
+        tl.store(part_ptr + tl.program_id(2) * stride_ps + offs_p, acc, mask=mask_o)
+        tl.debug_barrier()  # every thread's partial stored before the count is raised
+        count = count_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+        last = tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == SPLIT - 1
+        if last:
+            acc = tl.load(part_ptr + offs_p, mask=mask_o, other=0.0, cache_modifier=".cg")
+            for r in tl.static_range(1, SPLIT):
+                acc += tl.load(part_ptr + r * stride_ps + offs_p, mask=mask_o, other=0.0,
+                               cache_modifier=".cg")
+            tl.atomic_xchg(count, 0)
+    if last:
         if HAS_BIAS:
             bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             if SWAP_AB:
@@ -136,23 +154,18 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
         tl.store(out_ptr + offs_o, acc.to(out_ptr.dtype.element_ty), mask=mask_o)
 
 
-@triton.jit
-def _split_sum_kernel(part_ptr, b_ptr, out_ptr, MN, N, stride_ps, stride_om,
-                      HAS_BIAS: tl.constexpr, USE_PDL: tl.constexpr, SPLIT: tl.constexpr,
-                      BLOCK: tl.constexpr):
-    # The split's partials added in split order (fixed: deterministic, batch-invariant), the
-    # bias in fp32, one rounding.
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < MN
-    pdl.wait(USE_PDL)
-    pdl.launch_dependents(USE_PDL)
-    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(part_ptr + s * stride_ps + offs, mask=mask, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
-    out = out_ptr + (offs // N).to(tl.int64) * stride_om + offs % N
-    tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=mask)
+# Per device: one arrival count per output tile of a K split, zero between launches (each
+# launch's last range resets its tiles). Sized for the largest split grid launch_config makes
+# (under 512 row blocks, SMALL_M_MAX_ROWS rows); a larger one gets a larger buffer.
+_COUNTS: dict = {}
+
+
+def _split_counts(device: torch.device, tiles: int) -> torch.Tensor:
+    counts = _COUNTS.get(device)
+    if counts is None or counts.numel() < tiles:
+        counts = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _COUNTS[device] = counts
+    return counts
 
 
 def launch_config(n: int, k: int, weight_dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
@@ -256,26 +269,22 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
     # K ranges of whole tiles; a split's fp32 partials go to a workspace first.
     split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
     k_per_split = triton.cdiv(triton.cdiv(k, cfg.block_k), split) * cfg.block_k
-    target = out if split == 1 else torch.empty(split, m, n, dtype=torch.float32,
-                                                device=x.device)
-    _small_m_gemm_kernel[(triton.cdiv(n, cfg.block_n), triton.cdiv(m, BLOCK_M), split)](
-        x, w, bias if bias is not None else x, target, w_scale if fp8 else x,
-        w_scale_rows if w_scale_rows is not None else x, z, nw, m, n, k, k_per_split,
-        x.stride(0), w.stride(0), target.stride(-2), w_scale.stride(0) if fp8 else 0,
-        z.stride(0), target.stride(0) if split > 1 else 0, float(eps),
+    grid = (triton.cdiv(n, cfg.block_n), triton.cdiv(m, BLOCK_M), split)
+    part, counts = x, x
+    if split > 1:
+        part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
+        counts = _split_counts(x.device, grid[0] * grid[1])
+    _small_m_gemm_kernel[grid](
+        x, w, bias if bias is not None else x, out, w_scale if fp8 else x,
+        w_scale_rows if w_scale_rows is not None else x, z, nw, part, counts, m, n, k,
+        k_per_split, x.stride(0), w.stride(0), out.stride(0), w_scale.stride(0) if fp8 else 0,
+        z.stride(0), m * n, float(eps),
         HAS_BIAS=bias is not None, HAS_SCALE=fp8, ROW_MAP=fp8 and w_scale_rows is not None,
         QB=QBLOCK, NORM_D=norm_d, GATE_ACT=act, USE_PDL=pdl_on, SPLIT=split,
         SWAP_AB=cfg.swap_ab, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",  # tf32: the default,
         **opts, **pdl.launch_options(pdl_on))  # which 16-bit inputs ignore
-    if split > 1:
-        block = 1024
-        _split_sum_kernel[(triton.cdiv(m * n, block),)](
-            target, bias if bias is not None else x, out, m * n, n, target.stride(0),
-            out.stride(0),
-            HAS_BIAS=bias is not None, USE_PDL=pdl_on, SPLIT=split, BLOCK=block,
-            **pdl.launch_options(pdl_on))
     return out
 
 

@@ -115,7 +115,9 @@ def set_linear_backend(model: nn.Module, small_m_gemm: bool, device: torch.devic
     if small_m_gemm:
         require_triton_runtime("SGLANG_TRITON_SMALL_M_GEMM=1", device.type)
     for module in model.modules():
-        if hasattr(module, "small_m_gemm"):
+        if hasattr(module, "set_small_m_gemm"):  # a layer that prepares its weights for it
+            module.set_small_m_gemm(small_m_gemm)
+        elif hasattr(module, "small_m_gemm"):
             module.small_m_gemm = small_m_gemm
     return small_m_gemm
 

@@ -70,6 +70,16 @@ def _triton_router() -> Callable:
     return moe_router_topk
 
 
+def _bf16_valued_dummy_init(tensor: torch.Tensor, generator: torch.Generator) -> None:
+    """The default dummy rule (``sglang.srt.model_loader.dummy``) drawn in bf16, stored in the
+    fp32 parameter: the values a bf16 checkpoint's gate has."""
+    from sglang.srt.model_loader.dummy import default_dummy_init
+
+    draw = torch.empty(tensor.shape, dtype=torch.bfloat16, device=tensor.device)
+    default_dummy_init("gate.weight", draw, generator)
+    tensor.copy_(draw)
+
+
 def _load_whole(param: nn.Parameter, loaded: LazyWeight, shard_id=None) -> None:
     copy_checked(param, param.data, loaded.load(), loaded.name)
 
@@ -101,6 +111,8 @@ class MoEGate(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=w_dtype),
                                    requires_grad=False)
         self.weight.weight_loader = _load_whole
+        if self.router_fp32:  # dummy values as a bf16 checkpoint stores them (see set_small_m_gemm)
+            self.weight.dummy_init = _bf16_valued_dummy_init
         if use_expert_bias:
             # Selection-only bias; fp32 in checkpoints, kept fp32 here.
             self.expert_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
@@ -112,8 +124,25 @@ class MoEGate(nn.Module):
         # by set_moe_runner_backend (SGLANG_TRITON_ROUTER).
         self.use_triton = False
         # The logits GEMM through sgl_kernel.small_m_gemm (SGLANG_TRITON_SMALL_M_GEMM), set by
-        # sglang.srt.layers.linear.set_linear_backend.
+        # sglang.srt.layers.linear.set_linear_backend (set_small_m_gemm).
         self.small_m_gemm = False
+        self._bf16_weight: Optional[torch.Tensor] = None
+
+    def set_small_m_gemm(self, on: bool) -> None:
+        """Route decode / verify logits through ``small_m_gemm`` (after the weights are loaded).
+
+        An fp32 gate whose values are all bf16 (loaded from a bf16 checkpoint, as published,
+        or dummy) also keeps a bf16 copy for it: a bf16 x times a bf16 weight is exact in fp32,
+        so the tensor-core product accumulated in fp32 gives the fp32 gate's logits (in its own
+        summation order, fixed by the shape) from half the bytes, where an fp32 weight needs
+        the much slower fp32 dot."""
+        self.small_m_gemm = on
+        self._bf16_weight = None
+        if on and self.router_fp32:
+            w = self.weight.detach()
+            w16 = w.to(torch.bfloat16)
+            if torch.equal(w16.float(), w):
+                self._bf16_weight = w16
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 ``[T, E]`` logits. With ``small_m_gemm`` (``set_linear_backend``) decode /
@@ -122,7 +151,10 @@ class MoEGate(nn.Module):
         if self.small_m_gemm and small_m_rows(x):
             from sgl_kernel.small_m_gemm import small_m_gemm
 
-            return small_m_gemm(x.contiguous(), self.weight, out_dtype=torch.float32)
+            w = self.weight
+            if self._bf16_weight is not None and x.dtype == torch.bfloat16:
+                w = self._bf16_weight
+            return small_m_gemm(x.contiguous(), w, out_dtype=torch.float32)
         if self.router_fp32:
             return F.linear(x.float(), self.weight)
         return F.linear(x.to(self.weight.dtype), self.weight).float()
