@@ -52,9 +52,9 @@ def test_mixed_dtypes_convert_x_and_round_once_to_out_dtype():
 
 @pytest.mark.parametrize("dtype,tol", CASES)
 def test_split_k_matches_reference_and_is_batch_invariant(dtype, tol):
-    """``split_k``: K ranges summed in range order by the tile's last range (with a ragged last range,
-    an empty one, a bias and a strided out), and ``swap_ab``, equal the reference, bit-equal
-    across M."""
+    """``split_k``: K ranges summed in range order by the tile's last range (a ragged last
+    range, an empty one, a bias and a strided out), and ``swap_ab``, equal the reference,
+    bit-equal across M."""
     from sgl_kernel.small_m_gemm import small_m_gemm, small_m_gemm_reference
 
     gen = torch.Generator().manual_seed(9)

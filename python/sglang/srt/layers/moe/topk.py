@@ -72,7 +72,7 @@ def _triton_router() -> Callable:
 
 def _bf16_valued_dummy_init(tensor: torch.Tensor, generator: torch.Generator) -> None:
     """The default dummy rule (``sglang.srt.model_loader.dummy``) drawn in bf16, stored in the
-    fp32 parameter: the values a bf16 checkpoint's gate has."""
+    fp32 parameter: the values a gate stored in bf16 has."""
     from sglang.srt.model_loader.dummy import default_dummy_init
 
     draw = torch.empty(tensor.shape, dtype=torch.bfloat16, device=tensor.device)
@@ -111,7 +111,7 @@ class MoEGate(nn.Module):
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=w_dtype),
                                    requires_grad=False)
         self.weight.weight_loader = _load_whole
-        if self.router_fp32:  # dummy values as a bf16 checkpoint stores them (see set_small_m_gemm)
+        if self.router_fp32:  # dummy values as a bf16-stored gate has them (set_small_m_gemm)
             self.weight.dummy_init = _bf16_valued_dummy_init
         if use_expert_bias:
             # Selection-only bias; fp32 in checkpoints, kept fp32 here.
@@ -131,8 +131,8 @@ class MoEGate(nn.Module):
     def set_small_m_gemm(self, on: bool) -> None:
         """Route decode / verify logits through ``small_m_gemm`` (after the weights are loaded).
 
-        An fp32 gate whose values are all bf16 (loaded from a bf16 checkpoint, as published,
-        or dummy) also keeps a bf16 copy for it: a bf16 x times a bf16 weight is exact in fp32,
+        An fp32 gate whose values are all bf16 (a bf16-stored gate, or dummy weights: see
+        docs/model.md §5.2) also keeps a bf16 copy for it: a bf16 x times a bf16 weight is exact in fp32,
         so the tensor-core product accumulated in fp32 gives the fp32 gate's logits (in its own
         summation order, fixed by the shape) from half the bytes, where an fp32 weight needs
         the much slower fp32 dot."""
