@@ -261,6 +261,14 @@ class Envs:
         "Opt-in until measured on the GPU host: 1 needs a CUDA device of compute capability "
         "9.0 or newer; auto turns it on where one is present.",
     )
+    SGLANG_PDL_WEIGHT_PREFETCH = EnvField(
+        "SGLANG_PDL_WEIGHT_PREFETCH",
+        bool,
+        True,
+        "With SGLANG_ENABLE_PDL on, the small-M GEMM asks for its first weight tiles in L2 "
+        "before its grid-dependency wait, while the kernel before it finishes (the weights are "
+        "no kernel's output, so results are unchanged); 0 turns that off for an A/B.",
+    )
     SGLANG_TORCH_PROFILER_DIR = EnvField(
         "SGLANG_TORCH_PROFILER_DIR",
         str,

@@ -12,6 +12,11 @@ keeps this exact, followed by every kernel here:
 * it calls :func:`launch_dependents` only after its own :func:`wait`, so that when a kernel starts,
   every kernel two or more places before it has finished.
 
+A kernel whose weights are known before the wait asks for its first weight tiles in L2 there
+(:func:`prefetch_l2`, while the kernel before it finishes; :func:`weight_prefetch` says when):
+the loads after the wait then start from L2 instead of DRAM. A prefetch reads nothing into the
+kernel, so results are unchanged.
+
 Only small launches (at most :data:`PDL_MAX_ROWS` rows: decode and verify) use it: there the
 launch floor rivals the arithmetic, while a prefill kernel saturates the GPU on its own. The
 switch is process-wide (:func:`set_pdl`), set once from the engine's configuration; Triton's CPU
@@ -25,10 +30,11 @@ import triton.language as tl
 from sgl_kernel._triton_mode import INTERPRETED
 
 __all__ = ["PDL_MAX_ROWS", "set_pdl", "pdl_enabled", "use_pdl", "launch_options", "wait",
-           "launch_dependents"]
+           "launch_dependents", "set_weight_prefetch", "weight_prefetch", "prefetch_l2"]
 
 PDL_MAX_ROWS = 512
 _ENABLED = False
+_PREFETCH = True
 
 
 def set_pdl(enabled: bool) -> bool:
@@ -49,6 +55,20 @@ def use_pdl(rows: int) -> bool:
     return _ENABLED and rows <= PDL_MAX_ROWS
 
 
+def set_weight_prefetch(enabled: bool) -> bool:
+    """Whether PDL launches prefetch their weights before the wait (on by default; off for an
+    A/B); returns the setting."""
+    global _PREFETCH
+    _PREFETCH = bool(enabled)
+    return _PREFETCH
+
+
+def weight_prefetch(rows: int) -> bool:
+    """Whether a launch over ``rows`` rows prefetches its weights: a PDL launch (only there
+    does the prefetch overlap the kernel before) with prefetching on."""
+    return use_pdl(rows) and _PREFETCH
+
+
 def launch_options(pdl: bool) -> dict:
     """The launch keyword that makes a launch programmatic-dependent (none when ``pdl`` is off)."""
     return {"launch_pdl": True} if pdl else {}
@@ -66,3 +86,13 @@ def launch_dependents(PDL: tl.constexpr):
     """Let the next kernel on the stream start (call after :func:`wait`)."""
     if PDL:
         tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def prefetch_l2(ptrs, mask):
+    """Bring the 128-byte lines holding ``ptrs`` (where ``mask``) into L2, keeping nothing in
+    registers: a read of data no kernel of the step writes, issued before :func:`wait`. CUDA
+    only (inline PTX; the interpreter never runs a PDL launch)."""
+    tl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; mov.u32 $0, 0; }",
+        "=r,l,r", [ptrs, mask.to(tl.int32)], dtype=tl.int32, is_pure=False, pack=1)

@@ -75,7 +75,9 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
                          stride_ps, eps,
                          HAS_BIAS: tl.constexpr, HAS_SCALE: tl.constexpr, ROW_MAP: tl.constexpr,
                          QB: tl.constexpr, NORM_D: tl.constexpr, GATE_ACT: tl.constexpr,
-                         USE_PDL: tl.constexpr, SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
+                         USE_PDL: tl.constexpr, PREFETCH_LINES: tl.constexpr,
+                         LINE: tl.constexpr,
+                         SPLIT: tl.constexpr, SWAP_AB: tl.constexpr,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          DOT_PRECISION: tl.constexpr):
     # Axis 0 walks the weight's row blocks (many programs), axis 1 the 16-row tiles of x, axis 2
@@ -88,6 +90,10 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
     z_rows = z_ptr + offs_m.to(tl.int64)[:, None] * stride_zm
     k_lo = tl.program_id(2) * k_per_split
     k_hi = tl.minimum(k_lo + k_per_split, K)
+    if PREFETCH_LINES > 0:  # the first steps' weight lines (LINE elements each) toward L2
+        # while the kernel before finishes (sgl_kernel.pdl): the weights are no kernel's output
+        offs_l = k_lo + tl.arange(0, PREFETCH_LINES) * LINE
+        pdl.prefetch_l2(w_rows + offs_l[None, :], mask_n[:, None] & (offs_l < k_hi)[None, :])
     pdl.wait(USE_PDL)  # x comes from the kernel before
     pdl.launch_dependents(USE_PDL)
     if ROW_MAP:  # a weight of several pieces, each on its own block grid
@@ -265,6 +271,12 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
             cfg = cfg._replace(block_k=max(cfg.block_k, norm_d) // norm_d * norm_d)
     opts = compiler_options(cfg.num_warps, cfg.num_stages)
     pdl_on = pdl.use_pdl(m)
+    # Prefetch as many steps as the pipeline keeps in flight (a power of two), or none; a
+    # line is 128 bytes.
+    line = 128 // w.element_size()
+    steps = 1 << ((cfg.num_stages or 1).bit_length() - 1)
+    prefetch = triton.next_power_of_2(max(1, steps * cfg.block_k // line)) \
+        if pdl.weight_prefetch(m) else 0
     compute = x.dtype if fp8 else w.dtype
     # K ranges of whole tiles; a split's fp32 partials go to a workspace first.
     split = max(1, min(cfg.split_k, triton.cdiv(k, cfg.block_k)))
@@ -280,7 +292,8 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
         k_per_split, x.stride(0), w.stride(0), out.stride(0), w_scale.stride(0) if fp8 else 0,
         z.stride(0), m * n, float(eps),
         HAS_BIAS=bias is not None, HAS_SCALE=fp8, ROW_MAP=fp8 and w_scale_rows is not None,
-        QB=QBLOCK, NORM_D=norm_d, GATE_ACT=act, USE_PDL=pdl_on, SPLIT=split,
+        QB=QBLOCK, NORM_D=norm_d, GATE_ACT=act, USE_PDL=pdl_on,
+        PREFETCH_LINES=prefetch, LINE=line, SPLIT=split,
         SWAP_AB=cfg.swap_ab, BLOCK_M=BLOCK_M,
         BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         DOT_PRECISION="ieee" if compute == torch.float32 else "tf32",  # tf32: the default,

@@ -296,8 +296,9 @@ class ModelRunner:
         wanted = resolve_pdl_flag(envs.SGLANG_ENABLE_PDL.get(), self.device.type, cap)
         if self.device.type != "cuda":
             return False
-        from sgl_kernel.pdl import set_pdl
+        from sgl_kernel.pdl import set_pdl, set_weight_prefetch
 
+        set_weight_prefetch(envs.SGLANG_PDL_WEIGHT_PREFETCH.get())
         return set_pdl(wanted)
 
     def _init_device(self, device: torch.device) -> torch.device:

@@ -132,10 +132,10 @@ class MoEGate(nn.Module):
         """Route decode / verify logits through ``small_m_gemm`` (after the weights are loaded).
 
         An fp32 gate whose values are all bf16 (a bf16-stored gate, or dummy weights: see
-        docs/model.md §5.2) also keeps a bf16 copy for it: a bf16 x times a bf16 weight is exact in fp32,
-        so the tensor-core product accumulated in fp32 gives the fp32 gate's logits (in its own
-        summation order, fixed by the shape) from half the bytes, where an fp32 weight needs
-        the much slower fp32 dot."""
+        docs/model.md §5.2) also keeps a bf16 copy for it: a bf16 x times a bf16 weight is
+        exact in fp32, so the tensor-core product accumulated in fp32 gives the fp32 gate's
+        logits (in its own summation order, fixed by the shape) from half the bytes, where an
+        fp32 weight needs the much slower fp32 dot."""
         self.small_m_gemm = on
         self._bf16_weight = None
         if on and self.router_fp32:
