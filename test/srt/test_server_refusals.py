@@ -124,7 +124,10 @@ def test_v1_serves_each_choices_last_hidden_state(server):
     assert [c["text"] for c in got["choices"]] == [c["text"] for c in plain["choices"]]
     rows = [c["hidden_states"] for c in got["choices"]]
     assert len(rows) == 2 and all(len(r) == len(rows[0]) > 0 for r in rows)
-    assert rows[0] == rows[1]  # greedy: both choices end in the same state
+    # Greedy: both choices end in the same state, up to fp32 rounding: with some tokenizers
+    # (trained on the package's sources, so any source edit changes the prompt's ids) the two
+    # choices' rows differed by 1 ulp in most values, the texts being equal.
+    assert max(abs(a - b) for a, b in zip(*rows)) <= 1e-5 * max(map(abs, rows[0]))
     chat = _post(server, "/v1/chat/completions",
                  _chat("hi", max_tokens=3, temperature=0, return_hidden_states=True)).json()
     assert len(chat["choices"][0]["hidden_states"]) == len(rows[0])

@@ -221,6 +221,15 @@ class Envs:
         "one Triton launch (sgl_kernel.rmsnorm) instead of the torch reference's six or seven "
         "kernels. auto: on for CUDA, off elsewhere; 1 elsewhere needs TRITON_INTERPRET=1.",
     )
+    SGLANG_TRITON_MLA_ROPE = EnvField(
+        "SGLANG_TRITON_MLA_ROPE",
+        str,
+        "0",
+        "Assemble MLA's query and key with RoPE (the rotation and both concatenations) in one "
+        "Triton launch (sgl_kernel.mla_rope, bit-equal to the torch form's twenty-odd kernels). "
+        "Opt-in until its graph gates pass on the GPU host; auto: on for CUDA; 1 off CUDA "
+        "needs TRITON_INTERPRET=1.",
+    )
     SGLANG_TRITON_ROUTER = EnvField(
         "SGLANG_TRITON_ROUTER",
         str,

@@ -19,7 +19,7 @@ from typing import Dict, Optional, Tuple
 import torch
 from torch import nn
 
-__all__ = ["RotaryEmbedding", "get_rope"]
+__all__ = ["RotaryEmbedding", "get_rope", "set_rope_backend"]
 
 
 class RotaryEmbedding(nn.Module):
@@ -38,6 +38,9 @@ class RotaryEmbedding(nn.Module):
         # Plain attribute (not a buffer): one table per device, built lazily, never saved.
         # Each table is [n, rotary_dim] = cos half ‖ sin half.
         self._cos_sin: Dict[torch.device, torch.Tensor] = {}
+        # MLA's rotation and concatenations as one Triton launch (sgl_kernel.mla_rope), set by
+        # set_rope_backend (SGLANG_TRITON_MLA_ROPE).
+        self.use_triton = False
 
     def _build(self, n: int, device: torch.device) -> torch.Tensor:
         half = self.rotary_dim // 2
@@ -75,6 +78,20 @@ class RotaryEmbedding(nn.Module):
         cos, sin = cos_sin.chunk(2, dim=-1)  # [T, r/2] each
         return self._rotate(query, cos, sin), self._rotate(key, cos, sin)
 
+    def assemble_mla(self, positions: torch.Tensor, q_latent: torch.Tensor,
+                     q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor
+                     ) -> Tuple[torch.Tensor, torch.Tensor]:
+        """MLA's ``q = [q_latent ‖ rope(q_rope)]`` (``[T, H, R + r]``) and ``k = [latent ‖
+        rope(k_rope)]`` (``[T, R + r]``): :meth:`forward` and two concatenations, or with
+        ``use_triton`` the same values (bit for bit) from one launch."""
+        if self.use_triton:
+            from sgl_kernel.mla_rope import mla_rope_assemble
+
+            return mla_rope_assemble(positions, self.cos_sin_cache(positions.device), q_latent,
+                                     q_rope, latent, k_rope, self.is_neox_style)
+        q_rope, k_rope = self(positions, q_rope, k_rope)
+        return torch.cat([q_latent, q_rope], dim=-1), torch.cat([latent, k_rope], dim=-1)
+
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         shape = (x.shape[0],) + (1,) * (x.dim() - 2) + (cos.shape[-1],)
         cos, sin = cos.view(shape), sin.view(shape)
@@ -103,3 +120,17 @@ def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
     if key not in _ROPE_CACHE:
         _ROPE_CACHE[key] = RotaryEmbedding(head_size, rotary_dim, max_position, base, is_neox_style)
     return _ROPE_CACHE[key]
+
+
+def set_rope_backend(model: nn.Module, triton_rope: bool, device: torch.device) -> bool:
+    """Point every :class:`RotaryEmbedding` of ``model`` at the one-launch MLA assembly
+    (``SGLANG_TRITON_MLA_ROPE``) or the torch form; returns the choice. Triton needs CUDA, or
+    ``TRITON_INTERPRET=1`` on CPU (tests)."""
+    from sglang.srt.environ import require_triton_runtime
+
+    if triton_rope:
+        require_triton_runtime("SGLANG_TRITON_MLA_ROPE=1", device.type)
+    for module in model.modules():
+        if isinstance(module, RotaryEmbedding):
+            module.use_triton = triton_rope
+    return triton_rope

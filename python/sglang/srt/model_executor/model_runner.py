@@ -44,6 +44,7 @@ from sglang.srt.environ import envs
 from sglang.srt.layers.attention.attention_registry import create_attn_backend
 from sglang.srt.layers.layernorm import set_norm_backend
 from sglang.srt.layers.linear import set_linear_backend
+from sglang.srt.layers.rotary_embedding import set_rope_backend
 from sglang.srt.layers.moe.moe_layer import set_moe_runner_backend
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.mem_cache.memory_pool import (
@@ -269,6 +270,10 @@ class ModelRunner:
         self.triton_norms = set_norm_backend(
             self.model, resolve_fused_kernel_flag("SGLANG_TRITON_RMSNORM",
                                                   envs.SGLANG_TRITON_RMSNORM.get(),
+                                                  self.device.type), self.device)
+        self.triton_rope = set_rope_backend(
+            self.model, resolve_fused_kernel_flag("SGLANG_TRITON_MLA_ROPE",
+                                                  envs.SGLANG_TRITON_MLA_ROPE.get(),
                                                   self.device.type), self.device)
         self.pdl = self._init_pdl()
         quantized = getattr(self.model, "quant_config", None) is not None

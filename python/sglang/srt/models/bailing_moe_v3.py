@@ -278,10 +278,9 @@ class BailingMLA(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split(
             [self.kv_lora_rank, self.qk_rope_head_dim], -1)
         latent = self.kv_a_layernorm(latent)
-        q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope)
         q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)  # [T, h, r]
-        o_latent = self.attn(torch.cat([q_latent, q_rope], dim=-1),
-                             torch.cat([latent, k_rope], dim=-1), forward_batch)
+        q, k = self.rotary_emb.assemble_mla(positions, q_latent, q_rope, latent, k_rope)
+        o_latent = self.attn(q, k, forward_batch)
         o = torch.bmm(o_latent.transpose(0, 1), self.w_vc).transpose(0, 1)  # [T, h, v]
         gate = torch.sigmoid(self.g_proj(x).float()).unsqueeze(-1)  # one scalar per head
         o = (o.float() * gate).to(x.dtype)
