@@ -12,7 +12,7 @@ from typing import Callable, Optional, Tuple, Union
 import torch
 from torch import nn
 
-from sglang.srt.environ import require_triton_runtime
+from sglang.srt.layers.triton_switch import set_use_triton
 from sglang.srt.layers.linear import copy_checked
 from sglang.srt.model_loader.weight_utils import LazyWeight
 
@@ -48,12 +48,8 @@ def set_norm_backend(model: nn.Module, triton_norms: bool, device: torch.device)
     """Point every :class:`RMSNorm` / :class:`GatedRMSNorm` of ``model`` at the Triton kernel
     (``triton_norms``) or the torch reference; returns the choice. Triton needs CUDA, or
     ``TRITON_INTERPRET=1`` on CPU (tests)."""
-    if triton_norms:
-        require_triton_runtime("SGLANG_TRITON_RMSNORM=1", device.type)
-    for module in model.modules():
-        if isinstance(module, (RMSNorm, GatedRMSNorm)):
-            module.use_triton = triton_norms
-    return triton_norms
+    return set_use_triton(model, (RMSNorm, GatedRMSNorm), triton_norms, "SGLANG_TRITON_RMSNORM",
+                          device)
 
 
 def _norm_weight(size: int, dtype: Optional[torch.dtype]) -> nn.Parameter:

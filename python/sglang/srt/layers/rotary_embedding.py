@@ -126,11 +126,7 @@ def set_rope_backend(model: nn.Module, triton_rope: bool, device: torch.device) 
     """Point every :class:`RotaryEmbedding` of ``model`` at the one-launch MLA assembly
     (``SGLANG_TRITON_MLA_ROPE``) or the torch form; returns the choice. Triton needs CUDA, or
     ``TRITON_INTERPRET=1`` on CPU (tests)."""
-    from sglang.srt.environ import require_triton_runtime
+    from sglang.srt.layers.triton_switch import set_use_triton
 
-    if triton_rope:
-        require_triton_runtime("SGLANG_TRITON_MLA_ROPE=1", device.type)
-    for module in model.modules():
-        if isinstance(module, RotaryEmbedding):
-            module.use_triton = triton_rope
-    return triton_rope
+    return set_use_triton(model, (RotaryEmbedding,), triton_rope, "SGLANG_TRITON_MLA_ROPE",
+                          device)
