@@ -36,6 +36,11 @@
 #                 skips them), after graph_ab the top kernels of an eager decode step
 #                 (benchmark/batch1/top_kernels.py; TOP=0 skips them).
 #                 About 9 minutes in all: SPECS / SERVED split it over calls.
+#   STAGE=fp8ab   the fp8 42-layer model's graph_ab per environment setting, one process each,
+#                 same call: FP8AB_SETTINGS "VAR=V VAR=V label,..." (default: PDL off / PDL on
+#                 without / with the weight prefetch / + the MLA RoPE kernel), FP8AB_SPECS
+#                 (default "0"); lines with the setting's label in $OUT/fp8ab.jsonl (about a
+#                 minute per process)
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
 # FUSED (default 1) sets SGLANG_TRITON_RMSNORM / SGLANG_TRITON_ROUTER to 1 (0 with FUSED=0); PHASES=1 captures a NEXTN
 # round as one graph per phase (SGLANG_ROUND_GRAPH_PER_PHASE=1); SPECS (default "0 3 4 5")
@@ -143,6 +148,22 @@ fp8full)
   timeout 120 python3 -m sglang.bench_serving --backend sglang --port 30700 --dataset-name random-ids \
     --random-input-len 1024 --random-output-len 128 --random-range-ratio 1.0 --num-prompts 2 \
     --max-concurrency 1 --disable-tqdm --output-file "$OUT/served.jsonl" 2>&1 | grep -E "Mean TPOT|Accept|Output token"
+  ;;
+fp8ab)
+  export SGLANG_TRITON_SMALL_M_GEMM=1
+  FULL="--model-path ling-3.0-flash --load-format dummy --quantization fp8 --mem-fraction-static 0.93 --max-running-requests 2 --context-length 9216 --cuda-graph-max-bs 1"
+  IFS=, read -ra settings <<< "${FP8AB_SETTINGS:-SGLANG_ENABLE_PDL=0 pdl-off,SGLANG_ENABLE_PDL=1 SGLANG_PDL_WEIGHT_PREFETCH=0 pdl,SGLANG_ENABLE_PDL=1 SGLANG_PDL_WEIGHT_PREFETCH=1 pdl+prefetch,SGLANG_ENABLE_PDL=1 SGLANG_TRITON_MLA_ROPE=1 pdl+prefetch+rope}"
+  for setting in "${settings[@]}"; do
+    read -ra words <<< "$setting"
+    label=${words[-1]}; unset 'words[-1]'
+    for steps in ${FP8AB_SPECS:-0}; do
+      spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
+      echo "== fp8ab $label nextn $steps"
+      env "${words[@]}" timeout ${AB_TIMEOUT:-150} python3 benchmark/batch1/graph_ab.py $FULL $KARGS $spec \
+        --prompt-len 8192 --steps 16 --replays 30 --label "flash42 fp8 $label nextn$steps" \
+        --result-filename $OUT/fp8ab.jsonl 2>&1 | grep -v Warn | grep -E "graph|replay"
+    done
+  done
   ;;
 dspark)
   timeout 150 python3 -m pytest -q test/kernels/test_rmsnorm.py test/kernels/test_moe_router.py \
