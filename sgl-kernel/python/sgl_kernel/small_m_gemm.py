@@ -161,8 +161,11 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
 
 
 # Per device: one arrival count per output tile of a K split, zero between launches (each
-# launch's last range resets its tiles). Sized for the largest split grid launch_config makes
-# (under 512 row blocks, SMALL_M_MAX_ROWS rows); a larger one gets a larger buffer.
+# launch's last range resets its tiles), so split launches on a device must not run
+# concurrently: the engine launches its kernels on one stream (the side stream of
+# sglang.srt.managers.overlap_utils only copies). Sized for the largest split grid
+# launch_config makes (under 512 row blocks, SMALL_M_MAX_ROWS rows); a larger grid (a swept
+# config) gets a larger buffer.
 _COUNTS: dict = {}
 
 
