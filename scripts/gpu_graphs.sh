@@ -38,7 +38,8 @@
 #                 About 9 minutes in all: SPECS / SERVED split it over calls.
 #   STAGE=fp8ab   the fp8 42-layer model's graph_ab per environment setting, one process each,
 #                 same call: FP8AB_SETTINGS "VAR=V VAR=V label,..." (default: PDL off / PDL on
-#                 without / with the weight prefetch / + the MLA RoPE kernel), FP8AB_SPECS
+#                 without / with the weight prefetch / + the MLA RoPE kernel / KDA's output
+#                 norm as its own launch), FP8AB_SPECS
 #                 (default "0"); lines with the setting's label in $OUT/fp8ab.jsonl (about a
 #                 minute per process)
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
@@ -152,7 +153,7 @@ fp8full)
 fp8ab)
   export SGLANG_TRITON_SMALL_M_GEMM=1
   FULL="--model-path ling-3.0-flash --load-format dummy --quantization fp8 --mem-fraction-static 0.93 --max-running-requests 2 --context-length 9216 --cuda-graph-max-bs 1"
-  IFS=, read -ra settings <<< "${FP8AB_SETTINGS:-SGLANG_ENABLE_PDL=0 pdl-off,SGLANG_ENABLE_PDL=1 SGLANG_PDL_WEIGHT_PREFETCH=0 pdl,SGLANG_ENABLE_PDL=1 SGLANG_PDL_WEIGHT_PREFETCH=1 pdl+prefetch,SGLANG_ENABLE_PDL=1 SGLANG_TRITON_MLA_ROPE=1 pdl+prefetch+rope}"
+  IFS=, read -ra settings <<< "${FP8AB_SETTINGS:-SGLANG_ENABLE_PDL=0 pdl-off,SGLANG_ENABLE_PDL=1 SGLANG_PDL_WEIGHT_PREFETCH=0 pdl,SGLANG_ENABLE_PDL=1 SGLANG_PDL_WEIGHT_PREFETCH=1 pdl+prefetch,SGLANG_ENABLE_PDL=1 SGLANG_TRITON_MLA_ROPE=1 pdl+prefetch+rope,SGLANG_ENABLE_PDL=1 SGLANG_KDA_NORM_IN_O_PROJ=0 pdl+prefetch+norm-apart}"
   for setting in "${settings[@]}"; do
     read -ra words <<< "$setting"
     label=${words[-1]}; unset 'words[-1]'

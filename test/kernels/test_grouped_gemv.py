@@ -189,7 +189,8 @@ def test_model_with_triton_moe_matches_native(triton_mode, tmp_path, monkeypatch
     """A whole random tiny model (fp32): prefill logits and a decode step through
     ``moe_runner_backend='triton'`` equal the torch-native MoE's, also with the shared expert
     riding the routed launches plus the one-kernel combine (``SGLANG_TRITON_MOE_COMBINE``) and
-    the dense projections / LM head through the small-M GEMM (``SGLANG_TRITON_SMALL_M_GEMM``)."""
+    the dense projections / LM head through the small-M GEMM (``SGLANG_TRITON_SMALL_M_GEMM``),
+    with KDA's output norm inside o_proj's loads or (``SGLANG_KDA_NORM_IN_O_PROJ=0``) apart."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.layers.moe.moe_layer import BailingMoE, FusedMoE
@@ -199,9 +200,11 @@ def test_model_with_triton_moe_matches_native(triton_mode, tmp_path, monkeypatch
     path = write_random_checkpoint(str(tmp_path / "c"), tiny_config(), seed=4)
     ids = [5, 17, 99, 3, 250, 42]
     logits = {}
-    for backend, fused in (("torch_native", "0"), ("triton", "0"), ("triton", "1")):
+    for backend, fused, norm_in in (("torch_native", "0", "1"), ("triton", "0", "1"),
+                                    ("triton", "1", "1"), ("triton", "1", "0")):
         monkeypatch.setenv("SGLANG_TRITON_MOE_COMBINE", fused)
         monkeypatch.setenv("SGLANG_TRITON_SMALL_M_GEMM", fused)
+        monkeypatch.setenv("SGLANG_KDA_NORM_IN_O_PROJ", norm_in)
         runner = ModelRunner(ModelConfig.from_path(path), device=DEVICE, dtype=torch.float32,
                              moe_runner_backend=backend, max_running_requests=2,
                              max_total_tokens=64)
@@ -212,9 +215,11 @@ def test_model_with_triton_moe_matches_native(triton_mode, tmp_path, monkeypatch
         if fused == "1":  # the tiny model's shared expert has the routed experts' shape
             assert all(m._shared_as_pairs() is not None for m in runner.model.modules()
                        if isinstance(m, BailingMoE))
-        logits[backend + fused] = greedy_logits(runner, ids, 1)
-    for variant in ("triton0", "triton1"):
-        for got, ref in zip(logits[variant], logits["torch_native0"]):
+        kda = [m for m in runner.model.modules() if hasattr(m, "norm_in_o_proj")]
+        assert kda and all(m.norm_in_o_proj == (norm_in == "1") for m in kda)
+        logits[backend + fused + norm_in] = greedy_logits(runner, ids, 1)
+    for variant in ("triton01", "triton11", "triton10"):
+        for got, ref in zip(logits[variant], logits["torch_native01"]):
             assert _rel(got, ref) < 1e-5, variant
 
 

@@ -221,6 +221,15 @@ class Envs:
         "one Triton launch (sgl_kernel.rmsnorm) instead of the torch reference's six or seven "
         "kernels. auto: on for CUDA, off elsewhere; 1 elsewhere needs TRITON_INTERPRET=1.",
     )
+    SGLANG_KDA_NORM_IN_O_PROJ = EnvField(
+        "SGLANG_KDA_NORM_IN_O_PROJ",
+        bool,
+        True,
+        "With the small-M GEMM at decode / verify sizes, KDA's output norm (per-head RMSNorm "
+        "times the sigmoid gate) runs inside o_proj's loads, one launch for both; 0: the norm's "
+        "own launch, then the plain product (the A/B of docs/performance.md: the prologue costs "
+        "the 42-layer fp8 model's o_proj about 5 µs a call).",
+    )
     SGLANG_TRITON_MLA_ROPE = EnvField(
         "SGLANG_TRITON_MLA_ROPE",
         str,

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.bailing_moe_v3 import BailingMoeV3Config
+from sglang.srt.environ import envs
 from sglang.srt.distributed import (
     divide,
     get_tensor_model_parallel_rank,
@@ -117,6 +118,7 @@ class BailingKDA(nn.Module):
         self.dt_bias.dummy_init = _uniform_dummy_init(-0.1, 0.1)
         self.o_norm = GatedRMSNorm(self.head_dim, config.rms_norm_eps, "sigmoid", params_dtype)
         self.o_proj = RowParallelLinear(hd, config.hidden_size, params_dtype=params_dtype)
+        self.norm_in_o_proj = envs.SGLANG_KDA_NORM_IN_O_PROJ.get()  # read once, at build
         self.attn = RadixLinearAttention(layer_id, self.num_heads, self.head_dim,
                                          config.short_conv_kernel_size)
         conv = self.attn.conv_weight
@@ -176,8 +178,9 @@ class BailingKDA(nn.Module):
         # as it loads them); q, k, v stay views of the projection output.
         gate = KDAGate(f, b, self.A_log, self.dt_bias, self.lower_bound)
         o = self.attn(q, k, v, None, None, forward_batch, gate=gate)  # [T, h, d]
-        if self.o_proj.small_m_gemm and t <= _SMALL_M_ROWS:  # the output norm inside o_proj's
-            from sgl_kernel.small_m_gemm import GatedNormPrologue  # loads: one launch for both
+        if self.norm_in_o_proj and self.o_proj.small_m_gemm and t <= _SMALL_M_ROWS:
+            from sgl_kernel.small_m_gemm import GatedNormPrologue  # the output norm inside
+            # o_proj's loads: one launch for both
 
             norm = self.o_norm
             return self.o_proj(o.reshape(t, h * d), gated_norm=GatedNormPrologue(
