@@ -165,13 +165,17 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
 # concurrently: the engine launches its kernels on one stream (the side stream of
 # sglang.srt.managers.overlap_utils only copies). Sized for the largest split grid
 # launch_config makes (under 512 row blocks, SMALL_M_MAX_ROWS rows); a larger grid (a swept
-# config) gets a larger buffer.
+# config) gets a larger buffer; a replaced one stays allocated, since a captured graph may
+# still point at it.
 _COUNTS: dict = {}
+_REPLACED: list = []
 
 
 def _split_counts(device: torch.device, tiles: int) -> torch.Tensor:
     counts = _COUNTS.get(device)
     if counts is None or counts.numel() < tiles:
+        if counts is not None:
+            _REPLACED.append(counts)
         counts = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
         _COUNTS[device] = counts
     return counts

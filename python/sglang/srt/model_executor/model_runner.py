@@ -44,9 +44,8 @@ from sglang.srt.environ import envs
 from sglang.srt.layers.attention.attention_registry import create_attn_backend
 from sglang.srt.layers.layernorm import set_norm_backend
 from sglang.srt.layers.linear import set_linear_backend
-from sglang.srt.layers.rotary_embedding import set_rope_backend
 from sglang.srt.layers.moe.moe_layer import set_moe_runner_backend
-from sglang.srt.layers.rotary_embedding import RotaryEmbedding
+from sglang.srt.layers.rotary_embedding import RotaryEmbedding, set_rope_backend
 from sglang.srt.mem_cache.memory_pool import (
     KDAStatePool,
     MLATokenToKVPool,

@@ -18,12 +18,12 @@ import torch
 from torch import nn
 
 from sglang.srt.configs.bailing_moe_v3 import BailingMoeV3Config
-from sglang.srt.environ import envs
 from sglang.srt.distributed import (
     divide,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
 )
+from sglang.srt.environ import envs
 from sglang.srt.layers.attention.kda_ops import KDAGate
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
 from sglang.srt.layers.linear import (
@@ -179,8 +179,7 @@ class BailingKDA(nn.Module):
         gate = KDAGate(f, b, self.A_log, self.dt_bias, self.lower_bound)
         o = self.attn(q, k, v, None, None, forward_batch, gate=gate)  # [T, h, d]
         if self.norm_in_o_proj and self.o_proj.small_m_gemm and t <= _SMALL_M_ROWS:
-            from sgl_kernel.small_m_gemm import GatedNormPrologue  # the output norm inside
-            # o_proj's loads: one launch for both
+            from sgl_kernel.small_m_gemm import GatedNormPrologue  # norm inside o_proj's loads
 
             norm = self.o_norm
             return self.o_proj(o.reshape(t, h * d), gated_norm=GatedNormPrologue(
