@@ -224,20 +224,20 @@ class Envs:
     SGLANG_KDA_NORM_IN_O_PROJ = EnvField(
         "SGLANG_KDA_NORM_IN_O_PROJ",
         bool,
-        True,
-        "With the small-M GEMM at decode / verify sizes, KDA's output norm (per-head RMSNorm "
-        "times the sigmoid gate) runs inside o_proj's loads, one launch for both; 0: the norm's "
-        "own launch, then the plain product (the A/B of docs/performance.md: the prologue costs "
-        "the 42-layer fp8 model's o_proj about 5 µs a call).",
+        False,
+        "With the small-M GEMM at decode / verify sizes, 1 runs KDA's output norm (per-head "
+        "RMSNorm times the sigmoid gate) inside o_proj's loads, one launch for both; the default "
+        "0 gives the norm its own launch before the plain product, which measured faster in "
+        "CUDA graphs (the 42-layer fp8 decode step 4.03 -> 3.95 ms, docs/performance.md).",
     )
     SGLANG_TRITON_MLA_ROPE = EnvField(
         "SGLANG_TRITON_MLA_ROPE",
         str,
-        "0",
+        "auto",
         "Assemble MLA's query and key with RoPE (the rotation and both concatenations) in one "
-        "Triton launch (sgl_kernel.mla_rope, bit-equal to the torch form's twenty-odd kernels). "
-        "Opt-in until its graph gates pass on the GPU host; auto: on for CUDA; 1 off CUDA "
-        "needs TRITON_INTERPRET=1.",
+        "Triton launch (sgl_kernel.mla_rope, bit-equal to the torch form's twenty-odd kernels; "
+        "the 42-layer fp8 decode step 4.03 -> 3.87 ms, docs/performance.md). auto: on for "
+        "CUDA, off elsewhere; 1 off CUDA needs TRITON_INTERPRET=1.",
     )
     SGLANG_TRITON_ROUTER = EnvField(
         "SGLANG_TRITON_ROUTER",
