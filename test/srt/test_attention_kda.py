@@ -370,8 +370,7 @@ def test_raw_gate_inputs_and_qkv_views_equal_the_formed_gate(decode_backend):
     mixed = _qkv_columns(q, k, v)
     assert mixed.data_ptr() == fused.data_ptr() and torch.equal(mixed, fused[:, :3 * C])
     assert _qkv_columns(q.clone(), k, v).data_ptr() != fused.data_ptr()  # not adjacent: a copy
-    gate = KDAGate(f, b, a_log, dt_bias, -5.0)
-    g, beta = gate.decay(H, D), gate.beta()
+    g = KDAGate(f, b, a_log, dt_bias, -5.0).decay(H, D)
     assert torch.equal(g, kda_gate(f.reshape(t, H, D), a_log, dt_bias, -5.0))
 
     outs = {}
