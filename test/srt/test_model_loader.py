@@ -11,6 +11,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
+from sglang.srt.configs.engine_defaults import AUTO_MAX_RUNNING_REQUESTS
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import parallel_state as ps
 from sglang.srt.model_executor.forward_batch_info import (
@@ -23,6 +24,7 @@ from sglang.srt.model_executor.model_runner import (
     kda_bytes_per_slot,
     kv_bytes_per_token,
     kv_slots_from_memory,
+    request_slots_from_memory,
 )
 from sglang.srt.model_loader import (
     CheckpointError,
@@ -400,7 +402,32 @@ def test_kv_slots_from_memory():
         kv_slots_from_memory(used_bytes=10 * gib, **{**kw, "free_bytes": 5 * gib})
 
 
+def test_request_slots_from_memory():
+    gib, mib = 1 << 30, 1 << 20
+    kw = dict(total_bytes=100 * gib, fraction=0.5, used_bytes=31 * gib, bytes_per_token=1024,
+              min_kv_tokens=1 << 20, cap=10_000)
+    # 19 GiB left: the states get 0.9 / 1.9 of it, ~9 GiB of 64 MiB slots.
+    assert request_slots_from_memory(slot_bytes=64 * mib, **kw) == int(19 * gib * 0.9 / 1.9) // (
+        64 * mib)
+    assert request_slots_from_memory(slot_bytes=64 * mib, **{**kw, "cap": 100}) == 100
+    # The KV cache keeps room for one full-context request (18 GiB of 1 KiB tokens here).
+    assert request_slots_from_memory(slot_bytes=64 * mib,
+                                     **{**kw, "min_kv_tokens": 18 * (1 << 20)}) == 16
+    # Never fewer than one slot (the KV sizing then reports a budget too small), no state = cap.
+    assert request_slots_from_memory(slot_bytes=64 * gib, **kw) == 1
+    assert request_slots_from_memory(slot_bytes=0, **kw) == 10_000
+
+
 # --------------------------------------------------------------------------- GPU
+@pytest.mark.gpu
+def test_runner_on_cuda_sizes_request_slots_from_memory(ckpt):
+    cfg = ModelConfig.from_path(ckpt)
+    runner = ModelRunner(cfg, device="cuda", dtype=torch.bfloat16, mem_fraction_static=0.5)
+    # A tiny model: the cap, and a KV cache for every slot at the full context.
+    assert runner.max_running_requests == AUTO_MAX_RUNNING_REQUESTS
+    assert runner.req_to_token_pool.size == runner.kda_state_pool.size == AUTO_MAX_RUNNING_REQUESTS
+
+
 @pytest.mark.gpu
 def test_runner_on_cuda_sizes_pools_from_memory(ckpt):
     cfg = ModelConfig.from_path(ckpt)

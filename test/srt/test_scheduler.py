@@ -246,6 +246,58 @@ def test_request_that_cannot_fit_is_aborted_not_crashing(ckpt):
     s.check_memory()
 
 
+def _record_batches(s) -> list:
+    """Wrap ``s.get_next_batch_to_run`` to log each batch: ``("decode", n)`` for a step of the
+    running batch, ``("prefill", [(rid, tokens), ...])`` for a prefill batch."""
+    log, pick = [], s.get_next_batch_to_run
+
+    def logged():
+        batch = pick()
+        if batch is not None and batch is s.running_batch:
+            log.append(("decode", len(batch.reqs)))
+        elif batch is not None:
+            log.append(("prefill", [(r.rid, r.extend_input_len) for r in batch.reqs]))
+        return batch
+
+    s.get_next_batch_to_run = logged
+    return log
+
+
+def test_running_requests_decode_between_the_chunks_of_a_long_prompt(ckpt):
+    kw = dict(temperature=0, max_new_tokens=12, ignore_eos=True)
+    alone = run_requests(make_scheduler(ckpt), [request("run", _prompt(3, 50), **kw)])
+    s = make_scheduler(ckpt, chunked_prefill_size=4)
+    s.submit(request("run", _prompt(3, 50), **kw))
+    s.process_input_requests(s.recv_requests())
+    s.step()  # "run" prefilled: it decodes from here on
+    log = _record_batches(s)
+    s.submit(request("long", _prompt(14, 70), **kw))
+    s.run_until_idle()
+    chunks = [i for i, (kind, _) in enumerate(log) if kind == "prefill"]
+    assert [log[i][1] for i in chunks] == [[("long", 4)], [("long", 4)], [("long", 4)],
+                                           [("long", 2)]]
+    # One decode step of "run" after every chunk that leaves more of the prompt to come.
+    for i in chunks[:-1]:
+        assert log[i + 1] == ("decode", 1)
+    out = Collected().add(s.outbox)
+    assert out.ids["run"] == alone.ids["run"]  # interleaving changes no token
+    assert len(out.ids["long"]) == 12
+    s.check_memory()
+
+
+def test_max_prefill_tokens_splits_new_requests_over_batches(ckpt):
+    s = make_scheduler(ckpt, max_prefill_tokens=25)
+    log = _record_batches(s)
+    kw = dict(temperature=0, max_new_tokens=2, ignore_eos=True)
+    out = run_requests(s, [request(f"r{i}", _prompt(10, 80 + i), **kw) for i in range(3)]
+                       + [request("big", _prompt(30, 90), **kw)])
+    prefills = [batch for kind, batch in log if kind == "prefill"]
+    assert prefills[0] == [("r0", 10), ("r1", 10)]
+    assert prefills[1] == [("r2", 10)]
+    assert prefills[2] == [("big", 30)]  # longer than the cap: taken alone, whole
+    assert all(len(out.ids[r]) == 2 for r in ("r0", "r1", "r2", "big"))
+
+
 def test_abort_frees_waiting_chunked_and_running(ckpt):
     s = make_scheduler(ckpt, chunked_prefill_size=4, max_running_requests=2)
     kw = dict(temperature=0, max_new_tokens=50, ignore_eos=True)

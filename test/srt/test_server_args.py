@@ -372,8 +372,8 @@ def test_cuda_graph_flags_parse():
 
 def test_cuda_graph_default_buckets():
     a = ServerArgs()
-    assert a.cuda_graph_max_bs == 32
-    assert a.cuda_graph_batch_sizes() == [1, 2, 4, 8, 12, 16, 24, 32]
+    assert a.cuda_graph_max_bs == 64
+    assert a.cuda_graph_batch_sizes() == [1, 2, 4, 8, 12, 16, 24, 32, 40, 48, 56, 64]
     assert ServerArgs(cuda_graph_max_bs=20).cuda_graph_batch_sizes() == [1, 2, 4, 8, 12, 16, 20]
     assert ServerArgs(cuda_graph_max_bs=1).cuda_graph_batch_sizes() == [1]
     capped = ServerArgs(max_running_requests=5)

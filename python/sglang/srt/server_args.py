@@ -25,6 +25,7 @@ from typing import Any, List, Optional, Sequence, Set
 from sglang.srt.configs.engine_defaults import (  # re-exported: scripts and tests import them here
     ATTENTION_BACKEND_CHOICES,
     DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_MAX_PREFILL_TOKENS,
     DEFAULT_CUDA_GRAPH_MAX_BS,
     DEFAULT_MEM_FRACTION_STATIC,
     DEFAULT_LOG_REQUESTS_LEVEL,
@@ -100,6 +101,8 @@ class ServerArgs:
     max_running_requests: Optional[int] = None
     max_total_tokens: Optional[int] = None
     chunked_prefill_size: Optional[int] = None  # -1 disables chunking
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    enable_mixed_chunk: bool = False
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
     disable_cuda_graph: bool = False
@@ -298,6 +301,7 @@ class ServerArgs:
         cps = self.chunked_prefill_size
         if cps is not None and (not _is_int(cps) or (cps != -1 and cps <= 0)):
             raise ValueError(f"--chunked-prefill-size must be -1 or > 0, got {cps!r}")
+        _int_at_least("--max-prefill-tokens", self.max_prefill_tokens, 1)
         mfs = self.mem_fraction_static
         if mfs is not None and (not _is_number(mfs) or not 0.0 < mfs < 1.0):
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {mfs!r}")

@@ -14,6 +14,7 @@ from sglang.srt.configs.engine_defaults import (
     ATTENTION_BACKEND_CHOICES,
     CPU_MAX_DEFAULT_THREADS,
     DEFAULT_CHUNKED_PREFILL_SIZE,
+    DEFAULT_MAX_PREFILL_TOKENS,
     DEFAULT_CUDA_GRAPH_MAX_BS,
     DEFAULT_MEM_FRACTION_STATIC,
     DEVICE_CHOICES,
@@ -38,6 +39,9 @@ NO_OP_FLAGS: Dict[str, str] = {
                            "nothing to trust",
     "--disable-radix-cache": "This engine has no prefix (radix) cache yet: every prompt is "
                              "prefilled in full whether or not the flag is given",
+    "--enable-mixed-chunk": "Running requests always take a decode step between the chunks of "
+                            "a long prompt here (the chunk and the decode step run as two "
+                            "forwards, not one mixed batch), with or without the flag",
     "--flashinfer-allreduce-fusion-backend": "Only 'auto' is accepted: this engine has no fused "
                                              "all-reduce + RMSNorm, so the tensor-parallel "
                                              "all-reduce runs unfused (same results); trtllm "
@@ -82,6 +86,10 @@ def register_server_flags(parser: argparse.ArgumentParser, d: Dict[str, Any]) ->
     a("--max-total-tokens", type=int, default=d["max_total_tokens"])
     a("--chunked-prefill-size", type=int, default=d["chunked_prefill_size"],
       help=f"Tokens per prefill chunk (default {DEFAULT_CHUNKED_PREFILL_SIZE}); -1 disables.")
+    a("--max-prefill-tokens", type=int, default=d["max_prefill_tokens"],
+      help=f"Prompt tokens of new requests in one prefill batch (default "
+           f"{DEFAULT_MAX_PREFILL_TOKENS}); a longer prompt still starts alone, chunked.")
+    a("--enable-mixed-chunk", action="store_true", help=NO_OP_FLAGS["--enable-mixed-chunk"] + ".")
     a("--disable-radix-cache", action="store_true",
       help=NO_OP_FLAGS["--disable-radix-cache"] + ".")
     a("--disable-overlap-schedule", action="store_true", help="Consume each step's result "

@@ -14,8 +14,11 @@ from typing import Dict, List, Tuple
 __all__ = [
     "DEFAULT_MEM_FRACTION_STATIC",
     "DEFAULT_MAX_RUNNING_REQUESTS",
+    "AUTO_MAX_RUNNING_REQUESTS",
+    "STATE_TO_KV_MEMORY_RATIO",
     "SPECULATIVE_MAX_RUNNING_REQUESTS",
     "DEFAULT_CHUNKED_PREFILL_SIZE",
+    "DEFAULT_MAX_PREFILL_TOKENS",
     "CPU_DEFAULT_MAX_TOTAL_TOKENS",
     "NEXTN_DEFAULT_SPEC",
     "DEFAULT_CUDA_GRAPH_MAX_BS",
@@ -48,12 +51,21 @@ __all__ = [
 # ---------------------------------------------------------------------------- memory and batching
 # Fraction of the GPU's memory planned for weights, caches and states (upstream's value).
 DEFAULT_MEM_FRACTION_STATIC = 0.85
-# Request slots when --max-running-requests is not given and speculation is off.
+# Request slots when --max-running-requests is not given and speculation is off, off CUDA (on
+# CUDA the slots are sized from memory, see below).
 DEFAULT_MAX_RUNNING_REQUESTS = 16
+# On CUDA without --max-running-requests: the KDA state slots may take up to this ratio of the
+# memory the KV cache gets (upstream's default --mamba-full-memory-ratio, 0.9), i.e. 0.9 / 1.9
+# of what the weights leave, and no more slots than this cap.
+STATE_TO_KV_MEMORY_RATIO = 0.9
+AUTO_MAX_RUNNING_REQUESTS = 256
 # Upstream resets the default running-request cap to this when speculation is on.
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
 # Tokens per prefill chunk (--chunked-prefill-size; -1 disables chunking).
 DEFAULT_CHUNKED_PREFILL_SIZE = 8192
+# Prompt tokens of new requests one prefill batch takes at most (--max-prefill-tokens, upstream's
+# default); a longer prompt still starts alone, in chunks.
+DEFAULT_MAX_PREFILL_TOKENS = 16384
 # Token slots on CPU without --max-total-tokens: enough for tests and demos, small for host memory.
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 
@@ -69,10 +81,11 @@ NEXTN_DEFAULT_SPEC: Tuple[int, int, int] = (3, 1, 4)
 RAGGED_VERIFY_MODES = ("auto", "static", "cap-accept", "compact")
 
 # ---------------------------------------------------------------------------- CUDA graphs
-# Largest captured batch when --cuda-graph-max-bs is not given. Batch 1 comes first in this
-# engine, so the caps are small; a verify graph holds num_draft_tokens rows per request, hence
-# the smaller speculative cap. Both are further capped by --max-running-requests.
-DEFAULT_CUDA_GRAPH_MAX_BS = 32
+# Largest captured batch when --cuda-graph-max-bs is not given: batched serving (request slots
+# sized from memory, up to AUTO_MAX_RUNNING_REQUESTS) replays decode steps up to 64 requests;
+# a verify graph holds num_draft_tokens rows per request, hence the smaller speculative cap.
+# Both are further capped by --max-running-requests and by the request slots.
+DEFAULT_CUDA_GRAPH_MAX_BS = 64
 SPECULATIVE_CUDA_GRAPH_MAX_BS = 16
 
 

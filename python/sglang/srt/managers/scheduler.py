@@ -25,6 +25,7 @@ from typing import Any, Dict, List, Optional
 import torch
 import zmq
 
+from sglang.srt.configs.engine_defaults import DEFAULT_MAX_PREFILL_TOKENS
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import broadcast_pyobj
 from sglang.srt.environ import envs
@@ -83,6 +84,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
         self.eos_token_ids = get_eos_token_ids(self.model_config, self.tokenizer)
         cps = server_args.chunked_prefill_size
         self.chunked_prefill_size = cps if cps is not None and cps > 0 else None
+        self.max_prefill_tokens = getattr(server_args, "max_prefill_tokens",
+                                          DEFAULT_MAX_PREFILL_TOKENS)
         # Token cap of a prefill batch that returns prompt logprobs (fp32 logits for every row).
         self.input_logprob_max_tokens = max(
             1, envs.SGLANG_INPUT_LOGPROB_LOGITS_BYTES.get() // (4 * self.vocab_size))
@@ -91,6 +94,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
         self.waiting_queue: List[Req] = []
         self.running_batch: Optional[ScheduleBatch] = None
         self.chunked_req: Optional[Req] = None  # a request whose prompt is partly prefilled
+        # The last batch was a chunk with more to come: the running requests decode next.
+        self._decode_turn = False
 
         # Counters (get_internal_state, decode log).
         self.forward_ct = 0
@@ -292,6 +297,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
             need = self._tokens_needed(r)
             if num_admitted >= self.max_running_requests or need > free_tokens:
                 break  # wait for running requests to finish and free their slots
+            if reqs and total + len(r.origin_input_ids) > self.max_prefill_tokens:
+                break  # --max-prefill-tokens: the next batch (a prompt alone is always taken)
             if r.wants_input_logprobs():  # then every row of the batch returns logits
                 if total >= self.input_logprob_max_tokens:
                     break  # next batch
@@ -329,13 +336,18 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
         return batch
 
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
-        """Prefill first (lower time to first token), else decode the running batch."""
+        """Prefill first (lower time to first token), else decode the running batch; while a
+        long prompt is prefilled in chunks, the running requests take one decode step between
+        its chunks, so their tokens keep coming."""
+        decoding = self.running_batch is not None and not self.running_batch.is_empty()
+        if decoding and self._decode_turn and self.chunked_req is not None:
+            self._decode_turn = False
+            return self.running_batch
         batch = self.get_new_batch_prefill()
         if batch is not None:
+            self._decode_turn = self.chunked_req is not None
             return batch
-        if self.running_batch is not None and not self.running_batch.is_empty():
-            return self.running_batch
-        return None
+        return self.running_batch if decoding else None
 
     def run_batch(self, batch: ScheduleBatch) -> GenerationBatchResult:
         """Prefill (or a chunk) of ``batch`` on the round worker: forward, sampling of the rows

@@ -29,9 +29,11 @@ from typing import TYPE_CHECKING, Any, List, Optional, Union
 import torch
 
 from sglang.srt.configs.engine_defaults import (
+    AUTO_MAX_RUNNING_REQUESTS,
     CPU_DEFAULT_MAX_TOTAL_TOKENS,
     DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_MEM_FRACTION_STATIC,
+    STATE_TO_KV_MEMORY_RATIO,
     resolve_pdl_flag,
     resolve_fused_kernel_flag,
     resolve_small_m_gemm_flag,
@@ -129,6 +131,25 @@ def kv_slots_from_memory(*, total_bytes: int, fraction: float, used_bytes: int,
     return int(tokens)
 
 
+def request_slots_from_memory(*, total_bytes: int, fraction: float, used_bytes: int,
+                              slot_bytes: int, bytes_per_token: int, min_kv_tokens: int,
+                              cap: int = AUTO_MAX_RUNNING_REQUESTS,
+                              ratio: float = STATE_TO_KV_MEMORY_RATIO) -> int:
+    """Request slots when ``--max-running-requests`` is not given on CUDA: what the weights
+    (``used_bytes``) leave of ``fraction * total_bytes`` is shared between the per-slot state
+    (``slot_bytes``: KDA conv windows and state, with any speculative scratch, plus the slot's
+    row of the request map) and the KV cache, the states taking at most ``ratio / (1 + ratio)``
+    of it and leaving the KV cache at least ``min_kv_tokens`` slots (one request at the full
+    context). At least 1, at most ``cap``; the KV sizing that follows reports a budget that is
+    too small."""
+    left = int(total_bytes * fraction) - used_bytes
+    if slot_bytes <= 0:
+        return cap
+    by_share = int(left * ratio / (1.0 + ratio)) // slot_bytes
+    by_kv = (left - min_kv_tokens * bytes_per_token) // slot_bytes
+    return int(max(1, min(cap, by_share, by_kv)))
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -201,7 +222,7 @@ class ModelRunner:
         kda_prefill_impl: str = "auto",
         linear_attn_decode_backend: str = "auto",
         moe_runner_backend: str = "auto",
-        max_running_requests: int = DEFAULT_MAX_RUNNING_REQUESTS,
+        max_running_requests: Optional[int] = None,
         max_total_tokens: Optional[int] = None,
         mem_fraction_static: Optional[float] = None,
         context_length: Optional[int] = None,
@@ -223,7 +244,7 @@ class ModelRunner:
         if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= tp_rank < tp_size):
             raise ValueError(
                 f"need tp_size >= 1 and 0 <= tp_rank < tp_size, got {tp_rank}/{tp_size}")
-        if max_running_requests < 1:
+        if max_running_requests is not None and max_running_requests < 1:
             raise ValueError(f"max_running_requests must be >= 1, got {max_running_requests}")
         if max_total_tokens is not None and max_total_tokens < 1:
             raise ValueError(f"max_total_tokens must be >= 1, got {max_total_tokens}")
@@ -354,7 +375,9 @@ class ModelRunner:
             return
         if kda_state_pool is not None:
             raise ValueError("kda_state_pool may only be shared together with the other pools")
-
+        if self.max_running_requests is None:
+            self.max_running_requests = self._plan_request_slots(
+                mla_ids, kda_ids, local_heads, mem_fraction_static, max_total_tokens)
         self.max_total_num_tokens = self._plan_kv_tokens(
             mla_ids, kda_ids, local_heads, max_total_tokens, mem_fraction_static)
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests,
@@ -387,6 +410,29 @@ class ModelRunner:
         self.max_total_num_tokens = self.token_to_kv_pool.size
         self.context_len = min(self.context_len, self.req_to_token_pool.max_context_len)
         self.max_running_requests = self.req_to_token_pool.size
+
+    def _plan_request_slots(self, mla_ids, kda_ids, local_heads, mem_fraction_static,
+                            max_total_tokens) -> int:
+        """Request slots without ``--max-running-requests``: :data:`DEFAULT_MAX_RUNNING_REQUESTS`
+        off CUDA (or when ``max_total_tokens`` alone sizes the pools), else
+        :func:`request_slots_from_memory`."""
+        if self.device.type != "cuda" or (mem_fraction_static is None and max_total_tokens):
+            return DEFAULT_MAX_RUNNING_REQUESTS
+        cfg = self.hf_config
+        span = self.context_len + self.position_headroom
+        slot_bytes = (span * 4 + (1 + self.spec_num_draft_tokens)
+                      * kda_bytes_per_slot(cfg, len(kda_ids), local_heads, self.dtype))
+        per_token = (kv_bytes_per_token(cfg, len(mla_ids), self.dtype)
+                     + self.draft_bytes_per_kv_slot)
+        _, total = torch.cuda.mem_get_info(self.device)
+        slots = request_slots_from_memory(
+            total_bytes=total, fraction=mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC,
+            used_bytes=torch.cuda.memory_allocated(self.device) + self.reserved_weight_bytes,
+            slot_bytes=slot_bytes, bytes_per_token=per_token,
+            min_kv_tokens=min(span, int(max_total_tokens or span)))
+        logger.info("request slots sized from memory: %d (--max-running-requests sets them)",
+                    slots)
+        return slots
 
     def _plan_kv_tokens(self, mla_ids, kda_ids, local_heads, max_total_tokens,
                         mem_fraction_static) -> int:
