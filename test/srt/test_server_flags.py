@@ -53,9 +53,9 @@ def test_no_help_says_accepted_without_effect():
         assert "accepted for compatibility" not in text and "no effect" not in text, action.dest
 
 
-def test_no_op_flags_are_the_documented_three():
+def test_no_op_flags_are_the_documented_four():
     assert set(NO_OP_FLAGS) == {"--trust-remote-code", "--disable-radix-cache",
-                                "--flashinfer-allreduce-fusion-backend"}
+                                "--flashinfer-allreduce-fusion-backend", "--enable-mixed-chunk"}
     for flag, what in NO_OP_FLAGS.items():
         assert _help_of(flag) == what + "."
     assert "prefix (radix) cache" in NO_OP_FLAGS["--disable-radix-cache"]
