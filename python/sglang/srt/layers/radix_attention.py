@@ -23,6 +23,11 @@ class RadixAttention(nn.Module):
     (normed latent ‖ roped shared rope key), written at ``forward_batch.out_cache_loc`` when
     ``save_kv_cache``; values are the first ``kv_lora_rank`` channels of the cache. Causal within a
     request; every request attends to its own cached prefix. Returns ``[T, num_heads, kv_lora_rank]``.
+
+    Long prefills may instead take the normal (decompressed) form: when :meth:`use_normal_form`
+    says so for a batch, the model calls :meth:`forward_normal` with per-head queries and the
+    up-projections, and gets head outputs ``[T, num_heads, v_head_dim]`` back (docs/model.md
+    §4.1); the same cache rows are written either way.
     """
 
     kind = "mla"
@@ -40,7 +45,24 @@ class RadixAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, forward_batch: "ForwardBatch",
                 save_kv_cache: bool = True) -> torch.Tensor:
+        """Absorbed form (the contract above): ``[T, num_heads, kv_lora_rank]`` latent outputs."""
         return forward_batch.attn_backend.forward(q, k, None, self, forward_batch, save_kv_cache)
+
+    def use_normal_form(self, forward_batch: "ForwardBatch") -> bool:
+        """Whether this forward's backend runs MLA in normal form (:meth:`forward_normal`); the
+        answer depends on the batch only, so every MLA layer of a forward agrees."""
+        backend = forward_batch.attn_backend
+        return backend is not None and backend.mla_normal_form(forward_batch)
+
+    def forward_normal(self, q: torch.Tensor, k: torch.Tensor, w_kc: torch.Tensor,
+                       w_vc: torch.Tensor, forward_batch: "ForwardBatch",
+                       save_kv_cache: bool = True) -> torch.Tensor:
+        """Normal form: ``q [T, num_heads, qk_nope + qk_rope]`` (``q_nope ‖ roped q_rope``),
+        ``k [T, kv_cache_dim]`` the new cache rows (as :meth:`forward`), ``w_kc [num_heads,
+        qk_nope, kv_lora_rank]`` and ``w_vc [num_heads, kv_lora_rank, v_head_dim]`` to expand
+        cache rows into keys and values. Returns ``[T, num_heads, v_head_dim]``."""
+        return forward_batch.attn_backend.forward_extend_normal(q, k, w_kc, w_vc, self,
+                                                                forward_batch, save_kv_cache)
 
 
 class RadixLinearAttention(nn.Module):

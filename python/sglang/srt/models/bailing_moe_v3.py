@@ -270,7 +270,12 @@ class BailingMLA(nn.Module):
 
     def forward(self, positions: torch.Tensor, x: torch.Tensor,
                 forward_batch: ForwardBatch) -> torch.Tensor:
-        """``x [T, hidden]`` (input-normed) -> ``[T, hidden]`` after the all-reduce in dense."""
+        """``x [T, hidden]`` (input-normed) -> ``[T, hidden]`` after the all-reduce in dense.
+
+        Attention runs in absorbed form (docs/model.md §4.3), or in normal form (§4.1) when the
+        backend picks it for this batch (long prefills: ``RadixAttention.use_normal_form``).
+        Both write the same cache rows, so the decode that follows does not depend on the form.
+        """
         t, h = x.shape[0], self.num_heads
         if self.q_lora_rank:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
@@ -280,13 +285,33 @@ class BailingMLA(nn.Module):
         latent, k_rope = self.kv_a_proj_with_mqa(x).split(
             [self.kv_lora_rank, self.qk_rope_head_dim], -1)
         latent = self.kv_a_layernorm(latent)
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)  # [T, h, r]
-        q, k = self.rotary_emb.assemble_mla(positions, q_latent, q_rope, latent, k_rope)
-        o_latent = self.attn(q, k, forward_batch)
-        o = torch.bmm(o_latent.transpose(0, 1), self.w_vc).transpose(0, 1)  # [T, h, v]
+        if self.attn.use_normal_form(forward_batch):
+            o = self._attend_normal(positions, q_nope, q_rope, latent, k_rope, forward_batch)
+        else:
+            o = self._attend_absorbed(positions, q_nope, q_rope, latent, k_rope, forward_batch)
         gate = torch.sigmoid(self.g_proj(x).float()).unsqueeze(-1)  # one scalar per head
         o = (o.float() * gate).to(x.dtype)
         return self.dense(o.reshape(t, h * self.v_head_dim))
+
+    def _attend_absorbed(self, positions: torch.Tensor, q_nope: torch.Tensor,
+                         q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                         forward_batch: ForwardBatch) -> torch.Tensor:
+        """Absorbed form: W_UK folded into the query, W_UV applied to the latent output.
+        Returns head outputs ``[T, h, v]``."""
+        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)  # [T, h, r]
+        q, k = self.rotary_emb.assemble_mla(positions, q_latent, q_rope, latent, k_rope)
+        o_latent = self.attn(q, k, forward_batch)
+        return torch.bmm(o_latent.transpose(0, 1), self.w_vc).transpose(0, 1)  # [T, h, v]
+
+    def _attend_normal(self, positions: torch.Tensor, q_nope: torch.Tensor,
+                       q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
+                       forward_batch: ForwardBatch) -> torch.Tensor:
+        """Normal form: per-head ``q = [q_nope ‖ rope(q_rope)]``; the backend expands the cache
+        rows into keys and values with w_kc / w_vc. Returns head outputs ``[T, h, v]``."""
+        # The same assembly as the absorbed path with q_nope in place of q_latent: the rope
+        # channels of q and the cache rows k come out bit for bit as the absorbed path's.
+        q, k = self.rotary_emb.assemble_mla(positions, q_nope, q_rope, latent, k_rope)
+        return self.attn.forward_normal(q, k, self.w_kc, self.w_vc, forward_batch)
 
 
 # ============================================================================================

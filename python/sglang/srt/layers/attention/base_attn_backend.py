@@ -53,6 +53,28 @@ class AttentionBackend(ABC):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs) -> torch.Tensor:
         """One new token per request."""
 
+    # ---- MLA prefill in normal (decompressed) form. A backend that offers it says so per
+    # ---- forward; the model then hands it per-head queries and the up-projections instead of
+    # ---- absorbed queries (RadixAttention.use_normal_form / forward_normal).
+    def mla_normal_form(self, forward_batch: "ForwardBatch") -> bool:
+        """Whether the MLA layers of this forward run in normal form
+        (:meth:`forward_extend_normal`).
+
+        Must depend on the batch alone (every MLA layer of a forward decides alike). Default:
+        never; the absorbed form through :meth:`forward` serves every mode.
+        """
+        return False
+
+    def forward_extend_normal(self, q: torch.Tensor, k: torch.Tensor, w_kc: torch.Tensor,
+                              w_vc: torch.Tensor, layer: Any, forward_batch: "ForwardBatch",
+                              save_kv_cache: bool = True) -> torch.Tensor:
+        """MLA prefill in normal form: ``q [T, H, d_n + d_r]`` per-head queries
+        (``q_nope ‖ roped q_rope``), ``k [T, r + d_r]`` the new cache rows (as in the absorbed
+        contract), ``w_kc [H, d_n, r]`` / ``w_vc [H, r, d_v]`` the up-projections that expand
+        cache rows into keys and values. Returns ``[T, H, d_v]`` (head outputs, not latents).
+        Only called when :meth:`mla_normal_form` said so."""
+        raise NotImplementedError(f"{type(self).__name__} has no normal-form MLA prefill")
+
     # ---- CUDA graphs (SGLang's hook names). The graph runner captures a whole decode round,
     # ---- metadata included: ``init_forward_metadata`` runs inside the capture, so metadata
     # ---- computed on the device from the static input buffers is recomputed at every replay,

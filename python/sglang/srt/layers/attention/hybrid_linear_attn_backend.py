@@ -56,6 +56,19 @@ class HybridLinearAttnBackend(AttentionBackend):
         """Decode of the layer's backend."""
         return self._route(layer).forward_decode(q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
 
+    def mla_normal_form(self, forward_batch: "ForwardBatch") -> bool:
+        """The full-attention backend decides (MLA layers are its own)."""
+        return self.full_attn_backend.mla_normal_form(forward_batch)
+
+    def forward_extend_normal(self, q, k, w_kc, w_vc, layer, forward_batch, save_kv_cache=True):
+        """Normal-form MLA prefill of the full-attention backend (MLA layers only)."""
+        if getattr(layer, "kind", None) != "mla":
+            raise ValueError(f"forward_extend_normal is for MLA layers; layer "
+                             f"{getattr(layer, 'layer_id', '?')} has kind "
+                             f"{getattr(layer, 'kind', None)!r}")
+        return self.full_attn_backend.forward_extend_normal(q, k, w_kc, w_vc, layer,
+                                                            forward_batch, save_kv_cache)
+
     def init_cuda_graph_state(self, max_bs: int, max_num_tokens: int) -> None:
         """Both sub-backends allocate their static buffers."""
         for backend in self.attn_backend_list:

@@ -1,16 +1,29 @@
-"""Plain-PyTorch MLA attention in absorbed (latent-cache) form: the reference for fast paths.
+"""Plain-PyTorch MLA attention: absorbed (latent-cache) form, and the normal form for prefill.
 
 In absorbed form MLA is multi-query attention (docs/model.md §4.3): every head's query
 (``W_UK^T q_nope`` ‖ roped ``q_rope``, width ``Dk = kv_lora_rank + qk_rope_head_dim``) scores the
 same per-token cache row ``[c ‖ k_rope]`` and reads the latent ``c = row[:v_dim]`` as value.
 Matmuls run in the input dtype, the softmax in fp32; score blocks are bounded so a long prefill
 never materialises ``T * S * H`` fp32 scores at once.
+
+The normal (decompressed) form (docs/model.md §4.1) is what long prefills use: the cache rows are
+expanded into per-head keys ``[c W_UK[h]^T ‖ k_rope]`` (width ``qk_nope + qk_rope``, 192 on
+Flash) and values ``c W_UV[h]^T`` (:func:`mla_expand_kv`), and ordinary multi-head causal
+attention runs through ``torch.nn.functional.scaled_dot_product_attention``
+(:func:`mla_prefill_attention`), i.e. a fused flash kernel in bf16 on CUDA. Same scale, same
+cache rows, same result up to rounding: the absorbed form spends ``kv_lora_rank + rope`` = 576
+MACs per query-key pair and head in fp32, the normal form 192 + 128 in bf16 on tensor cores.
 """
 from __future__ import annotations
 
-import torch
+from typing import Optional, Tuple
 
-__all__ = ["mla_absorbed_attention", "mla_decode_attention", "SCORE_BLOCK_BYTES"]
+import torch
+import torch.nn.functional as F
+from torch.nn.attention.bias import causal_lower_right
+
+__all__ = ["mla_absorbed_attention", "mla_decode_attention", "mla_expand_kv",
+           "mla_prefill_attention", "SCORE_BLOCK_BYTES"]
 
 # fp32 score bytes per block; with the fp32 probabilities beside them a block stays near 1 GiB.
 SCORE_BLOCK_BYTES = 1 << 29
@@ -91,3 +104,82 @@ def mla_decode_attention(
         probs = torch.softmax(scores, dim=-1).to(q.dtype)
         out[b0:b1] = torch.bmm(probs, kv[b0:b1, :, :v_dim])
     return out
+
+
+def mla_expand_kv(rows: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
+                  v_width: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Normal-form keys and values of latent cache rows (docs/model.md §4.1 step 4).
+
+    ``rows [S, r + d_r]`` (normed latent ‖ roped ``k_rope``, as the cache holds them),
+    ``w_kc [H, d_n, r]`` (W_UK), ``w_vc [H, r, d_v]`` (W_UV^T). Returns ``k [S, H, d_n + d_r]``
+    (``[c W_UK[h]^T ‖ k_rope]``, the rope key shared by all heads) and ``v [S, H, v_width]``
+    (``c W_UV[h]^T``, zero-padded to ``v_width`` channels when that exceeds ``d_v``; see
+    :func:`mla_prefill_attention` for why). Matmuls in ``rows``' dtype (the weights are cast).
+    """
+    if rows.dim() != 2 or w_kc.dim() != 3 or w_vc.dim() != 3:
+        raise ValueError(f"mla_expand_kv: expected rows [S, r + d_r], w_kc [H, d_n, r], "
+                         f"w_vc [H, r, d_v]; got {tuple(rows.shape)}, {tuple(w_kc.shape)}, "
+                         f"{tuple(w_vc.shape)}")
+    h, dn, r = w_kc.shape
+    dv = w_vc.shape[-1]
+    dr = rows.shape[-1] - r
+    if dr <= 0 or tuple(w_vc.shape[:2]) != (h, r):
+        raise ValueError(f"mla_expand_kv: rows of width {rows.shape[-1]}, w_kc "
+                         f"{tuple(w_kc.shape)} and w_vc {tuple(w_vc.shape)} do not agree")
+    width = dv if v_width is None else v_width
+    if width < dv:
+        raise ValueError(f"mla_expand_kv: v_width {width} < v head dim {dv}")
+    s = rows.shape[0]
+    latent, k_rope = rows.split([r, dr], dim=-1)
+    # All heads in one matmul each: [S, r] @ [r, H * d] (w_kc's [H * d_n, r] view is free).
+    k_nope = (latent @ w_kc.to(rows.dtype).reshape(h * dn, r).t()).view(s, h, dn)
+    k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(s, h, dr)], dim=-1)
+    w_v = w_vc.to(rows.dtype).transpose(0, 1)  # [r, H, d_v]
+    if width > dv:
+        # Zero weight columns give exactly zero value channels: padding V costs no extra copy.
+        w_v = F.pad(w_v, (0, width - dv))
+    v = (latent @ w_v.reshape(r, h * width)).view(s, h, width)
+    return k, v
+
+
+def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                          q_start: int, v_dim: Optional[int] = None) -> torch.Tensor:
+    """Causal multi-head attention of one request in normal form, one fused SDPA call.
+
+    ``q [Tq, H, D]`` (``q_nope ‖ roped q_rope``), ``k [S, H, D]`` and ``v [S, H, Dv]`` from
+    :func:`mla_expand_kv` with ``S = q_start + Tq``: the request's cached prefix then its new
+    tokens. Query ``i`` sits at position ``q_start + i`` and sees keys ``0 .. q_start + i``
+    (causal mask aligned bottom-right). Returns ``[Tq, H, v_dim]`` (``v_dim`` defaults to
+    ``Dv``; channels past it are dropped, for a zero-padded ``v``) in q's dtype, a view.
+
+    Kernel choice (torch 2.x, CUDA, bf16/fp16): the flash kernel needs q, k and v to share one
+    head dim (<= 256), which MLA's 192 (q/k) vs 128 (v) does not; the memory-efficient kernel
+    takes the unequal dims. The caller zero-pads ``v`` to ``D`` (192, a 1.5x wider P @ V inside
+    an already fused kernel) so that flash is eligible, and SDPA's own priority then picks
+    flash, else efficient, else math (CPU, fp32). No prefix: ``is_causal=True`` (square: the
+    usual mask, no mask tensor). With a prefix: ``causal_lower_right``, which SDPA dispatches to
+    flash (whose causal mask is bottom-right aligned) or to the efficient kernel's bottom-right
+    mask type, and only materialises a boolean mask for the math fallback.
+    """
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or q.shape[1:] != k.shape[1:] \
+            or v.shape[:2] != k.shape[:2]:
+        raise ValueError(f"mla_prefill_attention: expected q [Tq, H, D], k [S, H, D], "
+                         f"v [S, H, Dv]; got {tuple(q.shape)}, {tuple(k.shape)}, "
+                         f"{tuple(v.shape)}")
+    tq, s = q.shape[0], k.shape[0]
+    if q_start < 0 or s != q_start + tq:
+        raise ValueError(f"mla_prefill_attention: {s} keys for {tq} queries starting at "
+                         f"position {q_start}; expected {q_start + tq}")
+    dv = v.shape[-1] if v_dim is None else v_dim
+    if not 0 < dv <= v.shape[-1]:
+        raise ValueError(f"mla_prefill_attention: v_dim {dv} must be in 1..{v.shape[-1]}")
+    if tq == 0:
+        return q.new_empty(0, q.shape[1], dv)
+    # [1, H, L, D] views of the token-major tensors: SDPA needs only the last dim contiguous.
+    qh, kh, vh = (x.to(q.dtype).transpose(0, 1).unsqueeze(0) for x in (q, k, v))
+    if q_start == 0:
+        o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
+    else:
+        o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(tq, s),
+                                           scale=scale)
+    return o[0].transpose(0, 1)[..., :dv]

@@ -32,7 +32,12 @@ from sglang.srt.layers.attention.kda_ops import (
     kda_step,
     l2norm,
 )
-from sglang.srt.layers.attention.mla_ops import mla_absorbed_attention, mla_decode_attention
+from sglang.srt.layers.attention.mla_ops import (
+    mla_absorbed_attention,
+    mla_decode_attention,
+    mla_expand_kv,
+    mla_prefill_attention,
+)
 
 if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
@@ -41,6 +46,15 @@ KDA_PREFILL_IMPLS = KDA_PREFILL_IMPL_CHOICES
 # The decode / target-verify recurrence: "torch" (kda_step, the reference) or "triton"
 # (sgl_kernel.kda_recurrent: state read from and written to the pools by one kernel per layer).
 KDA_RECURRENT_IMPLS = ("torch", "triton")
+
+# EXTEND batches (prefill / chunked prefill; never verify or draft extend) of at least this many
+# new tokens run MLA in normal form. Per query-key pair and head the normal form costs
+# d_n + d_r + d_v = 320 bf16 MACs on tensor cores against the absorbed form's r + d_r + r = 1088
+# in fp32; its price is expanding every key row (prefix included) with W_UK / W_UV, r * H *
+# (d_n + d_v) MACs, which the absorbed form instead spends on every query. With no prefix the
+# normal form always wins; behind a long prefix the expansion pays off once a chunk has some
+# tens of queries. Below the threshold (short chunks, tiny prefills) the absorbed form stays.
+MLA_NORMAL_FORM_MIN_TOKENS = 64
 
 # Extends up to this many tokens run the token-by-token recurrence; longer ones the chunked form
 # (the chunked form's fixed per-chunk cost only pays off once a chunk has some length).
@@ -131,7 +145,9 @@ class TorchNativeMLABackend(AttentionBackend):
     supports_cuda_graph = True
     width_independent = False
 
-    def __init__(self):
+    def __init__(self, normal_form_min_tokens: Optional[int] = MLA_NORMAL_FORM_MIN_TOKENS):
+        # None: the absorbed form for everything (tests compare the two forms this way).
+        self.normal_form_min_tokens = normal_form_min_tokens
         self._cache = _MetadataCache()
 
     def init_forward_metadata_capture_cuda_graph(self, bs, num_tokens, req_pool_indices,
@@ -203,6 +219,79 @@ class TorchNativeMLABackend(AttentionBackend):
             kv = torch.cat([prefix_rows, new_rows[start:start + n]], dim=0)
             out[start:start + n] = mla_absorbed_attention(
                 q[start:start + n], kv, layer.v_head_dim, layer.scaling, q_start=prefix)
+        return out
+
+    def mla_normal_form(self, forward_batch: "ForwardBatch") -> bool:
+        """Plain EXTEND batches (prefill, chunked prefill) of at least ``normal_form_min_tokens``
+        new tokens. Verify and draft extend keep the absorbed form: their chains are short and
+        their kernels (and CUDA graphs) are absorbed-form ones."""
+        mode = forward_batch.forward_mode
+        return (self.normal_form_min_tokens is not None and mode.is_extend()
+                and not mode.is_target_verify() and not mode.is_draft_extend()
+                and forward_batch.num_tokens >= self.normal_form_min_tokens)
+
+    def forward_extend_normal(self, q, k, w_kc, w_vc, layer, forward_batch, save_kv_cache=True):
+        """Prefill / chunked prefill in normal form (see the base class for the contract).
+
+        The new cache rows are written as in :meth:`forward_extend`. Each request's key rows
+        (its cached prefix from the pool, then its new rows straight from ``k``, so that
+        ``save_kv_cache=False`` still sees them) are laid back to back, expanded into per-head
+        keys and values by one pair of matmuls for the whole batch, and attended by one SDPA
+        call per request with new tokens. On CUDA in half precision the values are zero-padded
+        to the q/k head dim so that SDPA may pick its flash kernel (see
+        :func:`~sglang.srt.layers.attention.mla_ops.mla_prefill_attention`).
+        """
+        t, h = q.shape[0], layer.tp_q_head_num
+        if w_kc.dim() != 3 or w_vc.dim() != 3 or w_kc.shape[0] != h or w_vc.shape[0] != h \
+                or w_kc.shape[2] != layer.kv_lora_rank or w_vc.shape[1] != layer.kv_lora_rank:
+            raise ValueError(f"MLA layer {layer.layer_id}: w_kc must be [{h}, d_n, "
+                             f"{layer.kv_lora_rank}] and w_vc [{h}, {layer.kv_lora_rank}, d_v], "
+                             f"got {tuple(w_kc.shape)} and {tuple(w_vc.shape)}")
+        dqk, dv = w_kc.shape[1] + layer.qk_rope_head_dim, w_vc.shape[2]
+        if tuple(q.shape) != (t, h, dqk):
+            raise ValueError(f"MLA layer {layer.layer_id}: normal-form q must be [T, {h}, {dqk}], "
+                             f"got {tuple(q.shape)}")
+        if k is None or tuple(k.shape) != (t, layer.head_dim):
+            raise ValueError(f"MLA layer {layer.layer_id}: k must be [{t}, {layer.head_dim}], "
+                             f"got {None if k is None else tuple(k.shape)}")
+        if forward_batch.token_to_kv_pool is None or forward_batch.req_to_token_pool is None:
+            raise ValueError("MLA attention needs forward_batch.token_to_kv_pool and "
+                             "req_to_token_pool")
+        lay = self._cache.get(forward_batch, self._build)
+        if not isinstance(lay, _ExtendLayout):
+            raise ValueError(f"MLA layer {layer.layer_id}: the normal form runs EXTEND batches "
+                             f"with host lengths, got {forward_batch.forward_mode.name}")
+        out = q.new_empty(t, h, dv)
+        if t == 0:
+            return out
+        pool = forward_batch.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k)
+        buf = pool.get_kv_buffer(layer.layer_id)
+        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        # Cast through the cache dtype, as the absorbed path reads them: the same key values.
+        new_rows = k.to(buf.dtype)
+        reqs = [r for r in zip(lay.slots, lay.prefix_lens, lay.extend_lens, lay.starts) if r[2]]
+        if all(prefix == 0 for _, prefix, _, _ in reqs):
+            rows, offsets = new_rows, [start for _, _, _, start in reqs]
+        else:
+            pieces, offsets, acc = [], [], 0
+            for slot, prefix, n, start in reqs:
+                if prefix:
+                    pieces.append(buf[req_to_token[slot, :prefix].long()])
+                pieces.append(new_rows[start:start + n])
+                offsets.append(acc)
+                acc += prefix + n
+            rows = torch.cat(pieces, dim=0)
+        # The flash kernel takes half precision on CUDA with one head dim <= 256 for q, k, v.
+        flash_ok = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dqk <= 256
+        v_width = dqk if flash_ok else dv
+        keys, values = mla_expand_kv(rows.to(q.dtype), w_kc, w_vc, v_width)
+        for (_, prefix, n, start), off in zip(reqs, offsets):
+            s = prefix + n
+            out[start:start + n] = mla_prefill_attention(
+                q[start:start + n], keys[off:off + s], values[off:off + s], layer.scaling,
+                q_start=prefix, v_dim=dv)
         return out
 
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
