@@ -37,7 +37,7 @@ from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tupl
 import torch
 from torch import nn
 from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile, record_function
+from torch.profiler import profile, record_function
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeKDABackend
 from sglang.srt.layers.layernorm import RMSNorm
@@ -52,10 +52,16 @@ from sglang.srt.models.bailing_moe_v3_nextn import BailingMoeNextNModel
 from sglang.srt.server_args import ServerArgs
 
 try:  # run as a script, benchmark/batch1 is on sys.path; imported by file path it may not be
+    from census_common import activities as _activities
+    from census_common import device_events, innermost_range as _innermost
+    from census_common import is_top_level_op as _is_top_level_op, range_hooks as _range_hooks
     from graph_ab import start_request
     from weight_floor import decode_step_bytes
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from census_common import activities as _activities
+    from census_common import device_events, innermost_range as _innermost
+    from census_common import is_top_level_op as _is_top_level_op, range_hooks as _range_hooks
     from graph_ab import start_request
     from weight_floor import decode_step_bytes
 
@@ -132,44 +138,9 @@ def install_category_hooks(models: Iterable[nn.Module]) -> Callable[[], None]:
     return remove
 
 
-def _range_hooks(module: nn.Module, range_name: str) -> List[Any]:
-    """Pre/post forward hooks that open and close ``record_function(range_name)``."""
-    open_ranges: List[record_function] = []  # a stack: a re-entered module nests
-
-    def enter(mod: nn.Module, args: Any) -> None:
-        rf = record_function(range_name)
-        rf.__enter__()
-        open_ranges.append(rf)
-
-    def leave(mod: nn.Module, args: Any, output: Any) -> None:
-        if open_ranges:  # always_call: also on an exception, after a failed pre-hook too
-            open_ranges.pop().__exit__(None, None, None)
-
-    return [module.register_forward_pre_hook(enter),
-            module.register_forward_hook(leave, always_call=True)]
-
-
-def _innermost(event: Any, prefix: str) -> Optional[str]:
-    """The innermost range named ``prefix...`` at ``event`` (itself included), without the
-    prefix; None when there is none."""
-    while event is not None:
-        if event.name.startswith(prefix):
-            return event.name[len(prefix):]
-        event = event.cpu_parent
-    return None
-
-
-def _is_top_level_op(event: Any) -> bool:
-    return event.name.startswith("aten::") and not (
-        event.cpu_parent is not None and event.cpu_parent.name.startswith("aten::"))
-
-
 def _device_events(events: Sequence[Any]) -> List[Any]:
-    """Device work (kernels, copies, memsets) of a CUDA profile, without the GPU spans that
-    mirror ``record_function`` ranges."""
-    return [e for e in events if e.device_type == DeviceType.CUDA
-            and not getattr(e, "is_user_annotation", False)
-            and not e.name.startswith((PREFIX, CATEGORY_PREFIX))]
+    """Device work of a CUDA profile without the GPU mirrors of the census ranges."""
+    return device_events(events, (PREFIX, CATEGORY_PREFIX))
 
 
 def category_census(events: Sequence[Any], steps: int, cuda: bool
@@ -280,10 +251,6 @@ def _timer(sched: Scheduler, steps: int) -> Callable[[], float]:
         return (time.perf_counter() - t0) / steps * 1e3
 
     return timed
-
-
-def _activities(cuda: bool) -> List[ProfilerActivity]:
-    return [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
 
 
 def _models(sched: Scheduler) -> List[nn.Module]:

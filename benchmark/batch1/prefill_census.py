@@ -1,0 +1,426 @@
+"""Census of one batch-1 prefill, in process: device time and kernels per category of model work.
+
+H200 command lines (the 12-layer bf16 model, then the whole 42-layer model in block fp8; each at
+1024 and 8192 prompt tokens, one JSON line each into prefill_census.jsonl):
+
+    python benchmark/batch1/prefill_census.py --model-path ling-3.0-flash --load-format dummy \\
+        --json-model-override-args '{"num_hidden_layers": 12}' --moe-runner-backend triton \\
+        --attention-backend triton --disable-cuda-graph --prompt-len 1024 \\
+        --label "flash12 bf16 1024" --result-filename prefill_census.jsonl
+    python benchmark/batch1/prefill_census.py --model-path ling-3.0-flash --load-format dummy \\
+        --json-model-override-args '{"num_hidden_layers": 12}' --moe-runner-backend triton \\
+        --attention-backend triton --disable-cuda-graph --prompt-len 8192 \\
+        --label "flash12 bf16 8192" --result-filename prefill_census.jsonl
+    python benchmark/batch1/prefill_census.py --model-path ling-3.0-flash --load-format dummy \\
+        --quantization fp8 --mem-fraction-static 0.93 --context-length 9216 \\
+        --max-running-requests 1 --moe-runner-backend triton --attention-backend triton \\
+        --disable-cuda-graph --prompt-len 1024 \\
+        --label "flash42 fp8 1024" --result-filename prefill_census.jsonl
+    python benchmark/batch1/prefill_census.py --model-path ling-3.0-flash --load-format dummy \\
+        --quantization fp8 --mem-fraction-static 0.93 --context-length 9216 \\
+        --max-running-requests 1 --moe-runner-backend triton --attention-backend triton \\
+        --disable-cuda-graph --prompt-len 8192 \\
+        --label "flash42 fp8 8192" --result-filename prefill_census.jsonl
+    python benchmark/batch1/plot_prefill_census.py prefill_census.jsonl -o prefill_census.png
+
+(``--disable-cuda-graph`` and ``--max-running-requests 1`` are what the script sets anyway: a
+prefill runs eager and the census holds one request. ``SGLANG_MOE_GROUPED_MM=1`` in front puts
+the routed experts of a long prompt on the grouped GEMMs: an A/B of its own label.)
+
+On CPU (the bundled tiny model, the default ``--model-path``)::
+
+    python benchmark/batch1/prefill_census.py --prompt-len 64
+
+The worker is built as ``python -m sglang.bench_one_batch`` builds it (the same server flags:
+``--model-path``, ``--load-format dummy``, ``--json-model-override-args``, ``--quantization``,
+``--moe-runner-backend``, ``--attention-backend``, ...; pools for one request of the prompt,
+no CUDA graphs) and each prefill is bench_one_batch's ``run_once`` with one output token: one
+request of ``--prompt-len`` random ids in a fresh request slot, its KV and state released after.
+One warm-up prefill, ``--timed`` unprofiled timed ones, then one profiled prefill.
+
+Attribution: module forward hooks (installed for the profiled prefill only; no model edits)
+open a profiler range per model component and the innermost range around an op names its
+category (:func:`prefill_category_of`):
+
+* ``MoE``: the whole ``BailingMoE`` block: router, routed experts (grouped GEMM / grouped_mm /
+  per-expert mm + index_add / gather), the shared expert, the combine and its all-reduce;
+* ``dense projections``: every linear layer outside the MoE blocks (KDA's fused q|k|v|b|f|g and
+  o_proj, MLA's q / kv_a / g / dense projections, with the dequantisation of fp8 weights) and
+  the dense MLP layers (``first_k_dense_replace``), their activation included;
+* ``KDA``: the rest of a KDA layer: short convolution, gate, the chunked recurrence (fla's
+  ``chunk_kda`` / the torch chunk form);
+* ``MLA attention``: the rest of an MLA layer: RoPE assembly, the absorbed ``w_kc`` / ``w_vc``
+  matmuls, the attention kernel (sdpa / flash / Triton), the sigmoid head gate;
+* ``norms``: every RMSNorm (the layers' residual norms, the final norm, MLA's q_a / kv_a norms)
+  and KDA's gated output norm;
+* ``lm_head``: the logits processor (the last-token GEMM on ``[1, vocab]``);
+* ``other``: embedding, sampling, glue.
+
+Work outside every range (a kernel no host op claims, or a model without these modules) is
+classified by its name (:func:`category_by_name`), else "other". On CUDA each device kernel
+(copies and memsets included) counts with its device time; on CPU, which has no kernels, the
+"device" is the CPU: each top-level aten op counts with its CPU time. Reported beside the
+categories: the prefill's wall time (synchronised, profiled and unprofiled) and its host gaps,
+the profiled wall time minus the union of the device's busy intervals.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import re
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+from torch.autograd import DeviceType
+from torch.profiler import profile, record_function
+
+from sglang.bench_one_batch import BenchArgs, build_worker, run_once
+from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
+from sglang.srt.layers.linear import LinearBase
+from sglang.srt.layers.logits_processor import LogitsProcessor
+from sglang.srt.layers.moe.moe_layer import BailingMLP, BailingMoE, FusedMoE
+from sglang.srt.layers.moe.topk import MoEGate
+from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.models.bailing_moe_v3 import BailingKDA, BailingMLA
+from sglang.srt.server_args import ServerArgs
+
+try:  # run as a script, benchmark/batch1 is on sys.path; imported by file path it may not be
+    from census_common import (activities, device_events, git_commit, innermost_range,
+                               is_top_level_op, range_hooks)
+except ImportError:
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from census_common import (activities, device_events, git_commit, innermost_range,
+                               is_top_level_op, range_hooks)
+
+CATEGORY_PREFIX = "prefill-category::"  # category ranges (hooks)
+PREFILL_RANGE = "prefill-census::prefill"  # around the profiled worker.prefill call
+
+CATEGORIES: Tuple[str, ...] = ("MoE", "dense projections", "KDA", "MLA attention", "norms",
+                               "lm_head", "other")
+# Categories whose modules' children open no range of their own: everything inside counts for
+# the block (a shared expert's linears are MoE work, not dense projections).
+_LEAF_CATEGORIES = frozenset(CATEGORIES) - {"KDA", "MLA attention"}
+
+# The name fallback, first match wins. Attention first: flash-attention kernels are named
+# "flash_fwd_..." and would otherwise match KDA's "fwd_"; "conv" but not "convert".
+NAME_RULES: List[Tuple[str, "re.Pattern[str]"]] = [
+    ("MLA attention", re.compile(r"flash|sdpa|scaled_dot_product|efficient_attention|fmha|mla",
+                                 re.I)),
+    ("MoE", re.compile(r"moe|grouped_mm|grouped_gemm|grouped_gemv|index_add|expert|router|topk",
+                       re.I)),
+    ("KDA", re.compile(r"chunk|kda|gated_delta|fwd_|conv(?!ert)", re.I)),
+    ("norms", re.compile(r"rms_?norm|layer_?norm", re.I)),
+    ("dense projections", re.compile(r"gemm|matmul|cublas|cutlass|aten::(mm|addmm|linear)$|"
+                                     r"dequant|fp8", re.I)),
+]
+
+
+# ============================================================================================
+# Attribution
+# ============================================================================================
+def prefill_category_of(module: nn.Module, enclosing: Optional[str]) -> Optional[str]:
+    """The category range ``module`` opens inside a range of category ``enclosing`` (None:
+    outside every range), or None when it opens none."""
+    if enclosing in _LEAF_CATEGORIES:
+        return None
+    if isinstance(module, (BailingMoE, FusedMoE, MoEGate)):
+        return "MoE"
+    if isinstance(module, LogitsProcessor):
+        return "lm_head"
+    if isinstance(module, (RMSNorm, GatedRMSNorm)):
+        return "norms"
+    if isinstance(module, (LinearBase, BailingMLP)):  # a BailingMLP outside MoE: a dense layer
+        return "dense projections"
+    if isinstance(module, BailingKDA):
+        return "KDA"
+    if isinstance(module, BailingMLA):
+        return "MLA attention"
+    return None
+
+
+def prefill_categorised_modules(model: nn.Module) -> List[Tuple[str, nn.Module, str]]:
+    """``(qualified name, module, category)`` of every module of ``model`` that opens a census
+    range, parents before children (a module reachable twice is listed once, where first
+    seen)."""
+    found: List[Tuple[str, nn.Module, str]] = []
+    seen = set()
+
+    def walk(parent: nn.Module, prefix: str, enclosing: Optional[str]) -> None:
+        for name, child in parent.named_children():
+            if id(child) in seen:
+                continue
+            seen.add(id(child))
+            qualified = f"{prefix}.{name}" if prefix else name
+            category = prefill_category_of(child, enclosing)
+            if category is not None:
+                found.append((qualified, child, category))
+            if (category or enclosing) not in _LEAF_CATEGORIES:
+                walk(child, qualified, category or enclosing)
+
+    walk(model, "", None)
+    return found
+
+
+def install_prefill_hooks(models: Iterable[nn.Module]) -> Callable[[], None]:
+    """Wrap the forward of every categorised module of ``models`` in a profiler range named
+    ``CATEGORY_PREFIX + category``; returns the function that removes the hooks again."""
+    handles: List[Any] = []
+    for model in models:
+        for _, module, category in prefill_categorised_modules(model):
+            handles += range_hooks(module, CATEGORY_PREFIX + category)
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return remove
+
+
+def category_by_name(name: str) -> str:
+    """The category of a kernel or op by its name alone (:data:`NAME_RULES`), else "other"."""
+    for category, pattern in NAME_RULES:
+        if pattern.search(name):
+            return category
+    return "other"
+
+
+def busy_us(intervals: Iterable[Tuple[float, float]]) -> float:
+    """Length of the union of ``(start, end)`` intervals (overlapping work counts once)."""
+    total, end = 0.0, float("-inf")
+    for lo, hi in sorted(intervals):
+        if hi <= end:
+            continue
+        total += hi - max(lo, end)
+        end = hi
+    return total
+
+
+def _in_prefill(event: Any) -> bool:
+    return innermost_range(event, PREFILL_RANGE) is not None
+
+
+def prefill_census(events: Sequence[Any], cuda: bool, top: int = 3) -> Dict[str, Any]:
+    """Attribute a profiled prefill's work to :data:`CATEGORIES`.
+
+    CUDA: every device kernel (copies and memsets included; not the GPU mirrors of ranges)
+    counts in the category of the innermost census range around the host op that launched it;
+    a kernel outside every range, or that no host op claims, by its name. CPU: every top-level
+    aten op inside the prefill range, with its CPU time. Returns ``categories`` (per category:
+    ``kernels``, ``us``, ``share`` of the total time and its ``top`` kernel names as
+    ``[name, us, count]``), ``total`` (``kernels``, ``us``: counted from the whole profile,
+    independently of the attribution) and ``busy_us`` (the union of the busy intervals).
+    """
+    rows = {c: {"kernels": 0, "us": 0.0} for c in CATEGORIES}
+    names: Dict[str, Dict[str, List[float]]] = {c: {} for c in CATEGORIES}
+
+    def add(category: str, name: str, us: float) -> None:
+        rows[category]["kernels"] += 1
+        rows[category]["us"] += us
+        slot = names[category].setdefault(name, [0.0, 0])
+        slot[0] += us
+        slot[1] += 1
+
+    def category(event: Any, name: str) -> str:
+        return innermost_range(event, CATEGORY_PREFIX) or category_by_name(name)
+
+    mirrors = (CATEGORY_PREFIX, PREFILL_RANGE)
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    if cuda:
+        claimed: Dict[str, int] = {}  # kernel name -> launches host ops claim
+        for e in host:
+            for k in e.kernels:
+                if not k.name.startswith(mirrors):
+                    add(category(e, k.name), k.name, k.duration)
+                    claimed[k.name] = claimed.get(k.name, 0) + 1
+        device = device_events(events, mirrors)
+        for e in device:  # kernels without a launcher (rare): by name
+            if claimed.get(e.name, 0) > 0:
+                claimed[e.name] -= 1
+            else:
+                add(category_by_name(e.name), e.name, e.time_range.elapsed_us())
+        spans = [(e.time_range.start, e.time_range.end) for e in device]
+        total = {"kernels": len(device), "us": float(sum(e.time_range.elapsed_us()
+                                                         for e in device))}
+        if any(n > 0 for n in claimed.values()):  # more launches claimed than kernels ran
+            print("warning: host ops claim kernels the profile does not hold: "
+                  f"{sorted(n for n, c in claimed.items() if c > 0)[:5]}", file=sys.stderr)
+    else:
+        ops = [e for e in host if is_top_level_op(e) and _in_prefill(e)]
+        for e in ops:
+            add(category(e, e.name), e.name, float(e.cpu_time_total))
+        spans = [(e.time_range.start, e.time_range.end) for e in ops]
+        total = {"kernels": len(ops), "us": float(sum(e.cpu_time_total for e in ops))}
+    scale = total["us"] or 1.0
+    out = {}
+    for c, row in rows.items():
+        ranked = sorted(names[c].items(), key=lambda kv: -kv[1][0])[:top]
+        out[c] = {**row, "share": row["us"] / scale,
+                  "top": [[n, us, int(count)] for n, (us, count) in ranked]}
+    return {"categories": out, "total": total, "busy_us": busy_us(spans)}
+
+
+# ============================================================================================
+# Measurement
+# ============================================================================================
+def _sync(device: torch.device) -> Callable[[], None]:
+    return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def profiled_prefill(worker: TpModelWorker, prompt_len: int, seed: int
+                     ) -> Tuple[Any, float]:
+    """One prefill (bench_one_batch's ``run_once``, one output token) with the census hooks
+    installed and the profiler running around exactly the ``worker.prefill`` call (the batch is
+    built and released outside it). Returns ``(profiler events, synchronised wall ms)``."""
+    runner = worker.model_runner
+    cuda = runner.device.type == "cuda"
+    sync = _sync(runner.device)
+    prefill = worker.prefill
+    own = vars(worker).get("prefill")  # an instance attribute to restore; None: the method
+    got: Dict[str, Any] = {}
+
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        sync()  # the batch's host-to-device copies are not the prefill's
+        with profile(activities=activities(cuda)) as prof:
+            t0 = time.perf_counter()
+            with record_function(PREFILL_RANGE):
+                out = prefill(*args, **kwargs)
+            sync()
+            got["wall_ms"] = (time.perf_counter() - t0) * 1e3
+        got["prof"] = prof
+        return out
+
+    remove = install_prefill_hooks([runner.model])
+    worker.prefill = wrapped
+    try:
+        run_once(worker, 1, prompt_len, 1, seed)
+    finally:
+        if own is None:
+            del worker.prefill
+        else:
+            worker.prefill = own
+        remove()
+    return got["prof"].events(), got["wall_ms"]
+
+
+def run_prefill_census(worker: TpModelWorker, prompt_len: int, seed: int, timed: int
+                       ) -> Dict[str, Any]:
+    """Warm-up, ``timed`` unprofiled prefills, then the profiled one and its census (times in
+    ms)."""
+    run_once(worker, 1, prompt_len, 1, seed)  # warm-up: allocator, Triton compiles, autotune
+    plain = [run_once(worker, 1, prompt_len, 1, seed)["prefill_latency"] * 1e3
+             for _ in range(timed)]
+    events, wall_ms = profiled_prefill(worker, prompt_len, seed)
+    census = prefill_census(events, worker.model_runner.device.type == "cuda")
+    cats = {c: {"kernels": row["kernels"], "ms": row["us"] / 1e3, "share": row["share"],
+                "top": [[n, us / 1e3, count] for n, us, count in row["top"]]}
+            for c, row in census["categories"].items()}
+    busy_ms = census["busy_us"] / 1e3
+    return {"categories": cats,
+            "total": {"kernels": census["total"]["kernels"],
+                      "ms": census["total"]["us"] / 1e3},
+            "wall_ms": wall_ms, "unprofiled_wall_ms": statistics.median(plain) if plain else None,
+            "busy_ms": busy_ms, "host_gap_ms": wall_ms - busy_ms}
+
+
+# ============================================================================================
+# Output and command line
+# ============================================================================================
+def census_table(result: Dict[str, Any]) -> str:
+    """The markdown table ``| category | kernels | <device> ms | share |`` with a total row."""
+    unit = "device ms" if result["device"] == "cuda" else "CPU ms"
+    count = "kernels" if result["device"] == "cuda" else "aten ops"
+    lines = [f"| category | {count} | {unit} | share |", "|---|---|---|---|"]
+    for c in CATEGORIES:
+        row = result["categories"][c]
+        lines.append(f"| {c} | {row['kernels']} | {row['ms']:.3f} | {row['share']:.1%} |")
+    tot = result["total"]
+    lines.append(f"| **total** | {tot['kernels']} | {tot['ms']:.3f} | 100.0% |")
+    return "\n".join(lines)
+
+
+def _print(result: Dict[str, Any]) -> None:
+    device = "the GPU" if result["device"] == "cuda" else "the CPU"
+    if result["device"] != "cuda":
+        print("CPU: the device is the CPU; 'aten ops' are top-level aten ops and their CPU time")
+    plain = result["unprofiled_wall_ms"]
+    plain_txt = f", {plain:.2f} ms unprofiled" if plain is not None else ""
+    print(f"prefill of {result['prompt_len']} tokens, {result['layers']} layers, "
+          f"{result['dtype']}{' ' + result['quantization'] if result['quantization'] else ''}: "
+          f"wall {result['wall_ms']:.2f} ms profiled{plain_txt}; {device} busy "
+          f"{result['busy_ms']:.2f} ms, host gaps {result['host_gap_ms']:.2f} ms "
+          f"({result['host_gap_ms'] / result['wall_ms']:.1%} of the profiled wall)")
+    print(census_table(result))
+    for c in CATEGORIES:
+        top = result["categories"][c]["top"]
+        if top:
+            print(f"  {c}: " + "; ".join(f"{n[:60]} {ms:.3f} ms x{k}" for n, ms, k in top))
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="benchmark/batch1/prefill_census.py",
+                                     description=__doc__.splitlines()[0])
+    ServerArgs.add_cli_args(parser)
+    parser.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens")
+    parser.add_argument("--timed", type=int, default=1,
+                        help="unprofiled timed prefills after the warm-up (their median)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
+    parser.add_argument("--label", type=str, default="",
+                        help="run name (default: '<layers>L <dtype> <prompt-len>')")
+    parser.add_argument("--result-filename", type=str, default=None,
+                        help="append one JSON line with every number")
+    return parser
+
+
+def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
+    """Command line; returns the JSON line's dict."""
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if args.prompt_len < 1 or args.timed < 0:
+        parser.error(f"--prompt-len must be >= 1 and --timed >= 0, got {args.prompt_len}, "
+                     f"{args.timed}")
+    try:
+        server_args = ServerArgs.from_cli_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if server_args.tp_size != 1:
+        parser.error("the census runs one rank: --tp-size 1")
+    # A prefill runs eager: no graphs to capture (time and memory the census would not use).
+    server_args = dataclasses.replace(server_args, disable_cuda_graph=True)
+    bench_args = BenchArgs(run_name=args.label, batch_size=[1], input_len=[args.prompt_len],
+                           output_len=[1], seed=args.seed)
+    worker = build_worker(server_args, bench_args, 0, None)
+    runner = worker.model_runner
+    if args.prompt_len + 1 > runner.context_len:
+        raise SystemExit(f"--prompt-len {args.prompt_len} plus one output token exceeds the "
+                         f"context length {runner.context_len} (raise --context-length)")
+    measured = run_prefill_census(worker, args.prompt_len, args.seed, args.timed)
+    cfg = runner.model_config.hf_config
+    dtype = str(runner.dtype).replace("torch.", "")
+    quant = server_args.quantization or (
+        (runner.model_config.quantization_config or {}).get("quant_method"))
+    layers = cfg.num_hidden_layers
+    result = {"label": args.label or f"{layers}L {dtype}{' ' + quant if quant else ''} "
+                                     f"{args.prompt_len}",
+              "device": runner.device.type,
+              "counts": "kernels" if runner.device.type == "cuda" else "aten ops",
+              "prompt_len": args.prompt_len, "layers": layers, "dtype": dtype,
+              "quantization": quant, "model_path": server_args.model_path,
+              "moe_runner_backend": server_args.moe_runner_backend,
+              "attention_backend": server_args.attention_backend,
+              "kda_prefill_impl": server_args.kda_prefill_impl,
+              **git_commit(), **measured}
+    _print(result)
+    if args.result_filename:
+        with open(args.result_filename, "a") as f:
+            f.write(json.dumps(result) + "\n")
+    return result
+
+
+if __name__ == "__main__":
+    main()

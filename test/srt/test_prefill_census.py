@@ -1,0 +1,243 @@
+"""benchmark/batch1/prefill_census.py and plot_prefill_census.py: the module -> category table on
+the bundled model, a CPU census of one prefill (every top-level aten op in exactly one category,
+the JSON line's fields), the CUDA attribution and the name fallback on synthetic profiler
+events, and the figure of the census line."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+import torch
+from torch.autograd import DeviceType
+
+ROOT = Path(__file__).resolve().parents[2]
+BATCH1 = ROOT / "benchmark" / "batch1"
+TINY = ROOT / "python" / "sglang" / "assets" / "tiny-bailing-v3"
+PROMPT = 32
+
+
+def _load(name: str) -> ModuleType:
+    """A script under benchmark/batch1 imported by its path (the folder is no package)."""
+    spec = importlib.util.spec_from_file_location(f"batch1_{name}", BATCH1 / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+pc = _load("prefill_census")
+plot = _load("plot_prefill_census")
+
+
+@pytest.fixture(scope="module")
+def census(tmp_path_factory):
+    """The JSON line and stdout of a census of one 32-token prefill of the bundled model."""
+    path = tmp_path_factory.mktemp("prefill") / "prefill.jsonl"
+    env_path = os.pathsep.join([str(ROOT / "python"), str(ROOT / "sgl-kernel/python"),
+                                os.environ.get("PYTHONPATH", "")])
+    out = subprocess.run([sys.executable, str(BATCH1 / "prefill_census.py"), "--device", "cpu",
+                          "--dtype", "float32", "--prompt-len", str(PROMPT), "--label", "tiny",
+                          "--result-filename", str(path)], capture_output=True, text=True,
+                         timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": env_path})
+    assert out.returncode == 0, out.stderr[-2000:]
+    lines = [json.loads(line) for line in path.read_text().splitlines()]
+    assert len(lines) == 1
+    return {"rec": lines[0], "stdout": out.stdout, "path": path}
+
+
+def _tiny_config():
+    from sglang.srt.configs.model_config import ModelConfig
+
+    return ModelConfig.from_path(str(TINY), None).hf_config
+
+
+def test_category_table_maps_the_bundled_model_modules():
+    """Attention modules nest their linears (dense projections) and norms; MoE blocks, dense
+    MLPs, norms and the logits processor are single ranges (nothing inside opens its own)."""
+    from sglang.srt.models.bailing_moe_v3 import BailingMoeV3ForCausalLM
+
+    cfg = _tiny_config()
+    with torch.device("meta"):
+        model = BailingMoeV3ForCausalLM(cfg, torch.float32)
+    got = {name: cat for name, _, cat in pc.prefill_categorised_modules(model)}
+    want = {"model.norm": "norms", "logits_processor": "lm_head"}
+    for i in range(cfg.num_hidden_layers):
+        p = f"model.layers.{i}."
+        want[p + "input_layernorm"] = want[p + "post_attention_layernorm"] = "norms"
+        a = p + "attention."
+        if cfg.is_kda_layer(i):
+            want[p + "attention"] = "KDA"
+            want.update({a + "fused_qkvbfg_proj": "dense projections",
+                         a + "o_proj": "dense projections", a + "o_norm": "norms"})
+        else:
+            want[p + "attention"] = "MLA attention"
+            want.update({a + "kv_a_proj_with_mqa": "dense projections",
+                         a + "kv_a_layernorm": "norms", a + "g_proj": "dense projections",
+                         a + "dense": "dense projections"})
+            if cfg.q_lora_rank:
+                want.update({a + "q_a_proj": "dense projections", a + "q_a_layernorm": "norms",
+                             a + "q_b_proj": "dense projections"})
+            else:
+                want[a + "q_proj"] = "dense projections"
+        want[p + "mlp"] = "MoE" if cfg.is_moe_layer(i) else "dense projections"
+    assert got == want
+    assert set(want.values()) == set(pc.CATEGORIES) - {"other"}  # the tiny model has them all
+
+
+def test_cpu_census_json_line(census):
+    rec, cats = census["rec"], census["rec"]["categories"]
+    assert list(cats) == list(pc.CATEGORIES)
+    for name, row in cats.items():
+        assert row["kernels"] > 0 and row["ms"] >= 0 and 0 <= row["share"] <= 1, (name, row)
+        assert row["top"] and all(ms >= 0 and k > 0 for _, ms, k in row["top"]), (name, row)
+    moe = cats["MoE"]
+    assert moe["ms"] > 0 and moe["share"] > 0
+    assert any("index_add" in n or "matmul" in n or "mm" in n for n, _, _ in moe["top"]), moe
+    # The attribution partitions the independently counted top-level ops of the prefill.
+    assert sum(r["kernels"] for r in cats.values()) == rec["total"]["kernels"]
+    assert sum(r["ms"] for r in cats.values()) == pytest.approx(rec["total"]["ms"], rel=1e-9)
+    assert sum(r["share"] for r in cats.values()) == pytest.approx(1.0)
+    assert rec["label"] == "tiny" and rec["device"] == "cpu" and rec["counts"] == "aten ops"
+    assert rec["prompt_len"] == PROMPT and rec["layers"] == _tiny_config().num_hidden_layers
+    assert rec["dtype"] == "float32" and rec["quantization"] is None
+    assert re.fullmatch(r"[0-9a-f]{40}|unknown", rec["commit"])
+    assert rec["wall_ms"] > 0 and rec["unprofiled_wall_ms"] > 0
+    assert 0 < rec["busy_ms"] <= rec["wall_ms"]
+    assert rec["host_gap_ms"] == pytest.approx(rec["wall_ms"] - rec["busy_ms"])
+    table = census["stdout"]
+    assert table.count("\n| ") == len(pc.CATEGORIES) + 2  # the header and the total row
+    assert f"| **total** | {rec['total']['kernels']} |" in table
+    assert "the device is the CPU" in table and "host gaps" in table
+
+
+def _time(start: float, end: float) -> SimpleNamespace:
+    return SimpleNamespace(start=start, end=end, elapsed_us=lambda: end - start)
+
+
+def _host(name, parent=None, kernels=(), span=(0.0, 0.0)):
+    return SimpleNamespace(name=name, cpu_parent=parent, device_type=DeviceType.CPU,
+                           kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels],
+                           time_range=_time(*span), cpu_time_total=span[1] - span[0],
+                           is_user_annotation=False)
+
+
+def _kernel(name, start, end, annotation=False):
+    return SimpleNamespace(name=name, cpu_parent=None, device_type=DeviceType.CUDA, kernels=[],
+                           time_range=_time(start, end), cpu_time_total=0.0,
+                           is_user_annotation=annotation)
+
+
+def test_cuda_attribution_on_synthetic_events():
+    """A kernel counts in its launcher's innermost category range (a linear inside KDA is a
+    dense projection); launches outside every range and kernels no launcher claims go by name;
+    GPU mirrors of ranges are not kernels; busy time is the union of the kernels' spans."""
+    cat = pc.CATEGORY_PREFIX
+    prefill = _host(pc.PREFILL_RANGE, span=(0, 100))
+    kda = _host(cat + "KDA", parent=prefill)
+    proj = _host(cat + "dense projections", parent=kda)
+    gemm = _host("aten::mm", parent=proj, kernels=[("sm90_gemm", 10.0)])
+    chunk = _host("aten::empty", parent=kda, kernels=[("chunk_kda_fwd_kernel", 20.0)])
+    moe = _host(cat + "MoE", parent=prefill)
+    moe.kernels = [SimpleNamespace(name="fused_moe_kernel", duration=30.0),  # launched directly
+                   SimpleNamespace(name=cat + "MoE", duration=40.0)]  # its GPU mirror
+    argmax = _host("aten::argmax", parent=prefill, kernels=[("argmax_kernel", 2.0)])
+    device = [_kernel("sm90_gemm", 0, 10), _kernel("chunk_kda_fwd_kernel", 5, 25),
+              _kernel("fused_moe_kernel", 30, 60), _kernel("argmax_kernel", 70, 72),
+              _kernel("flash_fwd_kernel", 80, 84),  # no launcher: by name, attention first
+              _kernel(cat + "MoE", 30, 70, annotation=True)]
+    out = pc.prefill_census([prefill, kda, proj, gemm, chunk, moe, argmax] + device, cuda=True)
+    cats = out["categories"]
+    got = {c: (r["kernels"], r["us"]) for c, r in cats.items() if r["kernels"]}
+    assert got == {"dense projections": (1, 10.0), "KDA": (1, 20.0), "MoE": (1, 30.0),
+                   "other": (1, 2.0), "MLA attention": (1, 4.0)}
+    assert out["total"] == {"kernels": 5, "us": 66.0}
+    assert out["busy_us"] == 25 + 30 + 2 + 4  # [0, 25] overlaps: counted once
+    assert cats["MoE"]["share"] == pytest.approx(30 / 66)
+    assert cats["KDA"]["top"] == [["chunk_kda_fwd_kernel", 20.0, 1]]
+
+
+def test_cpu_attribution_counts_the_prefill_range_only():
+    """CPU: top-level aten ops inside the prefill range (nested aten calls and ops outside the
+    range, e.g. the batch's set-up, are not counted); ops outside category ranges by name."""
+    prefill = _host(pc.PREFILL_RANGE, span=(0, 50))
+    norm = _host(pc.CATEGORY_PREFIX + "norms", parent=prefill, span=(0, 10))
+    mean = _host("aten::mean", parent=norm, span=(0, 4))
+    inner = _host("aten::sum", parent=mean, span=(1, 3))  # inside an aten op: not top-level
+    sdpa = _host("aten::scaled_dot_product_attention", parent=prefill, span=(10, 30))
+    emb = _host("aten::embedding", parent=prefill, span=(35, 40))
+    setup = _host("aten::randint", span=(60, 70))  # outside the prefill range
+    out = pc.prefill_census([prefill, norm, mean, inner, sdpa, emb, setup], cuda=False)
+    got = {c: (r["kernels"], r["us"]) for c, r in out["categories"].items() if r["kernels"]}
+    assert got == {"norms": (1, 4.0), "MLA attention": (1, 20.0), "other": (1, 5.0)}
+    assert out["total"] == {"kernels": 3, "us": 29.0} and out["busy_us"] == 29.0
+
+
+@pytest.mark.parametrize("name, category", [
+    ("flash_fwd_splitkv_kernel", "MLA attention"),
+    ("fmha_cutlassF_f32_aligned_64x64_rf_sm80", "MLA attention"),
+    ("aten::scaled_dot_product_attention", "MLA attention"),
+    ("chunk_kda_fwd_kernel_o", "KDA"), ("chunk_gated_delta_rule_fwd_h", "KDA"),
+    ("causal_conv1d_fwd_kernel", "KDA"), ("aten::_convolution", "KDA"),
+    ("fused_moe_kernel", "MoE"), ("aten::index_add_", "MoE"), ("_grouped_mm_kernel", "MoE"),
+    ("_rms_norm_kernel", "norms"), ("aten::mm", "dense projections"),
+    ("sm90_xmma_gemm_bf16bf16_bf16f32", "dense projections"),
+    ("_dequant_fp8_blockwise", "dense projections"),
+    ("triton_poi_fused_convert_element_type_0", "other"), ("aten::argmax", "other"),
+])
+def test_name_fallback(name, category):
+    assert pc.category_by_name(name) == category
+
+
+def test_busy_union():
+    assert pc.busy_us([]) == 0.0
+    assert pc.busy_us([(5, 6), (0, 2), (1, 3), (3, 4), (2.5, 3.5)]) == 5.0
+
+
+def test_plot_writes_png_and_svg_of_the_census(census, tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    # A second run (another label) and a re-run of the first, which replaces it in place.
+    rec = dict(census["rec"], label="tiny x2", wall_ms=census["rec"]["wall_ms"] * 2)
+    with open(census["path"], "a") as f:
+        f.write(json.dumps(rec) + "\n" + json.dumps(dict(census["rec"], wall_ms=1.0)) + "\n")
+    png = tmp_path / "p.png"
+    assert plot.main([str(census["path"]), "-o", str(png), "--title", "t"]) == 0
+    data = png.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+    table = capsys.readouterr().out
+    assert re.search(r"^\| tiny \| .* \| 1\.00 \| ", table, re.MULTILINE), table
+    assert "| tiny x2 |" in table
+    runs = plot.load_runs([str(census["path"])])
+    assert [r.label for r in runs] == ["tiny", "tiny x2"]
+    assert list(runs[0].categories) == list(pc.CATEGORIES)
+    svg = tmp_path / "p.svg"
+    assert plot.main([str(census["path"]), "-o", str(svg), "--metric", "share"]) == 0
+    assert svg.read_text().lstrip().startswith("<?xml") and "MoE" in svg.read_text()
+    assert plot.main([str(census["path"]), "-o", str(tmp_path / "k.png"), "--metric",
+                      "kernels"]) == 0
+
+
+def test_plot_rejects_bad_lines(tmp_path, capsys):
+    good = {"label": "a", "wall_ms": 2.0, "host_gap_ms": -0.001,
+            "categories": {"MoE": {"kernels": 1, "ms": 1.0, "share": 1.0}}}
+    bad = tmp_path / "bad.jsonl"
+    for line, message in [
+        ({**good, "label": ""}, "'label' must be a non-empty string"),
+        ({**good, "categories": {"MoE": {"kernels": 1, "ms": -1, "share": 0}}},
+         "'MoE'.ms must be a finite non-negative number"),
+        ({**good, "categories": {"KDA": {"kernels": 1, "ms": 1, "share": 1}}},
+         "categories differ"),
+        ({**good, "wall_ms": None}, "wall_ms must be a finite non-negative number"),
+    ]:
+        bad.write_text(json.dumps(good) + "\n" + json.dumps(line) + "\n")
+        with pytest.raises(SystemExit):
+            plot.main([str(bad), "-o", str(tmp_path / "x.png")])
+        assert message in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        plot.main([str(bad), "-o", str(tmp_path / "x.pdf")])
+    assert "--out must name a .png or .svg file" in capsys.readouterr().err
