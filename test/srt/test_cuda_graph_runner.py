@@ -143,10 +143,10 @@ def test_graph_count_is_capped(monkeypatch):
 
 def test_moe_capture_limit_follows_the_expert_path(monkeypatch):
     """The torch MoE's loop reads expert counts on the host above GATHER_MAX_PAIRS pairs, so its
-    graphs stop there; the Triton path reaches SMALL_M_MAX_PAIRS; with SGLANG_MOE_GROUPED_MM and
-    weights torch's grouped GEMM takes, nothing limits them."""
+    graphs stop there; the Triton path (grouped GEMV, then the grouped GEMM over device-sorted
+    pairs) has no limit; nor has the torch path with SGLANG_MOE_GROUPED_MM and weights torch's
+    grouped GEMM takes."""
     from sglang.srt.layers.moe.fused_moe_native import GATHER_MAX_PAIRS
-    from sglang.srt.layers.moe.fused_moe_triton import SMALL_M_MAX_PAIRS
     from sglang.srt.layers.moe.moe_layer import BailingMoE
 
     sched = make_scheduler(MODEL, **KW)
@@ -156,8 +156,9 @@ def test_moe_capture_limit_follows_the_expert_path(monkeypatch):
     assert runner.max_cuda_graph_tokens() == GATHER_MAX_PAIRS // top_k
     for m in blocks:
         m.experts.runner_backend = "triton"
-    assert runner.max_cuda_graph_tokens() == SMALL_M_MAX_PAIRS // top_k
+    assert runner.max_cuda_graph_tokens() is None
     for m in blocks:
+        m.experts.runner_backend = "torch_native"
         m.experts.grouped_mm = True  # fp32 on CPU: torch's grouped GEMM takes it
     assert runner.max_cuda_graph_tokens() is None
 

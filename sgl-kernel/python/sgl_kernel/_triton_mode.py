@@ -15,7 +15,9 @@ NO_FP_FUSION = {} if INTERPRETED else {"enable_fp_fusion": False}
 class LaunchConfig(NamedTuple):
     """Tile sizes and compiler options of one launch (``None`` = Triton's default); for the
     kernels that take them, ``split_k`` ranges of K summed in range order and ``swap_ab``
-    (the weight as the tensor-core product's first operand)."""
+    (the weight as the tensor-core product's first operand); for the grouped MoE GEMM,
+    ``block_m`` rows of the expert-sorted pair list per tile and ``group_m`` row blocks per
+    swizzle group (fields last, so the shorter positional forms keep their meaning)."""
 
     block_n: int
     block_k: int
@@ -23,6 +25,8 @@ class LaunchConfig(NamedTuple):
     num_stages: Optional[int] = None
     split_k: int = 1
     swap_ab: bool = False
+    block_m: Optional[int] = None
+    group_m: int = 1
 
 
 def compiler_options(num_warps: Optional[int], num_stages: Optional[int]) -> dict:

@@ -12,7 +12,9 @@ routed experts' shape. Three launches for the whole block (up, down, combine); d
 no host sync, shapes fixed by ``T``: usable inside the NEXTN round and CUDA graphs.
 
 Above :data:`SMALL_M_MAX_PAIRS` (token, expert) pairs (prefill chunks) every pair re-reading its
-expert no longer pays; the caller falls back to the native loop over active experts.
+expert no longer pays: :func:`fused_moe_grouped` sorts the pairs by expert on the device and runs
+two grouped GEMMs (:mod:`sgl_kernel.moe_grouped_gemm`), each expert read once per column tile,
+block-fp8 experts read as stored; the same roundings, no host sync, any batch size capturable.
 """
 from __future__ import annotations
 
@@ -22,7 +24,8 @@ import torch
 
 from sglang.srt.layers.moe.fused_moe_native import check_moe_inputs, combine_expert_outputs
 
-__all__ = ["fused_moe_small_m", "SharedExpertWeights", "SMALL_M_MAX_PAIRS"]
+__all__ = ["fused_moe_small_m", "fused_moe_grouped", "SharedExpertWeights",
+           "SMALL_M_MAX_PAIRS"]
 
 # 128 tokens x top-8: decode and NEXTN verify batches; beyond, per-expert GEMMs win.
 SMALL_M_MAX_PAIRS = 1024
@@ -71,3 +74,42 @@ def fused_moe_small_m(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if combine_kernel:
         return moe_combine(y, topk_weights, shared)
     return combine_expert_outputs(y[:t * k], topk_weights, shared)
+
+
+def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
+                      topk_weights: torch.Tensor, topk_ids: torch.Tensor, limit: float = 0.0,
+                      shared: Optional[torch.Tensor] = None,
+                      w13_scale: Optional[torch.Tensor] = None,
+                      w2_scale: Optional[torch.Tensor] = None,
+                      combine_kernel: bool = True) -> torch.Tensor:
+    """``sum_i w_i * Expert_{id_i}(x) (+ shared)`` per token ``[T, H]`` for large batches.
+
+    The pairs sorted by expert on the device (:func:`sgl_kernel.moe_grouped_gemm.moe_align`),
+    the up-projection as a grouped GEMM with the (clamped) SwiGLU in its epilogue, the
+    down-projection as another, both writing pair-major rows, then the fp32 combine with the
+    router weights and the shared expert's output ``shared [T, H]`` (the one-launch kernel, or
+    with ``combine_kernel=False`` its torch reference): the roundings of
+    :func:`~sglang.srt.layers.moe.fused_moe_native.fused_moe_gather`. Block-fp8 experts pass
+    their scales and are dequantised tile by tile inside the GEMMs. No host sync.
+    """
+    from sgl_kernel.moe_combine import moe_combine  # Triton: imported on first use
+    from sgl_kernel.moe_grouped_gemm import launch_config, moe_align, moe_grouped_gemm
+
+    check_moe_inputs(hidden, w13, w2, topk_ids, topk_weights)
+    t, k = topk_ids.shape
+    e = w13.shape[0]
+    fp8 = w13_scale is not None
+    x = hidden.contiguous()
+    up_cfg = launch_config(e, w13.shape[1], w13.shape[2], t * k, fp8, x.device, swiglu=True)
+    down_cfg = launch_config(e, w2.shape[1], w2.shape[2], t * k, fp8, x.device)
+    up_align = moe_align(topk_ids, e, up_cfg.block_m)
+    # The two tables may pick different row blocks: each GEMM gets the padding its tiles need.
+    down_align = (up_align if down_cfg.block_m == up_cfg.block_m
+                  else moe_align(topk_ids, e, down_cfg.block_m))
+    act = moe_grouped_gemm(x, w13, up_align, rows_per_x=k, swiglu=True, swiglu_limit=limit,
+                           w_scale=w13_scale, config=up_cfg)  # [T*k, I]
+    y = moe_grouped_gemm(act, w2, down_align, rows_per_x=1, swiglu=False, w_scale=w2_scale,
+                         config=down_cfg)  # [T*k, H]
+    if combine_kernel:
+        return moe_combine(y, topk_weights, shared)
+    return combine_expert_outputs(y, topk_weights, shared)

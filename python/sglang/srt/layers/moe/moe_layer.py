@@ -80,9 +80,10 @@ class FusedMoE(nn.Module):
         if not hasattr(self.w2_weight, "dummy_init"):
             # w2's fan-in is the full intermediate width, not the local slice in its last dim.
             self.w2_weight.dummy_init = normal_dummy_init(intermediate_size)
-        # "torch_native" or "triton" (small batches through sgl_kernel's grouped mat-vec);
-        # set for the whole model by set_moe_runner_backend, as is grouped_mm (batches above
-        # the small-batch paths through torch._grouped_mm instead of the loop over experts).
+        # "torch_native" or "triton" (small batches through sgl_kernel's grouped mat-vec,
+        # larger ones through its grouped GEMM over expert-sorted pairs); set for the whole
+        # model by set_moe_runner_backend, as is grouped_mm (the torch-native path's batches
+        # above its small-batch path through torch._grouped_mm instead of the expert loop).
         self.runner_backend = "torch_native"
         self.grouped_mm = False
         # SGLANG_TRITON_MOE_COMBINE: the shared expert as extra pairs and the one-kernel combine.
@@ -109,6 +110,13 @@ class FusedMoE(nn.Module):
     def small_m(self, topk_ids: torch.Tensor) -> bool:
         """Whether these routes take the Triton small-batch path (model-dtype weights only)."""
         return (self.runner_backend == "triton" and topk_ids.numel() <= SMALL_M_MAX_PAIRS
+                and self.quant_method.triton_small_m_ok())
+
+    def large_m(self, topk_ids: torch.Tensor) -> bool:
+        """Whether these routes take the Triton grouped GEMM (the Triton backend above
+        :data:`SMALL_M_MAX_PAIRS` pairs): no host loop over experts, no per-call dequantised
+        copies of fp8 experts, no host sync."""
+        return (self.runner_backend == "triton" and topk_ids.numel() > SMALL_M_MAX_PAIRS
                 and self.quant_method.triton_small_m_ok())
 
     def forward(self, hidden: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
@@ -148,11 +156,11 @@ class BailingMoE(nn.Module):
         )
 
     def max_cuda_graph_tokens(self) -> Optional[int]:
-        """Tokens per forward this block can run inside a CUDA graph (None: any number). Beyond
-        the (token, expert) pairs of its small-batch path (Triton: :data:`SMALL_M_MAX_PAIRS`;
-        torch: ``GATHER_MAX_PAIRS``) the torch expert loop reads expert counts on the host,
-        unless ``SGLANG_MOE_GROUPED_MM`` routes those batches to the grouped GEMMs (device-side
-        offsets) and torch's kernel takes these weights."""
+        """Tokens per forward this block can run inside a CUDA graph (None: any number). The
+        Triton backend has no limit (its grouped GEMM sorts the pairs on the device). On the
+        torch backend, beyond ``GATHER_MAX_PAIRS`` (token, expert) pairs the expert loop reads
+        expert counts on the host, unless ``SGLANG_MOE_GROUPED_MM`` routes those batches to the
+        grouped GEMMs (device-side offsets) and torch's kernel takes these weights."""
         pairs = self.experts.quant_method.max_graph_pairs(self.experts)
         return None if pairs is None else max(pairs // self.gate.top_k, 0)
 
@@ -191,8 +199,9 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device)
     """Point every :class:`FusedMoE` of ``model`` at ``backend`` and return the one chosen.
 
     ``auto`` is resolved by ``engine_defaults.resolve_kernel_backend`` (Triton on CUDA). ``triton`` needs CUDA, or ``TRITON_INTERPRET=1`` on CPU
-    (tests); batches above ``SMALL_M_MAX_PAIRS`` (token, expert) pairs still take the native path,
-    whose large batches use grouped GEMMs when ``SGLANG_MOE_GROUPED_MM`` is set. With
+    (tests); batches above ``SMALL_M_MAX_PAIRS`` (token, expert) pairs take its grouped GEMM
+    (``sgl_kernel.moe_grouped_gemm``). On the native backend, large batches use torch's grouped
+    GEMMs when ``SGLANG_MOE_GROUPED_MM`` is set. With
     ``SGLANG_TRITON_ROUTER`` the routers run their selection as one kernel; with
     ``SGLANG_TRITON_MOE_COMBINE`` the Triton path carries the shared expert and combines in one
     kernel. All are read here, once.

@@ -300,21 +300,21 @@ class Fp8MoEMethod(FusedMoEMethodBase):
         return True
 
     def max_graph_pairs(self, layer: nn.Module) -> Optional[int]:
-        """The pairs of the small-batch path (Triton, or the native gather): above them the
-        native loop reads expert counts on the host."""
+        """None on the Triton backend (its grouped GEMM takes every larger batch without a
+        host sync); else the pairs of the native gather: above them the native loop reads
+        expert counts on the host."""
         from sglang.srt.layers.moe.fused_moe_native import GATHER_MAX_PAIRS
-        from sglang.srt.layers.moe.fused_moe_triton import SMALL_M_MAX_PAIRS
 
-        return SMALL_M_MAX_PAIRS if layer.runner_backend == "triton" else GATHER_MAX_PAIRS
+        return None if layer.runner_backend == "triton" else GATHER_MAX_PAIRS
 
     def apply(self, layer: nn.Module, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, shared: Optional[torch.Tensor] = None,
               shared_weights=None) -> torch.Tensor:
-        """The Triton small-batch path on the fp8 experts when the layer picks it (tiles
-        dequantised as loaded), else :func:`fused_moe` (gather or loop) over the dequantising
-        expert views."""
+        """The Triton small-batch path or grouped GEMM on the fp8 experts when the layer picks
+        them (tiles dequantised as loaded, never a dequantised copy), else :func:`fused_moe`
+        (gather or loop) over the dequantising expert views."""
         from sglang.srt.layers.moe.fused_moe_native import fused_moe
-        from sglang.srt.layers.moe.fused_moe_triton import fused_moe_small_m
+        from sglang.srt.layers.moe.fused_moe_triton import fused_moe_grouped, fused_moe_small_m
 
         if layer.small_m(topk_ids):
             return fused_moe_small_m(hidden, layer.w13_weight, layer.w2_weight, topk_weights,
@@ -324,6 +324,12 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                                      w2_scale=layer.w2_weight_scale_inv)
         if shared_weights is not None:
             raise ValueError("FusedMoE: shared_weights only ride the small-batch Triton path")
+        if layer.large_m(topk_ids):
+            return fused_moe_grouped(hidden, layer.w13_weight, layer.w2_weight, topk_weights,
+                                     topk_ids, layer.swiglu_limit, shared,
+                                     w13_scale=layer.w13_weight_scale_inv,
+                                     w2_scale=layer.w2_weight_scale_inv,
+                                     combine_kernel=layer.fused_combine)
         w13, w2 = self.experts(layer, hidden.dtype)
         return fused_moe(hidden, w13, w2, topk_weights, topk_ids, layer.swiglu_limit,
                          grouped_mm=False, shared=shared)

@@ -90,22 +90,25 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         return True
 
     def max_graph_pairs(self, layer: nn.Module) -> Optional[int]:
-        """Pairs of the small-batch path (None when grouped GEMMs take every larger batch)."""
+        """Pairs of the small-batch path (None when grouped GEMMs take every larger batch: the
+        Triton backend's always, torch's with ``grouped_mm`` where its kernel takes them)."""
         from sglang.srt.layers.moe.fused_moe_native import GATHER_MAX_PAIRS, grouped_mm_supported
-        from sglang.srt.layers.moe.fused_moe_triton import SMALL_M_MAX_PAIRS
 
+        if layer.runner_backend == "triton":
+            return None
         if layer.grouped_mm:
             probe = layer.w13_weight.new_empty(0, layer.w13_weight.shape[2])
             if grouped_mm_supported(probe, layer.w13_weight, layer.w2_weight):
                 return None
-        return SMALL_M_MAX_PAIRS if layer.runner_backend == "triton" else GATHER_MAX_PAIRS
+        return GATHER_MAX_PAIRS
 
     def apply(self, layer: nn.Module, hidden: torch.Tensor, topk_weights: torch.Tensor,
               topk_ids: torch.Tensor, shared: Optional[torch.Tensor] = None,
               shared_weights=None) -> torch.Tensor:
-        """Triton small-batch path when the layer picks it, else :func:`fused_moe`."""
+        """Triton small-batch path or grouped GEMM when the layer picks them, else
+        :func:`fused_moe`."""
         from sglang.srt.layers.moe.fused_moe_native import fused_moe
-        from sglang.srt.layers.moe.fused_moe_triton import fused_moe_small_m
+        from sglang.srt.layers.moe.fused_moe_triton import fused_moe_grouped, fused_moe_small_m
 
         if layer.small_m(topk_ids):
             return fused_moe_small_m(hidden, layer.w13_weight, layer.w2_weight, topk_weights,
@@ -113,5 +116,9 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
                                      combine_kernel=layer.fused_combine)
         if shared_weights is not None:
             raise ValueError("FusedMoE: shared_weights only ride the small-batch Triton path")
+        if layer.large_m(topk_ids):
+            return fused_moe_grouped(hidden, layer.w13_weight, layer.w2_weight, topk_weights,
+                                     topk_ids, layer.swiglu_limit, shared,
+                                     combine_kernel=layer.fused_combine)
         return fused_moe(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                          layer.swiglu_limit, grouped_mm=layer.grouped_mm, shared=shared)

@@ -1,0 +1,375 @@
+"""Grouped GEMM over (token, expert) pairs sorted by expert: the large-M (prefill) MoE GEMMs.
+
+``out[p] = W[e_p] @ x[p // rows_per_x]`` for every pair ``p = t * k + slot`` of a batch's
+routes ``topk_ids [T, k]``, with ``W [E, N, K]`` (rows contiguous along K: the layout of
+``w13_weight [E, 2I, H]`` and ``w2_weight [E, H, I]``). Above a few hundred pairs every expert
+has several rows, so reading each expert once per column tile for all of its rows (a GEMM)
+beats re-reading it per pair (the grouped GEMV of :mod:`sgl_kernel.grouped_gemv`).
+
+Two steps, no host sync, every size fixed by the input shapes, so both run inside CUDA graphs:
+
+* :func:`moe_align` (torch ops on the device): the pair ids sorted by expert (stable), each
+  expert's group padded to a multiple of ``block_m`` with the sentinel id ``P = T * k``, the
+  expert of every ``block_m``-row block and the number of blocks in use (a device scalar). The
+  buffers are sized by the worst case ``P + min(E, P) * (block_m - 1)`` rows; the kernel's
+  programs past the used blocks return at once.
+* :func:`moe_grouped_gemm` (Triton): one program per (row block, column tile). It gathers its
+  rows of ``x`` through the pair ids (the up-projection reads ``hidden [T, H]`` with
+  ``rows_per_x = k``; the down-projection reads ``act [P, I]`` with ``rows_per_x = 1``), runs
+  ``tl.dot`` with an fp32 accumulator over K and writes row ``p`` of ``out [P, N_out]`` (pair
+  order, so the combine reads it like the small-M path's output; sentinel rows write nothing).
+
+The SwiGLU epilogue (``swiglu=True``): ``w`` holds gate rows ``[0, I)`` then up rows
+``[I, 2I)``; a program accumulates the gate tile and the up tile of the same ``I`` columns,
+rounds each to x's dtype (the reference's ``h13`` in the model dtype), applies
+``sglang.srt.layers.activation.silu_and_mul``'s math in fp32 (with ``limit > 0``:
+``min(silu(gate), limit) * clamp(up, -limit, limit)``) and rounds once. ``N_out = I``, and the
+``[P, 2I]`` intermediate never exists.
+
+Block fp8 (``w_scale`` given; :mod:`sgl_kernel.fp8_blocks` layout): weight-only fp8 ("w8a16").
+Each weight tile is converted e4m3 -> x's dtype as it is loaded (exact: every e4m3 value is a
+bf16 / fp16 / fp32 value), each ``BLOCK_K`` slice's ``tl.dot`` (one slice never straddles a
+128-column scale block) is multiplied in fp32 by its per-row scales and added to the
+accumulator: the weight is ``q * scale`` in fp32, the same values as dequantising first, with
+no per-call dequantised copy of any expert. Activations stay in the model dtype: quantising
+them per token group (w8a8, fp8 tensor cores) would change the numerics against the
+torch-native reference and is left for later.
+
+Tiles come from a per-GPU table (``configs/moe_grouped_gemm.json``, written by
+``benchmark/kernels/tune_moe_grouped_gemm.py``) through :func:`launch_config`. Reference:
+:func:`moe_grouped_gemm_reference`.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import os
+from typing import Dict, NamedTuple, Optional, Sequence
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options
+from sgl_kernel.fp8_blocks import QBLOCK, check_block_scale
+
+__all__ = ["MoEAlignment", "moe_align", "max_padded_pairs", "moe_grouped_gemm",
+           "moe_grouped_gemm_reference", "launch_config", "config_key", "CONFIG_PATH",
+           "DEFAULT_CONFIG", "load_config_table", "LaunchConfig"]
+
+CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "moe_grouped_gemm.json")
+
+
+class MoEAlignment(NamedTuple):
+    """The expert-sorted pair list of one batch's routes (all on the routes' device).
+
+    ``sorted_pairs [max_padded]`` int32: pair ids grouped by expert (stable within an expert),
+    each group padded to a multiple of ``block_m`` with the sentinel ``num_pairs``;
+    ``block_expert [max_padded // block_m]`` int32: the expert of every ``block_m``-row block
+    (-1 past the used blocks); ``num_blocks [1]`` int32: how many blocks are used."""
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    num_blocks: torch.Tensor
+    block_m: int
+    num_pairs: int
+    num_experts: int
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of the padded list in the worst case: at most ``min(E, P)`` groups are non-empty,
+    each padded by at most ``block_m - 1``; the total is a multiple of ``block_m``."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return bound // block_m * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """Sort the pairs ``p = t * k + slot`` of ``topk_ids [T, k]`` by expert and pad each expert's
+    group to a multiple of ``block_m`` (see :class:`MoEAlignment`).
+
+    Torch ops only and no value read on the host (counts by ``scatter_add_``, not
+    ``bincount``, whose CUDA form reads the maximum on the host): capturable in a CUDA graph.
+    Output sizes depend on ``T * k``, ``num_experts`` and ``block_m`` only."""
+    if topk_ids.dim() != 2 or block_m < 1 or num_experts < 1:
+        raise ValueError(f"moe_align: expected topk_ids [T, k], num_experts >= 1, block_m >= 1; "
+                         f"got {tuple(topk_ids.shape)}, {num_experts}, {block_m}")
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    p = flat.numel()
+    padded_len = max_padded_pairs(p, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    start = counts.cumsum(0) - counts  # first sorted position of each expert
+    order = torch.argsort(flat, stable=True)  # pair ids in expert order
+    expert_of = flat[order]
+    # Sorted position i of expert e moves to e's padded group at the same offset i - start[e].
+    dest = (padded_end - padded)[expert_of] + torch.arange(p, device=dev) - start[expert_of]
+    sorted_pairs = torch.full((padded_len,), p, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    # A block's expert: the first whose padded group ends after the block's first row.
+    first_row = torch.arange(0, padded_len, block_m, device=dev)
+    block_expert = torch.searchsorted(padded_end, first_row, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    num_blocks = (padded_end[-1:] // block_m).to(torch.int32)
+    return MoEAlignment(sorted_pairs, block_expert, num_blocks, block_m, p, num_experts)
+
+
+@triton.jit
+def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, nblk_ptr,
+                             N, K, num_pairs, rows_per_x, max_blocks,
+                             stride_x, stride_we, stride_wn, stride_o,
+                             stride_se, stride_sn, stride_sk, up_row, up_scale_row, limit,
+                             SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                             HAS_SCALE: tl.constexpr, QB: tl.constexpr, DOT_PREC: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+    # Swizzle: GROUP_M row blocks sweep the column tiles together, so their A rows and the
+    # weight tiles they share stay in L2 (GROUP_M = 1: a row block's column tiles in a row).
+    pid = tl.program_id(0)
+    tiles_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * tiles_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(max_blocks - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+    if pid_m >= tl.load(nblk_ptr):  # past the blocks this batch uses (sizes are worst-case)
+        return
+    expert = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    valid = pairs < num_pairs  # padding rows: sentinel ids, neither read nor written
+    rows = (pairs // rows_per_x).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + rows[:, None] * stride_x + offs_k[None, :]
+    # The weight tile as [BLOCK_K, BLOCK_N] (K contiguous): w[e]^T without a copy.
+    b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn \
+        + offs_k[:, None]
+    s_gate = s_ptr + expert * stride_se + (offs_n // QB) * stride_sn
+    s_up = s_gate + up_scale_row * stride_sn  # the up half's block rows follow the gate half's
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        mask_b = mask_k[:, None] & mask_n[None, :]
+        b = tl.load(b_ptrs, mask=mask_b, other=0.0).to(a.dtype)  # e4m3 -> x's dtype: exact
+        if HAS_SCALE:  # this K slice lies in one scale column: scale its sum per output row
+            col = (k0 // QB) * stride_sk
+            acc += tl.dot(a, b, input_precision=DOT_PREC) * tl.load(
+                s_gate + col, mask=mask_n, other=0.0)[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        if SWIGLU:  # the up rows of the same columns, up_row rows further on
+            b_up = tl.load(b_ptrs + up_row, mask=mask_b, other=0.0).to(a.dtype)
+            if HAS_SCALE:
+                acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * tl.load(
+                    s_up + col, mask=mask_n, other=0.0)[None, :]
+            else:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K
+        b_ptrs += BLOCK_K
+    if SWIGLU:
+        # As the unfused path: gate and up rounded to the model dtype, then SwiGLU in fp32.
+        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        act = gate * tl.sigmoid(gate)
+        if HAS_LIMIT:
+            act = tl.minimum(act, limit)
+            up = tl.minimum(tl.maximum(up, -limit), limit)
+        acc = act * up
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
+    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+
+
+# ------------------------------------------------------------------------------ launch configs
+# Without a table entry for the device and shape: 64-row blocks (a prefill chunk's experts hold
+# tens of rows each), 128 output columns, BLOCK_K 64 (128 in fp8: one scale block per step).
+DEFAULT_CONFIG = LaunchConfig(block_n=128, block_k=64, num_warps=4, num_stages=3, block_m=64,
+                              group_m=1)
+_FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+
+
+def config_key(num_experts: int, n: int, k: int, fp8: bool) -> str:
+    """The table's key of a weight ``[E, N, K]`` in bf16 or block fp8."""
+    return f"E={num_experts},N={n},K={k},dtype={'fp8' if fp8 else 'bf16'}"
+
+
+@functools.lru_cache(maxsize=8)
+def load_config_table(path: str = CONFIG_PATH) -> Dict[str, dict]:
+    """``{device name: {config_key: {pairs bucket (str): config fields}}}`` from ``path``
+    (keys starting with ``_`` are notes); an absent file is an empty table."""
+    if not os.path.exists(path):
+        return {}
+    with open(path) as f:
+        table = json.load(f)
+    return {dev: shapes for dev, shapes in table.items()
+            if not dev.startswith("_") and isinstance(shapes, dict)}
+
+
+@functools.lru_cache(maxsize=16)
+def _device_name(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def _from_fields(fields: dict) -> LaunchConfig:
+    return LaunchConfig(block_n=int(fields["block_n"]), block_k=int(fields["block_k"]),
+                        num_warps=int(fields["num_warps"]), num_stages=int(fields["num_stages"]),
+                        block_m=int(fields["block_m"]), group_m=int(fields.get("group_m", 1)))
+
+
+def config_fields(cfg: LaunchConfig) -> dict:
+    """The table's record of ``cfg``."""
+    return {name: getattr(cfg, name) for name in _FIELDS}
+
+
+def launch_config(num_experts: int, n: int, k: int, pairs: int, fp8: bool = False,
+                  device: Optional[torch.device] = None, swiglu: bool = False,
+                  table_path: str = CONFIG_PATH) -> LaunchConfig:
+    """Tiles of :func:`moe_grouped_gemm` for a weight ``[E, N, K]`` (N counts the gate and up
+    rows of a SwiGLU weight) and ``pairs`` (token, expert) pairs.
+
+    From the table at ``table_path`` under the CUDA device's name and :func:`config_key`: the
+    entry of the pair bucket nearest ``pairs`` on a log scale (the sweep times powers of two).
+    Without an entry, :data:`DEFAULT_CONFIG` (BLOCK_K 128 in fp8); under Triton's CPU interpreter,
+    whose cost is per program and per op, 16-row blocks and whole-width column / K tiles (at most
+    128 wide)."""
+    out_cols = n // 2 if swiglu else n
+    if INTERPRETED or device is None or torch.device(device).type != "cuda":
+        return LaunchConfig(block_n=min(triton.next_power_of_2(max(out_cols, 16)), 128),
+                            block_k=min(triton.next_power_of_2(max(k, 16)), 128),
+                            block_m=16, group_m=1)
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    buckets = load_config_table(table_path).get(_device_name(index), {}).get(
+        config_key(num_experts, n, k, fp8))
+    if buckets:
+        best = min(buckets, key=lambda b: abs(math.log(max(int(b), 1)) - math.log(max(pairs, 1))))
+        return _from_fields(buckets[best])
+    return DEFAULT_CONFIG._replace(block_k=QBLOCK) if fp8 else DEFAULT_CONFIG
+
+
+def _check_config(cfg: LaunchConfig, fp8: bool) -> None:
+    for name in ("block_m", "block_n", "block_k"):
+        val = getattr(cfg, name)
+        if val is None or val < 16 or val & (val - 1):
+            raise ValueError(f"moe_grouped_gemm: {name} must be a power of two >= 16 (tl.dot), "
+                             f"got {val}")
+    if fp8 and QBLOCK % cfg.block_k:
+        raise ValueError(f"moe_grouped_gemm: a block-fp8 K slice must lie in one scale block "
+                         f"(block_k dividing {QBLOCK}), got {cfg.block_k}")
+    if cfg.group_m < 1:
+        raise ValueError(f"moe_grouped_gemm: group_m must be >= 1, got {cfg.group_m}")
+
+
+def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, rows_per_x: int,
+                     swiglu: bool, swiglu_limit: float = 0.0,
+                     w_scale: Optional[torch.Tensor] = None,
+                     config: Optional[LaunchConfig] = None,
+                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``out [P, N_out]`` (x's dtype) with ``out[p] = w[e_p] @ x[p // rows_per_x]`` for every
+    pair of ``align`` (:func:`moe_align` of the routes), or with ``swiglu`` the clamped SwiGLU of
+    ``[gate; up] = w[e_p] @ x[..]`` (``N_out = N / 2``; ``swiglu_limit`` 0 = no clamp).
+
+    ``x [P / rows_per_x, K]`` and ``w [E, N, K]`` with contiguous last dims (any expert / row
+    stride: a TP slice works). ``w`` in x's dtype, or ``float8_e4m3fn`` with its fp32 block scales
+    ``w_scale`` (:mod:`sgl_kernel.fp8_blocks`; SwiGLU: gate and up on their own grids).
+    ``config`` defaults to :func:`launch_config` with ``align.block_m``; a given one must have
+    ``align``'s ``block_m``. Sentinel rows are never written; every pair's row is."""
+    e, n, k = w.shape if w.dim() == 3 else (None, None, None)
+    if x.dim() != 2 or w.dim() != 3 or x.shape[1] != k:
+        raise ValueError(f"moe_grouped_gemm: expected x [M, K], w [E, N, K]; got "
+                         f"{tuple(x.shape)}, {tuple(w.shape)}")
+    p = align.num_pairs
+    if rows_per_x < 1 or x.shape[0] * rows_per_x != p or align.num_experts != e:
+        raise ValueError(f"moe_grouped_gemm: x has {x.shape[0]} rows x rows_per_x {rows_per_x} "
+                         f"for {p} aligned pairs of {align.num_experts} experts (w has {e})")
+    if x.stride(1) != 1 or w.stride(2) != 1:
+        raise ValueError("moe_grouped_gemm: the last dims of x and w must be contiguous")
+    fp8 = w.dtype == torch.float8_e4m3fn
+    if fp8 != (w_scale is not None) or (not fp8 and w.dtype != x.dtype):
+        raise ValueError(f"moe_grouped_gemm: w must be x's dtype ({x.dtype}) or float8_e4m3fn "
+                         f"with its block scales, got {w.dtype} (w_scale given: "
+                         f"{w_scale is not None})")
+    if swiglu and n % 2:
+        raise ValueError(f"moe_grouped_gemm: SwiGLU needs [gate; up] rows, got {n} rows")
+    n_out = n // 2 if swiglu else n
+    if fp8:
+        check_block_scale(w, w_scale, n_out if swiglu else None, "moe_grouped_gemm w")
+    if out is None:
+        out = torch.empty(p, n_out, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (p, n_out) or out.stride(1) != 1 or out.dtype != x.dtype:
+        raise ValueError(f"moe_grouped_gemm: out must be [{p}, {n_out}] {x.dtype} with a "
+                         f"contiguous last dim, got {tuple(out.shape)} {out.dtype}")
+    if config is None:
+        config = launch_config(e, n, k, p, fp8, x.device, swiglu)._replace(block_m=align.block_m)
+    elif config.block_m != align.block_m:
+        raise ValueError(f"moe_grouped_gemm: config.block_m {config.block_m} != the alignment's "
+                         f"{align.block_m}")
+    _check_config(config, fp8)
+    max_blocks = align.block_expert.shape[0]
+    if p == 0 or n_out == 0 or max_blocks == 0:
+        return out
+    scale = w_scale if fp8 else _placeholder(x.device)
+    limit = float(swiglu_limit)
+    # fp32 operands: full-precision products (Triton's default on CUDA would be TF32).
+    prec = "ieee" if x.dtype == torch.float32 else None
+    grid = (max_blocks * triton.cdiv(n_out, config.block_n),)
+    _moe_grouped_gemm_kernel[grid](
+        x, w, scale, out, align.sorted_pairs, align.block_expert, align.num_blocks,
+        n_out, k, p, rows_per_x, max_blocks, x.stride(0), w.stride(0), w.stride(1),
+        out.stride(0), scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
+        scale.stride(2) if fp8 else 0, n_out * w.stride(1), -(-n_out // QBLOCK), limit,
+        SWIGLU=swiglu, HAS_LIMIT=swiglu and limit > 0, HAS_SCALE=fp8, QB=QBLOCK, DOT_PREC=prec,
+        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+        GROUP_M=config.group_m, **compiler_options(config.num_warps, config.num_stages))
+    return out
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def _placeholder(device: torch.device) -> torch.Tensor:
+    """An fp32 tensor to pass where the scale pointer is never read."""
+    key = str(device)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(1, 1, 1, dtype=torch.float32, device=device)
+    return _PLACEHOLDERS[key]
+
+
+def _dequantize_fp32(q: torch.Tensor, scale: torch.Tensor, pieces: Sequence[int]) -> torch.Tensor:
+    """``q * scale`` in fp32 for ``q [.., N, K]`` whose rows are ``pieces`` each on its own
+    128 x 128 grid (the layout of :mod:`sgl_kernel.fp8_blocks`)."""
+    rows = torch.cat([torch.arange(size, device=q.device) // QBLOCK + sum(
+        -(-prev // QBLOCK) for prev in pieces[:i]) for i, size in enumerate(pieces)])
+    cols = torch.arange(q.shape[-1], device=q.device) // QBLOCK
+    return q.float() * scale[..., rows, :][..., cols]
+
+
+def moe_grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, *,
+                               rows_per_x: int, swiglu: bool, swiglu_limit: float = 0.0,
+                               w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Plain-torch :func:`moe_grouped_gemm` over the routes ``topk_ids [T, k]`` (pair ``p`` =
+    ``t * k + slot``): per pair the expert's weight (block fp8: ``q * scale`` in fp32) times its
+    row of x in fp32, rounded to x's dtype; with ``swiglu`` the gate and up halves are rounded,
+    then ``min(silu(gate), limit) * clamp(up, -limit, limit)`` (no clamp at 0) in fp32, rounded
+    once (``sglang.srt.layers.activation.silu_and_mul``)."""
+    ids = topk_ids.reshape(-1).long()
+    weights = w[ids]
+    if w_scale is not None:
+        n = w.shape[1]
+        weights = _dequantize_fp32(weights, w_scale[ids], [n // 2, n // 2] if swiglu else [n])
+    rows = x.repeat_interleave(rows_per_x, dim=0) if rows_per_x > 1 else x
+    h = torch.einsum("pnk,pk->pn", weights.float(), rows.float()).to(x.dtype)
+    if not swiglu:
+        return h
+    i = h.shape[1] // 2
+    gate, up = h[:, :i].float(), h[:, i:].float()
+    act = torch.nn.functional.silu(gate)
+    if swiglu_limit > 0:
+        act = act.clamp(max=swiglu_limit)
+        up = up.clamp(-swiglu_limit, swiglu_limit)
+    return (act * up).to(x.dtype)
