@@ -52,6 +52,29 @@ def test_grouped_gemv_sweep_runs_and_ranks_configs():
         assert "2 tokens (4 pairs" in table, table
 
 
+def test_moe_grouped_gemm_sweep_runs_and_writes_its_table(tmp_path):
+    """benchmark/kernels/tune_moe_grouped_gemm.py on tiny shapes in the interpreter (about 10 s):
+    every config checked against the fp32 reference, a winner per format, projection and pair
+    bucket merged into the --output table in the format moe_grouped_gemm.launch_config reads."""
+    out = tmp_path / "table.json"
+    out.write_text(json.dumps({"Other GPU": {"kept": {}}}))
+    stdout = _run("kernels/tune_moe_grouped_gemm.py", "--experts", "6", "--hidden", "64",
+                  "--intermediate", "48", "--topk", "2", "--tokens", "8", "--block-m", "16",
+                  "--block-n", "32", "--block-k", "32", "--group-m", "1", "4", "--num-warps",
+                  "4", "--num-stages", "1", "--iters", "1", "--output", str(out),
+                  TRITON_INTERPRET="1")
+    table = json.loads(out.read_text())
+    assert table["Other GPU"] == {"kept": {}}
+    shapes = table["CPU (Triton interpreter)"]
+    assert sorted(shapes) == sorted(f"E=6,N={n},K={k},dtype={d}" for n, k in ((96, 64), (64, 48))
+                                    for d in ("bf16", "fp8"))
+    for buckets in shapes.values():
+        assert list(buckets) == ["16"]
+        assert set(buckets["16"]) == {"block_m", "block_n", "block_k", "group_m", "num_warps",
+                                      "num_stages"}
+    assert len(re.findall(r"^\| (bf16|fp8) \| (up|down) \| ", stdout, re.MULTILINE)) == 4
+
+
 @pytest.mark.slow  # the interpreter
 def test_small_m_gemm_sweep_runs_and_compares_with_the_library():
     """benchmark/kernels/tune_small_m_gemm.py on one scaled-down shape in the interpreter: the

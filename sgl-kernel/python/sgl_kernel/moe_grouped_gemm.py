@@ -56,7 +56,7 @@ from sgl_kernel.fp8_blocks import QBLOCK, check_block_scale
 
 __all__ = ["MoEAlignment", "moe_align", "max_padded_pairs", "moe_grouped_gemm",
            "moe_grouped_gemm_reference", "launch_config", "config_key", "CONFIG_PATH",
-           "DEFAULT_CONFIG", "load_config_table", "LaunchConfig"]
+           "DEFAULT_CONFIG", "load_config_table", "config_fields", "LaunchConfig"]
 
 CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "moe_grouped_gemm.json")
 

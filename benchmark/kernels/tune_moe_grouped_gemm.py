@@ -1,0 +1,210 @@
+"""Sweep of ``sgl_kernel.moe_grouped_gemm`` tile configs on Ling-3.0-flash's expert shapes; writes
+the per-GPU table that ``moe_grouped_gemm.launch_config`` reads.
+
+    python benchmark/kernels/tune_moe_grouped_gemm.py [--dtype bf16 fp8] \\
+        [--tokens 128 256 512 1024 2048 4096 8192] [--output PATH] [--iters 20]
+
+For each weight format (bf16, block fp8), projection (the up-projection with its SwiGLU epilogue,
+``W13 [E, 2I, H]``; the down-projection, ``W2 [E, H, I]``) and batch (``--tokens`` x top-k pairs,
+uniform random routing over the E experts), every (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps,
+num_stages) of the grid is checked against a per-expert fp32 torch reference and timed as a CUDA
+graph replay of one launch (median of ``--iters`` replays, CUDA events; the experts' bytes, GBs
+at Ling's size, are far beyond L2, so every call streams them from HBM). The fastest config of
+every pair bucket goes into ``--output`` under ``torch.cuda.get_device_name()`` and
+``moe_grouped_gemm.config_key(E, N, K, dtype)``, merged into what the file already holds (other
+GPUs, shapes, buckets stay); default: the table shipped in the package. A markdown table of the
+winners against the fallback config is printed.
+
+Without CUDA (``TRITON_INTERPRET=1``, fp32, wall-clock times, pass tiny ``--experts`` /
+``--hidden`` / ``--intermediate``) it is only a smoke run of the script.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import os
+import statistics
+import time
+from typing import Callable, Dict, List, Optional, Tuple
+
+import torch
+
+from cold_l2 import kernel_bench_device  # benchmark/kernels/cold_l2.py
+from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, block_quantize
+from sgl_kernel.moe_grouped_gemm import (CONFIG_PATH, DEFAULT_CONFIG, LaunchConfig, config_fields,
+                                         config_key, moe_align, moe_grouped_gemm)
+
+
+def label(cfg: LaunchConfig) -> str:
+    """``BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/num_warps/num_stages``."""
+    return "/".join(str(v) for v in (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
+                                     cfg.num_warps, cfg.num_stages))
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor], ids: torch.Tensor,
+              rows_per_x: int, swiglu: bool, limit: float) -> torch.Tensor:
+    """fp32 per-expert loop (a host sync per expert is fine here): ``[P, N_out]`` in fp32, with
+    the kernel's roundings of gate and up to x's dtype before the SwiGLU."""
+    flat = ids.reshape(-1)
+    n = w.shape[1]
+    out = torch.empty(flat.numel(), n // 2 if swiglu else n, device=x.device)
+    for e in torch.unique(flat).tolist():
+        pairs = torch.nonzero(flat == e).flatten()
+        we = w[e].float() if scale is None else block_dequantize(
+            w[e], scale[e], torch.float32, n // 2 if swiglu else None)
+        h = x[pairs // rows_per_x].float() @ we.t()
+        if swiglu:
+            gate, up = h[:, :n // 2].to(x.dtype).float(), h[:, n // 2:].to(x.dtype).float()
+            act = torch.nn.functional.silu(gate)
+            if limit > 0:
+                act, up = act.clamp(max=limit), up.clamp(-limit, limit)
+            h = act * up
+        out[pairs] = h
+    return out
+
+
+def time_us(fn: Callable[[], object], iters: int, on_cuda: bool) -> float:
+    """Median microseconds of ``fn()``: a CUDA graph of one call replayed ``iters`` times, each
+    replay between CUDA events (no launch overhead); wall clock off CUDA (smoke runs)."""
+    fn()
+    if not on_cuda:
+        start = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return 1e6 * (time.perf_counter() - start) / iters
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    graph.replay()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        s.record()
+        graph.replay()
+        e.record()
+    torch.cuda.synchronize()
+    return 1000.0 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--dtype", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"],
+                   help="expert weight formats to sweep (activations stay bf16)")
+    p.add_argument("--tokens", type=int, nargs="+",
+                   default=[128, 256, 512, 1024, 2048, 4096, 8192],
+                   help="tokens per batch; pairs = tokens x top-k are the table's buckets")
+    p.add_argument("--proj", nargs="+", choices=["up", "down"], default=["up", "down"])
+    p.add_argument("--experts", type=int, default=512)
+    p.add_argument("--hidden", type=int, default=2560)
+    p.add_argument("--intermediate", type=int, default=768, help="per TP rank")
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--limit", type=float, default=7.0, help="SwiGLU clamp of the up-projection")
+    p.add_argument("--block-m", type=int, nargs="+", default=[16, 32, 64, 128])
+    p.add_argument("--block-n", type=int, nargs="+", default=[64, 128, 256])
+    p.add_argument("--block-k", type=int, nargs="+", default=[64, 128])
+    p.add_argument("--group-m", type=int, nargs="+", default=[1, 8])
+    p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
+    p.add_argument("--num-stages", type=int, nargs="+", default=[3, 4])
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--output", default=CONFIG_PATH,
+                   help="JSON table to merge the winners into (default: the packaged table)")
+    p.add_argument("--dry-run", action="store_true", help="print the table, write nothing")
+    args = p.parse_args()
+
+    dev, act_dtype = kernel_bench_device("tune_moe_grouped_gemm")
+    on_cuda = dev == "cuda"
+    device_name = torch.cuda.get_device_name() if on_cuda else "CPU (Triton interpreter)"
+    e, h, i, k = args.experts, args.hidden, args.intermediate, args.topk
+    grid = [LaunchConfig(block_n=bn, block_k=bk, num_warps=nw, num_stages=ns, block_m=bm,
+                         group_m=gm)
+            for bm, bn, bk, gm, nw, ns in itertools.product(
+                args.block_m, args.block_n, args.block_k, args.group_m, args.num_warps,
+                args.num_stages)]
+    print(f"{device_name}, E={e} H={h} I={i} top-{k}, activations {act_dtype}, {len(grid)} "
+          f"configs, median of {args.iters} graph replays; config = "
+          f"BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/num_warps/num_stages")
+    torch.manual_seed(0)
+    winners: Dict[str, Dict[str, dict]] = {}
+    rows: List[Tuple] = []
+    for fmt in args.dtype:
+        fp8 = fmt == "fp8"
+        for proj in args.proj:
+            swiglu = proj == "up"
+            n, kk = (2 * i, h) if swiglu else (h, i)
+            w = torch.randn(e, n, kk, device=dev) / kk ** 0.5
+            scale = None
+            if fp8:
+                w, scale = block_quantize(w, i if swiglu else None)
+            else:
+                w = w.to(act_dtype)
+            key = config_key(e, n, kk, fp8)
+            fallback = DEFAULT_CONFIG._replace(block_k=QBLOCK) if fp8 else DEFAULT_CONFIG
+            for tokens in args.tokens:
+                pairs = tokens * k
+                ids = torch.rand(tokens, e, device=dev).argsort(-1)[:, :k]
+                x = torch.randn(tokens if swiglu else pairs, kk, device=dev).to(act_dtype)
+                rows_per_x = k if swiglu else 1
+                ref = reference(x, w, scale, ids, rows_per_x, swiglu, args.limit)
+                aligns = {}
+                results = []
+                for cfg in [fallback] + [c for c in grid if c != fallback]:
+                    if cfg.block_m not in aligns:
+                        aligns[cfg.block_m] = moe_align(ids, e, cfg.block_m)
+                    out = torch.empty(pairs, ref.shape[1], dtype=act_dtype, device=dev)
+
+                    def run(cfg=cfg, out=out):
+                        return moe_grouped_gemm(x, w, aligns[cfg.block_m], rows_per_x=rows_per_x,
+                                                swiglu=swiglu, swiglu_limit=args.limit,
+                                                w_scale=scale, config=cfg, out=out)
+                    try:
+                        run()
+                    except Exception as exc:  # out of shared memory / registers, bad fp8 tile
+                        if cfg == fallback:
+                            raise
+                        print(f"  skip {fmt} {proj} {label(cfg)}: {type(exc).__name__}")
+                        continue
+                    err = float((out.float() - ref).abs().max() / ref.abs().max())
+                    if err > 2e-2:
+                        raise SystemExit(f"{fmt} {proj} {label(cfg)} at {pairs} pairs: rel. "
+                                         f"error {err:.2e} vs the fp32 reference")
+                    results.append((time_us(run, args.iters, on_cuda), cfg, err))
+                fallback_us = results[0][0]
+                best_us, best, err = min(results, key=lambda r: r[0])
+                winners.setdefault(key, {})[str(pairs)] = config_fields(best)
+                flops = 2 * pairs * n * kk
+                rows.append((fmt, proj, key, pairs, label(best), best_us,
+                             flops / best_us / 1e6, fallback_us, err))
+                print(f"  {fmt} {proj} {pairs} pairs: best {label(best)} {best_us:.1f} us "
+                      f"(fallback {fallback_us:.1f} us)", flush=True)
+
+    print("\n| weights | proj | shape | pairs | best config | us | TFLOP/s | fallback us | "
+          "speedup | rel. err |\n|---|---|---|---|---|---|---|---|---|---|")
+    for fmt, proj, key, pairs, cfg, us, tflops, fb, err in rows:
+        print(f"| {fmt} | {proj} | {key} | {pairs} | {cfg} | {us:.1f} | {tflops:.1f} | "
+              f"{fb:.1f} | {fb / us:.2f}x | {err:.1e} |")
+    if args.dry_run:
+        return
+    table: dict = {}
+    if os.path.exists(args.output):
+        with open(args.output) as f:
+            table = json.load(f)
+    shapes = table.setdefault(device_name, {})
+    for key, buckets in winners.items():
+        shapes.setdefault(key, {}).update(buckets)
+        shapes[key] = dict(sorted(shapes[key].items(), key=lambda kv: int(kv[0])))
+    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
+    with open(args.output, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+    print(f"\nwrote {sum(len(b) for b in winners.values())} entries for {device_name!r} to "
+          f"{args.output}")
+
+
+if __name__ == "__main__":
+    main()
