@@ -31,9 +31,9 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from cold_l2 import kernel_bench_device  # benchmark/kernels/cold_l2.py
-from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, block_quantize
-from sgl_kernel.moe_grouped_gemm import (CONFIG_PATH, DEFAULT_CONFIG, LaunchConfig, config_fields,
-                                         config_key, moe_align, moe_grouped_gemm)
+from sgl_kernel.fp8_blocks import block_dequantize, block_quantize
+from sgl_kernel.moe_grouped_gemm import (CONFIG_PATH, LaunchConfig, config_fields, config_key,
+                                         fallback_config, moe_align, moe_grouped_gemm)
 
 
 def label(cfg: LaunchConfig) -> str:
@@ -144,9 +144,9 @@ def main() -> None:
             else:
                 w = w.to(act_dtype)
             key = config_key(e, n, kk, fp8)
-            fallback = DEFAULT_CONFIG._replace(block_k=QBLOCK) if fp8 else DEFAULT_CONFIG
             for tokens in args.tokens:
                 pairs = tokens * k
+                fallback = fallback_config(e, pairs, fp8)
                 ids = torch.rand(tokens, e, device=dev).argsort(-1)[:, :k]
                 x = torch.randn(tokens if swiglu else pairs, kk, device=dev).to(act_dtype)
                 rows_per_x = k if swiglu else 1

@@ -208,8 +208,10 @@ def test_launch_config_table_lookup(mgg, tmp_path, monkeypatch):
 
     assert pick(2048).block_m == 32 and pick(2048).group_m == 4
     assert pick(8192).block_m == 128 and pick(100).block_m == 32
-    assert pick(2048, fp8=True) == mgg.DEFAULT_CONFIG._replace(block_k=128)
-    assert pick(2048, n=1024) == mgg.DEFAULT_CONFIG
+    # No entry: the fallback, its row block sized to the mean group (2048 / 512 = 4 rows).
+    assert pick(2048, fp8=True) == mgg.DEFAULT_CONFIG._replace(block_k=128, block_m=16)
+    assert pick(65536, n=1024) == mgg.DEFAULT_CONFIG
+    assert pick(16384, n=1024).block_m == 32
     monkeypatch.setattr(mgg, "INTERPRETED", True)
     small = mgg.launch_config(6, 96, 64, 40, device=torch.device("cpu"), swiglu=True)
     assert (small.block_m, small.block_n, small.block_k) == (16, 64, 64)

@@ -55,8 +55,8 @@ from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options
 from sgl_kernel.fp8_blocks import QBLOCK, check_block_scale
 
 __all__ = ["MoEAlignment", "moe_align", "max_padded_pairs", "moe_grouped_gemm",
-           "moe_grouped_gemm_reference", "launch_config", "config_key", "CONFIG_PATH",
-           "DEFAULT_CONFIG", "load_config_table", "config_fields", "LaunchConfig"]
+           "moe_grouped_gemm_reference", "launch_config", "fallback_config", "config_key",
+           "config_fields", "load_config_table", "CONFIG_PATH", "DEFAULT_CONFIG", "LaunchConfig"]
 
 CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "moe_grouped_gemm.json")
 
@@ -187,10 +187,20 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, 
 
 # ------------------------------------------------------------------------------ launch configs
 # Without a table entry for the device and shape: 64-row blocks (a prefill chunk's experts hold
-# tens of rows each), 128 output columns, BLOCK_K 64 (128 in fp8: one scale block per step).
+# tens of rows each), 128 output columns, BLOCK_K 64 (128 in fp8: one scale block per step);
+# see fallback_config for the row block of smaller batches.
 DEFAULT_CONFIG = LaunchConfig(block_n=128, block_k=64, num_warps=4, num_stages=3, block_m=64,
                               group_m=1)
 _FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+
+
+def fallback_config(num_experts: int, pairs: int, fp8: bool) -> LaunchConfig:
+    """:data:`DEFAULT_CONFIG` (BLOCK_K 128 in fp8) with a row block no taller than the mean
+    group needs (16..64 rows): at a few pairs per expert a 64-row block would be mostly
+    padding, multiplied all the same."""
+    per_expert = triton.next_power_of_2(max(-(-pairs // max(num_experts, 1)), 1))
+    return DEFAULT_CONFIG._replace(block_m=min(max(per_expert, 16), DEFAULT_CONFIG.block_m),
+                                   block_k=QBLOCK if fp8 else DEFAULT_CONFIG.block_k)
 
 
 def config_key(num_experts: int, n: int, k: int, fp8: bool) -> str:
@@ -234,7 +244,7 @@ def launch_config(num_experts: int, n: int, k: int, pairs: int, fp8: bool = Fals
 
     From the table at ``table_path`` under the CUDA device's name and :func:`config_key`: the
     entry of the pair bucket nearest ``pairs`` on a log scale (the sweep times powers of two).
-    Without an entry, :data:`DEFAULT_CONFIG` (BLOCK_K 128 in fp8); under Triton's CPU interpreter,
+    Without an entry, :func:`fallback_config`; under Triton's CPU interpreter,
     whose cost is per program and per op, 16-row blocks and whole-width column / K tiles (at most
     128 wide)."""
     out_cols = n // 2 if swiglu else n
@@ -249,7 +259,7 @@ def launch_config(num_experts: int, n: int, k: int, pairs: int, fp8: bool = Fals
     if buckets:
         best = min(buckets, key=lambda b: abs(math.log(max(int(b), 1)) - math.log(max(pairs, 1))))
         return _from_fields(buckets[best])
-    return DEFAULT_CONFIG._replace(block_k=QBLOCK) if fp8 else DEFAULT_CONFIG
+    return fallback_config(num_experts, pairs, fp8)
 
 
 def _check_config(cfg: LaunchConfig, fp8: bool) -> None:
