@@ -267,8 +267,8 @@ def _extend(runner, slot: int, ids: List[int], prefix: int) -> torch.Tensor:
     """One extend of ``ids`` after ``prefix`` cached tokens; logits of every new position."""
     loc = runner.token_to_kv_pool_allocator.alloc(len(ids))
     runner.req_to_token_pool.write(slot, prefix, loc)
-    fb = ForwardBatch.for_extend(torch.tensor(ids), [slot], [prefix], [len(ids)], loc,
-                                 return_full_logits=True)
+    fb = ForwardBatch.for_extend(torch.tensor(ids, device=runner.device), [slot], [prefix],
+                                 [len(ids)], loc, return_full_logits=True)
     return runner.forward(fb).next_token_logits
 
 
@@ -277,8 +277,8 @@ def _greedy(runner, slot: int, first: torch.Tensor, seq_len: int) -> Tuple[List[
     for i in range(DECODE_STEPS):
         loc = runner.token_to_kv_pool_allocator.alloc(1)
         runner.req_to_token_pool.write(slot, seq_len + i, loc)
-        fb = ForwardBatch.for_decode(token, torch.tensor([slot]), torch.tensor([seq_len + i + 1]),
-                                     loc)
+        fb = ForwardBatch.for_decode(token, torch.tensor([slot], device=runner.device),
+                                     torch.tensor([seq_len + i + 1], device=runner.device), loc)
         tokens.append(int(token))
         logits.append(runner.forward(fb).next_token_logits)
         token = logits[-1].argmax(-1)

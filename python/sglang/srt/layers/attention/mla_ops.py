@@ -152,14 +152,17 @@ def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     (causal mask aligned bottom-right). Returns ``[Tq, H, v_dim]`` (``v_dim`` defaults to
     ``Dv``; channels past it are dropped, for a zero-padded ``v``) in q's dtype, a view.
 
-    Kernel choice (torch 2.x, CUDA, bf16/fp16): the flash kernel needs q, k and v to share one
-    head dim (<= 256), which MLA's 192 (q/k) vs 128 (v) does not; the memory-efficient kernel
-    takes the unequal dims. The caller zero-pads ``v`` to ``D`` (192, a 1.5x wider P @ V inside
-    an already fused kernel) so that flash is eligible, and SDPA's own priority then picks
-    flash, else efficient, else math (CPU, fp32). No prefix: ``is_causal=True`` (square: the
-    usual mask, no mask tensor). With a prefix: ``causal_lower_right``, which SDPA dispatches to
-    flash (whose causal mask is bottom-right aligned) or to the efficient kernel's bottom-right
-    mask type, and only materialises a boolean mask for the math fallback.
+    Kernel choice (CUDA, bf16/fp16): torch's flash kernel needs q, k and v to share one head
+    dim (<= 256), which MLA's 192 (q/k) vs 128 (v) does not; the memory-efficient kernel takes
+    the unequal dims. The caller zero-pads ``v`` to ``D`` (192: a 1.5x wider P @ V inside an
+    already fused kernel) so that flash is eligible. No prefix: ``is_causal=True`` (square: the
+    usual mask, no mask tensor); torch 2.11 on an H200 then runs cuDNN's fused sm90 flash kernel
+    (padded or not: 1.67 vs 1.54 ms at 8192 tokens, 32 heads, expansion included; the absorbed
+    form: 41.7 ms). With a prefix: ``causal_lower_right``, which SDPA hands to flash (its
+    causal mask is bottom-right aligned) when the dims agree, else to the efficient kernel's
+    bottom-right mask (2048 tokens behind 8192: 1.98 ms padded on flash, 3.11 ms unpadded on
+    efficient; 8192 behind 30000: 22.8 vs 43.4 ms), and builds a boolean mask only for the math
+    fallback (CPU, fp32). Hence the padding.
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or q.shape[1:] != k.shape[1:] \
             or v.shape[:2] != k.shape[:2]:

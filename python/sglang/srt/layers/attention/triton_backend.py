@@ -9,7 +9,9 @@ the cache. The kernel's launch depends on shapes only, so the result does not
 depend on ``ForwardBatch.seq_lens_upper_bound`` (``width_independent``) and one CUDA graph per
 batch size serves every sequence length. Prefill-like extends, ``save_kv_cache=False`` (the new
 rows must be attended without being stored, which the kernel cannot see) and inputs the kernel
-cannot run (CPU tensors without Triton's interpreter, bf16 under it) take the torch path.
+cannot run (CPU tensors without Triton's interpreter, bf16 under it) take the torch path; long
+EXTEND batches take the inherited normal form (``forward_extend_normal``: decompressed keys and
+values through SDPA's fused kernels), short ones the torch absorbed form.
 """
 from __future__ import annotations
 
