@@ -1,0 +1,125 @@
+#!/usr/bin/env bash
+# Prefill and batched serving on one H200; one stage per run (each within 10 minutes), logs and
+# JSONL under $OUT.
+#   STAGE=kernels   the CUDA tests of the prefill kernels (MoE grouped GEMM, dense block-fp8 GEMM,
+#                   MLA prefill attention), the MoE grouped GEMM tile sweep (bf16 + fp8, written to
+#                   $OUT/moe_grouped_gemm.json for sgl-kernel/python/sgl_kernel/configs/) and the
+#                   dense fp8 GEMM benchmark
+#   STAGE=prefill12 bench_one_batch prefill of 1024 and 8192 tokens on the 12-layer dummy
+#                   Ling-3.0-flash in bf16, defaults vs the torch MoE (the per-expert loop), and
+#                   the prefill census of both at 1024 / 8192 tokens ($OUT/prefill_census.jsonl)
+#   STAGE=peer      transformers' bailing_hybrid (wheel in .whl_peer) on the 12-layer shape:
+#                   prefill of 1024 / 8192 tokens and decode steps, $OUT/hf_peer.jsonl
+#   STAGE=prefill42 the same on the whole 42-layer Ling-3.0-flash in block fp8
+#   STAGE=served    the seed's workload (random-ids 8192 in / 1024 out, concurrency 1, PROMPTS
+#                   prompts, default 4) against the fp8 42-layer server without speculation and
+#                   with NEXTN (SPECS, default "0 3"); one JSON line per run in $OUT/served.jsonl
+#   STAGE=conc      12-layer bf16 server (default flags), random-ids 1024 / 128 at concurrency
+#                   CONCS (default "1 4 16 64"); $OUT/conc.jsonl
+#   STAGE=gates     the gpu-marked graph gates (test/srt/test_cuda_graph_runner.py; GATES: others)
+set -uo pipefail
+source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names
+FLASH12="--model-path ling-3.0-flash --load-format dummy --json-model-override-args {\"num_hidden_layers\":12}"
+FLASH42="--model-path ling-3.0-flash --load-format dummy --quantization fp8 --mem-fraction-static 0.93 --context-length 9216"
+date -u; git log --oneline -1
+
+# bench_one_batch prefill lines of one process: "<label> <input_len> <prefill ms>".
+one_batch() {
+  local label=$1; shift
+  timeout ${OB_TIMEOUT:-200} python3 -m sglang.bench_one_batch "$@" --batch-size 1 \
+    --input-len ${LENS:-1024 8192} --output-len 4 --result-filename "$OUT/one_batch.jsonl" \
+    --run-name "$label" > "$OUT/one_batch_$label.log" 2>&1
+  grep -E "input_len|Prefill|Decode" "$OUT/one_batch_$label.log" | sed "s/^/$label: /"
+}
+
+census() {
+  local label=$1 len=$2; shift 2
+  timeout ${CENSUS_TIMEOUT:-200} python3 benchmark/batch1/prefill_census.py "$@" --prompt-len $len \
+    --label "$label $len" --result-filename "$OUT/prefill_census.jsonl" \
+    > "$OUT/census_${label}_$len.log" 2>&1
+  grep "^|" "$OUT/census_${label}_$len.log" | sed "s/^/$label $len: /"
+}
+
+serve() {  # serve PORT LOG ARGS...: start a server in its own process group, wait until ready
+  local port=$1 log=$2; shift 2
+  setsid python3 -m sglang.launch_server "$@" --port $port > "$log" 2>&1 &
+  SERVER=$!
+  trap 'kill -9 -- -$SERVER 2>/dev/null' EXIT
+  for i in $(seq 1 400); do
+    curl -sf localhost:$port/health > /dev/null && { echo "ready after ${i}s"; return 0; }
+    kill -0 $SERVER 2>/dev/null || { echo "server exited:"; tail -5 "$log"; return 1; }
+    sleep 1
+  done
+  return 1
+}
+
+stop_server() { kill -9 -- -$SERVER 2>/dev/null; sleep 3; }
+
+case "${STAGE:-kernels}" in
+kernels)
+  timeout 240 python3 -m pytest -q -m gpu test/kernels/test_moe_grouped_gemm.py \
+    test/kernels/test_fp8_gemm.py test/srt/test_mla_prefill.py 2>&1 | tee "$OUT/kernel_tests.log" | tail -4
+  # The packaged table is the output: $OUT gets a copy. A reduced grid (the compiles dominate).
+  for dt in ${SWEEP_DTYPES:-bf16 fp8}; do
+    bk="64 128"; [ $dt = fp8 ] && bk=128
+    timeout ${SWEEP_TIMEOUT:-200} python3 benchmark/kernels/tune_moe_grouped_gemm.py --dtype $dt \
+      --proj up down --tokens ${SWEEP_TOKENS:-128 1024 4096 8192} --block-m 32 64 128 \
+      --block-n 128 --block-k $bk --group-m 8 --num-warps 4 8 --num-stages 3 4 \
+      > "$OUT/moe_sweep_$dt.log" 2>&1; grep "^|" "$OUT/moe_sweep_$dt.log" | tail -20
+  done
+  cp sgl-kernel/python/sgl_kernel/configs/moe_grouped_gemm.json "$OUT/"
+  [ "${FP8BENCH:-1}" = 1 ] && { timeout 120 python3 benchmark/kernels/bench_fp8_gemm.py \
+    > "$OUT/fp8_gemm.log" 2>&1; grep "^|" "$OUT/fp8_gemm.log" | tail -25; }
+  ;;
+prefill12)
+  one_batch flash12-new $FLASH12
+  LENS=${OLD_LENS:-1024} one_batch flash12-torchmoe $FLASH12 --moe-runner-backend torch_native
+  for len in ${CENSUS_LENS:-1024 8192}; do census flash12-new $len $FLASH12 --disable-cuda-graph; done
+  ;;
+peer)  # transformers' bailing_hybrid on the 12-layer shape (its wheel staged in .whl_peer)
+  python3 -m pip install -q --no-index --no-deps --target /tmp/peer .whl_peer/*.whl 2>&1 | tail -1
+  PYTHONPATH=/tmp/peer:$PYTHONPATH timeout ${PEER_TIMEOUT:-200} python3 benchmark/batch1/hf_peer.py \
+    --json-model-override-args '{"num_hidden_layers": 12}' --prompt-len ${LENS:-1024 8192} \
+    --decode-steps 32 --result-filename "$OUT/hf_peer.jsonl" > "$OUT/hf_peer.log" 2>&1
+  grep -E "^\||transformers|kda|fla" "$OUT/hf_peer.log" | head -20
+  ;;
+prefill42)
+  one_batch flash42fp8-new $FLASH42 --max-running-requests 2
+  for len in ${LENS:-1024 8192}; do
+    census flash42fp8-new $len $FLASH42 --max-running-requests 2 --disable-cuda-graph
+  done
+  ;;
+served)
+  for steps in ${SPECS:-0 3}; do
+    spec=""; [ "$steps" != 0 ] && spec="--speculative-algorithm NEXTN --speculative-num-steps $steps"
+    echo "== fp8 42 layers, spec=$steps: $(serve 30710 "$OUT/server_fp8_$steps.log" $FLASH42 --cuda-graph-max-bs 4 $spec)"
+    timeout 200 python3 -m sglang.bench_serving --backend sglang --port 30710 \
+      --dataset-name random-ids --random-input-len 8192 --random-output-len 1024 \
+      --random-range-ratio 1.0 --num-prompts ${PROMPTS:-4} --max-concurrency 1 --disable-tqdm \
+      --output-file "$OUT/served.jsonl" 2>&1 | tee "$OUT/bench_fp8_$steps.log" \
+      | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Accept"
+    grep -E "request slots|pools:" "$OUT/server_fp8_$steps.log" | head -2
+    stop_server
+  done
+  ;;
+conc)
+  echo "== 12-layer bf16: $(serve 30711 "$OUT/server_conc.log" $FLASH12)"
+  grep -E "request slots|pools:" "$OUT/server_conc.log" | head -2
+  for c in ${CONCS:-1 4 16 64}; do
+    n=$(( c * 4 < 16 ? 16 : c * 4 ))
+    echo "-- concurrency $c ($n prompts)"
+    timeout 150 python3 -m sglang.bench_serving --backend sglang --port 30711 \
+      --dataset-name random-ids --random-input-len 1024 --random-output-len 128 \
+      --random-range-ratio 1.0 --num-prompts $n --max-concurrency $c --disable-tqdm \
+      --output-file "$OUT/conc.jsonl" 2>&1 | tee "$OUT/bench_conc_$c.log" \
+      | grep -E "Output token throughput|Mean TTFT|Mean TPOT"
+  done
+  stop_server
+  ;;
+gates)
+  timeout 540 python3 -m pytest -q -m gpu ${GATES:-test/srt/test_cuda_graph_runner.py} 2>&1 \
+    | tee "$OUT/gates.log" | tail -6
+  ;;
+*) echo "unknown STAGE=${STAGE}"; exit 2 ;;
+esac
+date -u
