@@ -192,3 +192,15 @@ def test_kda_recurrent_sweep_checks_bits_across_value_tiles():
                   TRITON_INTERPRET="1")
     rows = re.findall(r"^\| (\d+) \| (\d+)/4 [\d.]+ µs .*\| (True|False) \|", stdout, re.MULTILINE)
     assert [(c, eq) for c, _, eq in rows[-2:]] == [("1", "True"), ("3", "True")], stdout
+
+
+def test_fp8_gemm_benchmark_smoke_run():
+    """benchmark/kernels/bench_fp8_gemm.py on two scaled-down shapes in the interpreter: the
+    kernel is checked against the reference, each shape gets a row with every column and the
+    model total is printed."""
+    stdout = _run("kernels/bench_fp8_gemm.py", "--rows", "96", "--shapes", "mla kv_a",
+                  "shared gate_up", "--scale", "16", "--iters", "1", TRITON_INTERPRET="1")
+    rows = re.findall(r"^\| (mla kv_a|shared gate_up) \| (\d+)x2560 \| 6 \| .* \| ([\d.]+) \|$",
+                      stdout, re.MULTILINE)
+    assert [(r[0], r[1]) for r in rows] == [("mla kv_a", "36"), ("shared gate_up", "96")], stdout
+    assert re.search(r"^\| 6 \| [\d.]+ ms \|", stdout, re.MULTILINE), stdout

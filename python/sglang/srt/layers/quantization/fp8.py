@@ -231,9 +231,17 @@ class Fp8LinearMethod(LinearMethodBase):
 
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None, gated_norm=None) -> torch.Tensor:
-        """``linear(x, dequant(weight), bias)``; with the layer's ``small_m_gemm`` a decode /
-        verify batch runs the small-M kernel on the fp8 weight itself (each 128-column block's fp32
-        sum scaled: the dequantised product up to fp32 rounding)."""
+        """The product with the fp8 weight. The layer's ``small_m_gemm`` flag (set by
+        ``linear.set_linear_backend`` only where Triton runs: CUDA, or ``TRITON_INTERPRET=1``;
+        ``auto`` turns it on for fp8 models on CUDA) is the one switch for "this layer's fp8
+        product runs on Triton kernels", at every row count: a decode / verify batch takes the
+        batch-invariant small-M kernel, more rows (prefill) ``sgl_kernel.fp8_gemm``'s
+        ``block_fp8_linear``: the tiled block-fp8 GEMM for a few hundred rows, beyond them a
+        one-pass Triton dequantisation and the library GEMM (faster at prefill sizes on the
+        H200; the same values as this reference path). Off, the reference path:
+        ``linear(x, dequant(weight), bias)``, which forms the whole weight in x's dtype in
+        several fp32 torch passes at every call. A ``gated_norm`` prologue above the small-M
+        range is the torch GatedRMSNorm first, as in :func:`linear`."""
         from sglang.srt.layers.linear import linear, small_m_rows
 
         if layer.small_m_gemm and small_m_rows(x):
@@ -242,8 +250,16 @@ class Fp8LinearMethod(LinearMethodBase):
             return small_m_gemm(x.contiguous(), layer.weight, bias,
                                 w_scale=layer.weight_scale_inv,
                                 w_scale_rows=layer.weight_row_block, gated_norm=gated_norm)
-        return linear(x, self.dequantized_weight(layer, x.dtype), bias, layer.small_m_gemm,
-                      gated_norm)
+        if layer.small_m_gemm:
+            from sgl_kernel import fp8_gemm
+            from sgl_kernel.small_m_gemm import gated_norm_reference
+
+            if gated_norm is not None:
+                x = gated_norm_reference(x, gated_norm)
+            y = fp8_gemm.block_fp8_linear(x.reshape(-1, x.shape[-1]), layer.weight,
+                                          layer.weight_scale_inv, layer.weight_row_block, bias)
+            return y.reshape(*x.shape[:-1], y.shape[-1])
+        return linear(x, self.dequantized_weight(layer, x.dtype), bias, gated_norm=gated_norm)
 
 
 class DequantizedExperts:

@@ -1,0 +1,182 @@
+"""Block-fp8 dense projections at prefill row counts: ``sgl_kernel.fp8_gemm.block_fp8_gemm``
+against the engine's reference path (dequantise the whole weight to bf16, then ``F.linear``)
+and ``F.linear`` on a bf16 weight of the same shape (cuBLAS: the floor a weight-only fp8
+kernel aims at), on Ling-3.0-flash's dense fp8 shapes.
+
+    python benchmark/kernels/bench_fp8_gemm.py [--rows 1024 4096 8192] [--iters 20]
+
+For each weight (pieces on their own block grids where the layer fuses several) the script
+checks the kernel against the fp32 reference at the first row count, times a small sweep of
+tile configs at every row count (median of CUDA-event timings, L2 flushed before each call),
+and prints one table row per (shape, M) with microseconds and TFLOP/s (``2 M N K`` flops) of
+the default config, the best swept one, dequantise + F.linear and bf16 F.linear. The last
+table adds the shapes up over the 42-layer model (how many layers have each projection) for
+one prefill of M tokens.
+
+Without CUDA (``TRITON_INTERPRET=1``, fp32, wall-clock times, ``--scale`` shrinks N and M)
+it is only a smoke run.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from typing import Callable, Dict, List, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+
+from cold_l2 import flush_buffer, kernel_bench_device  # benchmark/kernels/cold_l2.py
+from sgl_kernel.fp8_blocks import block_quantize
+from sgl_kernel.fp8_gemm import (GemmConfig, block_fp8_dequantize, block_fp8_gemm,
+                                 block_fp8_gemm_reference, launch_config)
+
+# name -> (row pieces, K, layers of Ling-3.0-flash that have it): hidden 2560, 32 heads x 128,
+# KDA's fused q|k|v|b|f|g (35 KDA layers), MLA's projections (7 layers), the shared expert
+# (40 MoE layers, width 768) and the dense MLP (the first 2 layers, width 6144).
+FLASH_SHAPES: Dict[str, Tuple[Sequence[int], int, int]] = {
+    "kda qkvbfg": ([4096, 4096, 4096, 32, 4096, 4096], 2560, 35),
+    "kda o_proj": ([2560], 4096, 35),
+    "mla q": ([6144], 2560, 7),
+    "mla kv_a": ([576], 2560, 7),
+    "mla g": ([32], 2560, 7),
+    "mla dense": ([2560], 4096, 7),
+    "shared gate_up": ([768, 768], 2560, 40),
+    "shared down": ([2560], 768, 40),
+    "dense gate_up": ([6144, 6144], 2560, 2),
+    "dense down": ([2560], 6144, 2),
+}
+
+# The sweep: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, swap_ab.
+SWEEP = [
+    GemmConfig(128, 128, 128, 8, 8, 3),
+    GemmConfig(128, 128, 128, 8, 8, 4),
+    GemmConfig(128, 128, 128, 8, 4, 4),
+    GemmConfig(128, 128, 64, 8, 4, 4),
+    GemmConfig(128, 64, 128, 8, 4, 4),
+    GemmConfig(64, 128, 128, 8, 4, 4),
+    GemmConfig(128, 256, 128, 8, 8, 3),
+    GemmConfig(256, 128, 128, 8, 8, 3),
+    GemmConfig(128, 128, 128, 8, 4, 4, True),
+    GemmConfig(128, 128, 128, 16, 8, 4),
+]
+SMOKE_SWEEP = [GemmConfig(32, 64, 128, 2), GemmConfig(16, 32, 64, 1, swap_ab=True)]
+
+
+def _label(cfg: GemmConfig) -> str:
+    return (f"{cfg.block_m}/{cfg.block_n}/{cfg.block_k}/{cfg.group_m}/{cfg.num_warps}/"
+            f"{cfg.num_stages}{'/swap' if cfg.swap_ab else ''}")
+
+
+def median_us(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> float:
+    """Median microseconds of ``fn()`` after two warm-up calls: CUDA events around each call
+    with ``flush`` (larger than L2) written before it; wall clock off CUDA."""
+    fn()
+    fn()
+    if not flush.is_cuda:
+        times = []
+        for _ in range(iters):
+            start = time.perf_counter()
+            fn()
+            times.append(1e6 * (time.perf_counter() - start))
+        return statistics.median(times)
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
+    for s, e in zip(starts, ends):
+        flush.zero_()
+        torch.cuda._sleep(200_000)  # the host enqueues the call while the GPU is busy
+        s.record()
+        fn()
+        e.record()
+    torch.cuda.synchronize()
+    return 1000.0 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
+
+
+def _weight(pieces: Sequence[int], k: int, dev: str):
+    """fp8 weight, its block scales (one grid per piece) and row -> scale-row map."""
+    from sglang.srt.layers.quantization.fp8_utils import block_index
+
+    parts = [block_quantize(torch.randn(n, k, device=dev) / k ** 0.5) for n in pieces]
+    return (torch.cat([q for q, _ in parts]), torch.cat([s for _, s in parts]),
+            block_index(pieces, 128, dev))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rows", type=int, nargs="+", default=[1024, 4096, 8192])
+    p.add_argument("--shapes", nargs="*", default=list(FLASH_SHAPES), choices=list(FLASH_SHAPES))
+    p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--no-sweep", action="store_true", help="time the default config only")
+    p.add_argument("--scale", type=int, default=1,
+                   help="divide N and M by this (smoke runs under the interpreter)")
+    args = p.parse_args()
+    dev, dt = kernel_bench_device("bench_fp8_gemm")
+    on_cuda = dev == "cuda"
+    torch.manual_seed(0)
+    flush = flush_buffer(dev)
+    sweep = [] if args.no_sweep else (SWEEP if on_cuda else SMOKE_SWEEP)
+    from sglang.srt.layers.quantization.fp8_utils import dequantize_indexed
+
+    name_dev = torch.cuda.get_device_name() if on_cuda else "CPU (Triton interpreter)"
+    print(f"{name_dev}, {dt}, L2 flushed before each call, median of {args.iters}; config = "
+          "BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/num_warps/num_stages[/swap]\n")
+    print("| shape | N x K | M | fp8 gemm default | best swept (config) | dequant + F.linear "
+          "| Triton dequant + F.linear | bf16 F.linear | default / F.linear |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    totals: Dict[int, List[float]] = {}
+    for name in args.shapes:
+        pieces, k, layers = FLASH_SHAPES[name]
+        pieces = [max(1, n // args.scale) for n in pieces]
+        w, scale, rows = _weight(pieces, k, dev)
+        n = w.shape[0]
+        cols = torch.arange(k, device=dev) // 128
+        w16 = dequantize_indexed(w, scale, rows, cols, dt)
+        for i, m in enumerate(max(1, r // args.scale) for r in args.rows):
+            x = torch.randn(m, k, device=dev, dtype=dt)
+            if i == 0:
+                ref = block_fp8_gemm_reference(x, w, scale, rows)
+                err = float((block_fp8_gemm(x, w, scale, rows).float() - ref.float()).abs().max()
+                            / ref.float().abs().max())
+                if err > (1e-2 if dt == torch.bfloat16 else 1e-4):
+                    raise SystemExit(f"{name}: block_fp8_gemm differs from the reference "
+                                     f"(max rel. err {err:.2e})")
+            flops = 2.0 * m * n * k
+
+            def fmt(us: float) -> str:
+                return f"{us:.1f} µs {flops / us / 1e6:.0f} TF/s"
+
+            cfg = launch_config(m, n, k)
+            t_def = median_us(lambda: block_fp8_gemm(x, w, scale, rows, config=cfg), args.iters,
+                              flush)
+            best, best_cfg = t_def, cfg
+            for c in sweep:
+                c = c._replace(block_n=min(c.block_n, max(16, 1 << (n - 1).bit_length())))
+                try:
+                    t = median_us(lambda: block_fp8_gemm(x, w, scale, rows, config=c),
+                                  args.iters, flush)
+                except Exception as exc:  # e.g. a config whose stages exceed shared memory
+                    print(f"<!-- {name} M={m} {_label(c)}: {type(exc).__name__} -->")
+                    continue
+                if t < best:
+                    best, best_cfg = t, c
+            t_deq = median_us(lambda: F.linear(x, dequantize_indexed(w, scale, rows, cols, dt)),
+                              args.iters, flush)
+            t_tdq = median_us(lambda: F.linear(x, block_fp8_dequantize(w, scale, rows, dt)),
+                              args.iters, flush)
+            t_lin = median_us(lambda: F.linear(x, w16), args.iters, flush)
+            tot = totals.setdefault(m, [0.0, 0.0, 0.0, 0.0, 0.0])
+            for j, t in enumerate((t_def, best, t_deq, t_tdq, t_lin)):
+                tot[j] += layers * t
+            print(f"| {name} | {n}x{k} | {m} | {fmt(t_def)} | {fmt(best)} ({_label(best_cfg)}) "
+                  f"| {fmt(t_deq)} | {fmt(t_tdq)} | {fmt(t_lin)} | {t_def / t_lin:.2f} |")
+    print("\nThe model's dense projections for one prefill of M tokens (each shape times its "
+          "layers):\n")
+    print("| M | fp8 gemm default | best swept | dequant + F.linear | Triton dequant + F.linear "
+          "| bf16 F.linear |")
+    print("|---|---|---|---|---|---|")
+    for m, tot in totals.items():
+        print(f"| {m} | " + " | ".join(f"{t / 1000:.2f} ms" for t in tot) + " |")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,306 @@
+"""``x @ w.T`` for a block-fp8 weight at prefill row counts: a tiled Triton GEMM that reads the
+e4m3 weight and its block scales directly, instead of dequantising the whole weight first.
+
+The weight is ``float8_e4m3fn [N, K]`` with one fp32 scale per ``128 x 128`` block
+(:mod:`sgl_kernel.fp8_blocks`; a fused weight of several pieces passes ``w_scale_rows``, the
+scale row of every weight row). Each program computes a ``BLOCK_M x BLOCK_N`` output tile; the
+tiles are visited in groups of ``GROUP_M`` row tiles (the programs running together share their
+weight tiles in L2), and the K loop is software-pipelined over ``num_stages`` buffers. A step
+loads an e4m3 weight tile, converts it to x's dtype (exact: every e4m3 value is a bf16 and an
+fp16 value), runs ``tl.dot`` with an fp32 result over ``BLOCK_K`` columns inside one 128-column
+scale block, and adds that sum times the block's scales (one per output column) to the fp32
+accumulator. The bias is added in fp32 and the result rounded once to x's dtype.
+
+Why weight-only ("w8a16") and not fp8 activations too:
+
+* numerics: the result is the product with the exact weight ``q * scale``, up to the fp32
+  summation order: the same values as :func:`block_fp8_gemm_reference` (dequantise in fp32,
+  matmul), and the same weight the small-M kernel (:mod:`sgl_kernel.small_m_gemm`) uses for
+  decode, so prefill and decode compute with one weight. Quantising the activations as well
+  would add a per-token rounding that no reference path has;
+* speed: from a few hundred rows on, a dense projection of this model (K = 2560 .. 6144) is
+  compute-bound on the bf16 tensor cores; the fp8 weight halves the weight bytes, which only
+  matter below that. The cost being removed is the per-call dequantisation (a full bf16 copy of
+  the weight written and read again) and its launches.
+
+Measured (H200, bf16, L2 flushed, ``benchmark/kernels/bench_fp8_gemm.py``): this kernel runs
+at about 250-265 TF/s from 1024 rows on (the model's shapes; the best of a 10-config sweep is
+within 1-5 % of :func:`launch_config`), a third of cuBLAS on a bf16 weight (640-800 TF/s): the
+per-block promotion (each block's dot waited on, then scaled) and the converted weight tile's
+trip back to shared memory keep the tensor cores from streaming. At 1024 rows it beat the
+engine's torch dequantise + F.linear (26.8 vs 37.8 ms for the model's dense projections of one
+prefill), at 4096 and 8192 it lost (88 vs 59 ms, 172 vs 87 ms). So the engine's entry point
+:func:`block_fp8_linear` takes this kernel only up to ``FUSED_MAX_ROWS`` rows and otherwise
+dequantises in one Triton pass (:func:`block_fp8_dequantize`: one read of the fp8 weight, one
+write of x's dtype, where the torch path makes several full-size fp32 passes) and runs the
+library GEMM: the reference path's values, close to the bf16 floor.
+
+A later step could quantise the activations per token and 128-column group (``w8a8``, as the
+published fp8 checkpoints' ``activation_scheme: dynamic`` intends) and run ``tl.dot`` on fp8
+operands at twice the bf16 tensor-core rate; it changes the numerics against the reference
+path and would need its own accuracy gate.
+"""
+from __future__ import annotations
+
+from typing import NamedTuple, Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from sgl_kernel._triton_mode import INTERPRETED, compiler_options
+from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
+
+__all__ = ["GemmConfig", "block_fp8_gemm", "block_fp8_gemm_reference", "block_fp8_dequantize",
+           "block_fp8_linear", "launch_config", "FUSED_MAX_ROWS"]
+
+# Rows up to which block_fp8_linear takes the fused GEMM (see "Measured" above): an estimate
+# from the 1024-row figures (the fused kernel's weight bytes against a dequantisation pass plus
+# cuBLAS), to be set from bench_fp8_gemm.py's 128 / 256 / 512-row rows.
+FUSED_MAX_ROWS = 128
+
+
+class GemmConfig(NamedTuple):
+    """Tiles and compiler options of one :func:`block_fp8_gemm` launch. ``block_k`` divides the
+    128-column scale block; ``swap_ab`` computes the transposed tile (the converted weight tile
+    as the dot's first operand, which Hopper's wgmma may take from registers)."""
+
+    block_m: int
+    block_n: int
+    block_k: int = QBLOCK
+    group_m: int = 8
+    num_warps: Optional[int] = None
+    num_stages: Optional[int] = None
+    swap_ab: bool = False
+
+
+@triton.jit
+def _block_fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, b_ptr, out_ptr, M, N, K,
+                           stride_xm, stride_wn, stride_sn, stride_om,
+                           HAS_BIAS: tl.constexpr, ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr,
+                           QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                           BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr):
+    # Grouped order: GROUP_M row tiles walk the column tiles together, so a weight tile is read
+    # from HBM once per group and from L2 by the others running beside it.
+    pid = tl.program_id(0)
+    grid_m = tl.cdiv(M, BLOCK_M)
+    grid_n = tl.cdiv(N, BLOCK_N)
+    per_group = GROUP_M * grid_n
+    first_m = (pid // per_group) * GROUP_M
+    group_rows = tl.minimum(grid_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % per_group) % group_rows
+    pid_n = (pid % per_group) // group_rows
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    # Rows past M / N wrap onto valid ones (their results are never stored), so the loads need
+    # no row masks: only a ragged last K step is masked.
+    rows_m = (offs_m % M).to(tl.int64)
+    rows_n = offs_n % N
+    offs_k = tl.arange(0, BLOCK_K)
+    x_ptrs = x_ptr + rows_m[:, None] * stride_xm + offs_k[None, :]
+    w_ptrs = w_ptr + rows_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    if ROW_MAP:  # a weight of several pieces, each on its own block grid
+        s_ptrs = s_ptr + tl.load(srow_ptr + rows_n).to(tl.int64) * stride_sn
+    else:
+        s_ptrs = s_ptr + (rows_n // QB).to(tl.int64) * stride_sn
+
+    if SWAP_AB:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            w = tl.load(w_ptrs)
+        else:
+            in_k = (k0 + offs_k) < K
+            x = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
+        # e4m3 -> x's dtype is exact; the step lies in one scale block (BLOCK_K divides QB), so
+        # its fp32 sum times the block's per-row scales is the product with q * scale.
+        w = w.to(x.dtype)
+        scale = tl.load(s_ptrs + k0 // QB)
+        if SWAP_AB:
+            acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION) * scale[:, None]
+        else:
+            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
+        x_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+
+    mask_n = offs_n < N
+    if HAS_BIAS:
+        bias = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
+        if SWAP_AB:
+            acc += bias[:, None]
+        else:
+            acc += bias[None, :]
+    mask_m = offs_m < M
+    if SWAP_AB:
+        o_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty),
+                 mask=mask_n[:, None] & mask_m[None, :])
+    else:
+        o_ptrs = out_ptr + offs_m.to(tl.int64)[:, None] * stride_om + offs_n[None, :]
+        tl.store(o_ptrs, acc.to(out_ptr.dtype.element_ty),
+                 mask=mask_m[:, None] & mask_n[None, :])
+
+
+# (largest M of the bucket, config) on the GPU, first match wins. Hopper's wgmma takes 64-row
+# warp-group tiles; 128 x 128 tiles with 8 warps and 4 stages (48 KB a stage: a bf16 x tile
+# and an fp8 w tile) fill the 132 SMs from a few hundred rows on for N >= 2560. Fewer rows get
+# narrower row tiles so that the grid still covers the SMs. Starting points, to be checked
+# with benchmark/kernels/bench_fp8_gemm.py on the H200.
+_GPU_TABLE = (
+    (128, GemmConfig(64, 128, 128, 8, 4, 4)),
+    (512, GemmConfig(64, 128, 128, 8, 4, 4)),
+    (1 << 62, GemmConfig(128, 128, 128, 8, 8, 4)),
+)
+# The interpreter's cost is per program and per op: small tiles keep a test's arrays small and
+# still exercise several programs, the grouped order and the wrapped edge rows.
+_INTERPRETED_CONFIG = GemmConfig(32, 64, 128, 2)
+
+
+def launch_config(m: int, n: int, k: int) -> GemmConfig:
+    """The tiles for an ``[m, k] x [n, k]`` product: from a table keyed by the row count's
+    bucket (``_GPU_TABLE``; the last bucket is the fallback), the column tile narrowed for a
+    weight of few rows (a 32-row gate projection); small tiles under the interpreter."""
+    if INTERPRETED:
+        cfg = _INTERPRETED_CONFIG
+    else:
+        cfg = next(c for top, c in _GPU_TABLE if m <= top)
+    # A tile at least 16 wide (tl.dot's minimum), no wider than the weight needs.
+    block_n = max(16, min(cfg.block_n, triton.next_power_of_2(max(n, 1))))
+    del k  # every K is taken 128 columns (one scale block) at a time
+    return cfg._replace(block_n=block_n)
+
+
+def _check(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+           w_scale_rows: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:
+    """Raise ``ValueError`` unless the operands have the shapes and dtypes the kernel reads."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"block_fp8_gemm: expected x [M, K] and w [N, K], got "
+                         f"{tuple(x.shape)} and {tuple(w.shape)}")
+    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        raise ValueError(f"block_fp8_gemm: x must be fp32 / fp16 / bf16, got {x.dtype}")
+    if w.dtype != torch.float8_e4m3fn or w.stride(1) != 1:
+        raise ValueError(f"block_fp8_gemm: w must be float8_e4m3fn with a contiguous last dim, "
+                         f"got {w.dtype} strides {w.stride()}")
+    n, k = w.shape
+    if w_scale_rows is None:
+        check_block_scale(w, w_scale, name="block_fp8_gemm w")
+    else:
+        if tuple(w_scale_rows.shape) != (n,) or w_scale_rows.is_floating_point():
+            raise ValueError(f"block_fp8_gemm: w_scale_rows must be an integer [{n}] tensor, "
+                             f"got {w_scale_rows.dtype} {tuple(w_scale_rows.shape)}")
+        if (w_scale.dtype != torch.float32 or w_scale.dim() != 2
+                or w_scale.shape[1] != -(-k // QBLOCK) or w_scale.stride(1) != 1):
+            raise ValueError(f"block_fp8_gemm: w_scale must be fp32 [rows, {-(-k // QBLOCK)}] "
+                             f"with a contiguous last dim, got {w_scale.dtype} "
+                             f"{tuple(w_scale.shape)}")
+    if bias is not None and tuple(bias.shape) != (n,):
+        raise ValueError(f"block_fp8_gemm: bias must be [{n}], got {tuple(bias.shape)}")
+
+
+def block_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                   w_scale_rows: Optional[torch.Tensor] = None,
+                   bias: Optional[torch.Tensor] = None,
+                   config: Optional[GemmConfig] = None) -> torch.Tensor:
+    """``x [M, K] @ dequant(w) [N, K].T (+ bias [N])`` -> ``[M, N]`` in x's dtype.
+
+    ``w`` is ``float8_e4m3fn`` with fp32 block scales ``w_scale [scale_rows, ceil(K/128)]``;
+    weight row ``i`` uses scale row ``w_scale_rows[i]`` (int32 / int64, for a weight of several
+    pieces each on its own grid) or ``i // 128`` when it is ``None``. ``x`` may be bf16, fp16
+    or fp32 (fp32 inputs take full-precision dots: the interpreter tests). Accumulation, block
+    scaling and the bias are fp32, with one rounding to x's dtype (module docstring).
+    ``config`` overrides :func:`launch_config` (the benchmark's sweep)."""
+    _check(x, w, w_scale, w_scale_rows, bias)
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    (m, k), n = x.shape, w.shape[0]
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    if m == 0 or n == 0:
+        return out
+    cfg = config or launch_config(m, n, k)
+    if QBLOCK % cfg.block_k or cfg.block_k < 16:
+        raise ValueError(f"block_fp8_gemm: block_k must divide {QBLOCK} and be >= 16, got "
+                         f"{cfg.block_k}")
+    grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
+    _block_fp8_gemm_kernel[grid](
+        x, w, w_scale, w_scale_rows if w_scale_rows is not None else w_scale,
+        bias if bias is not None else x, out, m, n, k,
+        x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+        HAS_BIAS=bias is not None, ROW_MAP=w_scale_rows is not None,
+        EVEN_K=k % cfg.block_k == 0, QB=QBLOCK, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+        BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
+        # fp32 inputs (interpreter tests) multiply exactly; 16-bit inputs ignore the option
+        DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+        **compiler_options(cfg.num_warps, cfg.num_stages))
+    return out
+
+
+@triton.jit
+def _dequantize_kernel(w_ptr, s_ptr, srow_ptr, out_ptr, N, K, stride_wn, stride_sn, stride_on,
+                       ROW_MAP: tl.constexpr, QB: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    # One pass over the weight: each fp8 byte read once, each output element written once.
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask_n = offs_n < N
+    mask = mask_n[:, None] & (offs_k < K)[None, :]
+    if ROW_MAP:
+        s_rows = tl.load(srow_ptr + offs_n, mask=mask_n, other=0).to(tl.int64)
+    else:
+        s_rows = (offs_n // QB).to(tl.int64)
+    scale = tl.load(s_ptr + s_rows[:, None] * stride_sn + (offs_k // QB)[None, :], mask=mask,
+                    other=0.0)
+    q = tl.load(w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :], mask=mask,
+                other=0.0)
+    w = (q.to(tl.float32) * scale).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_n.to(tl.int64)[:, None] * stride_on + offs_k[None, :], w, mask=mask)
+
+
+def block_fp8_dequantize(w: torch.Tensor, w_scale: torch.Tensor,
+                         w_scale_rows: Optional[torch.Tensor] = None,
+                         dtype: torch.dtype = torch.bfloat16) -> torch.Tensor:
+    """The weight ``q * scale`` (fp32 product) rounded once to ``dtype``, in one Triton pass:
+    bit for bit :func:`sgl_kernel.fp8_blocks.block_dequantize` (the engine's dequantised
+    reference weight), which takes several full-size fp32 passes in torch."""
+    _check(w.new_empty(0, w.shape[1], dtype=dtype), w, w_scale, w_scale_rows, None)
+    n, k = w.shape
+    out = torch.empty(n, k, dtype=dtype, device=w.device)
+    if n == 0 or k == 0:
+        return out
+    block_n, block_k = (32, 128) if INTERPRETED else (32, 256)
+    grid = (triton.cdiv(n, block_n), triton.cdiv(k, block_k))
+    _dequantize_kernel[grid](w, w_scale, w_scale_rows if w_scale_rows is not None else w_scale,
+                             out, n, k, w.stride(0), w_scale.stride(0), out.stride(0),
+                             ROW_MAP=w_scale_rows is not None, QB=QBLOCK, BLOCK_N=block_n,
+                             BLOCK_K=block_k)
+    return out
+
+
+def block_fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     w_scale_rows: Optional[torch.Tensor] = None,
+                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``x [M, K] @ dequant(w).T (+ bias)`` in x's dtype by the faster route for M (module
+    docstring, "Measured"): :func:`block_fp8_gemm` up to ``FUSED_MAX_ROWS`` rows, else the
+    one-pass :func:`block_fp8_dequantize` to x's dtype and ``torch.nn.functional.linear`` (the
+    library GEMM; the same values as the engine's dequantise + F.linear reference path)."""
+    if x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS:
+        return block_fp8_gemm(x, w, w_scale, w_scale_rows, bias)
+    return torch.nn.functional.linear(x, block_fp8_dequantize(w, w_scale, w_scale_rows, x.dtype),
+                                      bias)
+
+
+def block_fp8_gemm_reference(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                             w_scale_rows: Optional[torch.Tensor] = None,
+                             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Plain-torch :func:`block_fp8_gemm`: the weight dequantised in fp32 (never rounded), an
+    fp32 matmul and bias, one rounding to x's dtype."""
+    wf = block_dequantize(w, w_scale, torch.float32, rows=w_scale_rows)
+    out = x.float() @ wf.t()
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

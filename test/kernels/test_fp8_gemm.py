@@ -1,0 +1,241 @@
+"""sgl_kernel.fp8_gemm (block-fp8 weights at prefill row counts) against its fp32 torch reference
+(interpreter: fp32 / fp16; CUDA: bf16 at the model's shapes), and the dense fp8 layers taking it
+above the small-M range."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kernel_test_utils import DEVICE, ON_CUDA, needs_triton
+
+pytestmark = needs_triton
+
+# fp32: the interpreter's full-precision dots (summation order only); fp16: a 2^-11 rounding of
+# x's values is exact, the one rounding of the output dominates.
+CASES = [(torch.float32, 1e-5), (torch.float16, 2e-3)] + ([(torch.bfloat16, 1e-2)] if ON_CUDA
+                                                          else [])
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+
+
+def _pieces(sizes, k: int, gen: torch.Generator):
+    """A weight of ``sizes`` pieces, each quantised on its own 128 x 128 grid, with its
+    row -> scale-row map (``fp8_utils.block_index``)."""
+    from sgl_kernel.fp8_blocks import block_quantize
+    from sglang.srt.layers.quantization.fp8_utils import block_index
+
+    parts = [block_quantize(torch.randn(n, k, generator=gen) / k ** 0.5) for n in sizes]
+    w = torch.cat([q for q, _ in parts])
+    scale = torch.cat([s for _, s in parts])
+    return w.to(DEVICE), scale.to(DEVICE), block_index(sizes, 128).to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype,tol", CASES)
+def test_ragged_shapes_with_bias_match_the_reference(dtype, tol):
+    """M not a multiple of the row tile, N of the column tile, K of the scale block (a ragged
+    last step), a bias, one block grid for the whole weight."""
+    from sgl_kernel.fp8_blocks import block_quantize
+    from sgl_kernel.fp8_gemm import block_fp8_gemm, block_fp8_gemm_reference
+
+    gen = torch.Generator().manual_seed(3)
+    m, n, k = 70, 150, 300
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    w, scale = (t.to(DEVICE) for t in block_quantize(torch.randn(n, k, generator=gen) / 17))
+    bias = torch.randn(n, generator=gen).to(DEVICE, dtype)
+    got = block_fp8_gemm(x, w, scale, bias=bias)
+    assert got.dtype == dtype and got.shape == (m, n)
+    assert _rel(got, block_fp8_gemm_reference(x, w, scale, bias=bias)) < tol
+    assert _rel(block_fp8_gemm(x, w, scale), block_fp8_gemm_reference(x, w, scale)) < tol
+
+
+@pytest.mark.parametrize("dtype,tol", CASES)
+def test_pieces_on_their_own_grids_and_other_tiles(dtype, tol):
+    """The bundled model's gate|up (two pieces of 96 rows, scale rows 0 and 1) through the row
+    map, in int32 and int64, under several tilings: K steps of 64 (two per scale block), the
+    swapped product, a one-row-tile group order."""
+    from sgl_kernel.fp8_gemm import GemmConfig, block_fp8_gemm, block_fp8_gemm_reference
+
+    gen = torch.Generator().manual_seed(5)
+    m, k = 40, 160
+    w, scale, rows = _pieces([96, 96], k, gen)
+    assert scale.shape == (2, 2) and int(rows[95]) == 0 and int(rows[96]) == 1
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    ref = block_fp8_gemm_reference(x, w, scale, rows)
+    assert _rel(block_fp8_gemm(x, w, scale, rows), ref) < tol
+    assert _rel(block_fp8_gemm(x, w, scale, rows.int()), ref) < tol
+    for cfg in (GemmConfig(16, 64, 64, 2), GemmConfig(32, 32, 128, 1, swap_ab=True),
+                GemmConfig(16, 128, 32, 4, swap_ab=True)):
+        assert _rel(block_fp8_gemm(x, w, scale, rows, config=cfg), ref) < tol, cfg
+
+
+def test_strided_x_and_rejects_bad_inputs():
+    """A row slice of a wider x (strided rows) is read in place; wrong shapes, dtypes, scales
+    and tiles are refused with a message."""
+    from sgl_kernel.fp8_blocks import block_quantize
+    from sgl_kernel.fp8_gemm import GemmConfig, block_fp8_gemm, block_fp8_gemm_reference
+
+    gen = torch.Generator().manual_seed(8)
+    w, scale = (t.to(DEVICE) for t in block_quantize(torch.randn(48, 128, generator=gen) / 11))
+    wide = torch.randn(20, 160, generator=gen).to(DEVICE)
+    x = wide[:, 16:144]
+    got = block_fp8_gemm(x, w, scale)
+    assert _rel(got, block_fp8_gemm_reference(x, w, scale)) < 1e-5
+    assert block_fp8_gemm(x[:0], w, scale).shape == (0, 48)
+    with pytest.raises(ValueError, match="expected x"):
+        block_fp8_gemm(torch.randn(2, 64, device=DEVICE), w, scale)
+    with pytest.raises(ValueError, match="float8_e4m3fn"):
+        block_fp8_gemm(x, w.float(), scale)
+    with pytest.raises(ValueError, match="block scale"):
+        block_fp8_gemm(x, w, scale[:, :0])
+    with pytest.raises(ValueError, match="w_scale_rows"):
+        block_fp8_gemm(x, w, scale, torch.zeros(47, dtype=torch.long, device=DEVICE))
+    with pytest.raises(ValueError, match="bias"):
+        block_fp8_gemm(x, w, scale, bias=torch.zeros(47, device=DEVICE))
+    with pytest.raises(ValueError, match="block_k"):
+        block_fp8_gemm(x, w, scale, config=GemmConfig(16, 32, 96))
+
+
+def test_launch_config_table():
+    """Every bucket's tile divides the scale block and keeps tl.dot's minimum width; a weight of
+    few rows gets a narrow column tile."""
+    from sgl_kernel.fp8_gemm import launch_config
+
+    for m in (65, 100, 1000, 8192, 1 << 20):
+        for n in (32, 576, 2560, 20512):
+            cfg = launch_config(m, n, 2560)
+            assert 128 % cfg.block_k == 0 and cfg.block_m >= 16 and 16 <= cfg.block_n <= 128
+            assert cfg.block_n <= max(16, n)
+    assert launch_config(1024, 32, 2560).block_n == 32
+
+
+def _fp8_layer(pieces, k: int, bias: bool):
+    """A MergedColumnParallelLinear (or Replicated for one piece) with fp8 weights quantised at
+    load from random fp32 pieces, on DEVICE."""
+    from sglang.srt.layers.linear import MergedColumnParallelLinear, ReplicatedLinear
+    from sglang.srt.layers.quantization import quantization_scope
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.model_loader.weight_utils import LazyWeight
+
+    gen = torch.Generator().manual_seed(11)
+    with quantization_scope(Fp8Config()):
+        if len(pieces) == 1:
+            layer = ReplicatedLinear(k, pieces[0], bias=bias, params_dtype=torch.float32)
+        else:
+            layer = MergedColumnParallelLinear(k, list(pieces), bias=bias,
+                                               params_dtype=torch.float32)
+    for i, n in enumerate(pieces):
+        loaded = LazyWeight.from_tensor(f"w{i}", torch.randn(n, k, generator=gen) / k ** 0.5)
+        layer.weight_loader(layer.weight, loaded, i if len(pieces) > 1 else None)
+    if bias:
+        layer.weight_loader(layer.bias, LazyWeight.from_tensor(
+            "b", torch.randn(sum(pieces), generator=gen)))
+    return layer.to(DEVICE)
+
+
+@pytest.mark.parametrize("dtype,tol", CASES)
+def test_fp8_linear_method_takes_it_above_the_small_m_range(dtype, tol, monkeypatch):
+    """``Fp8LinearMethod.apply`` with the layer's Triton flag (``small_m_gemm``) on: 100 rows
+    (above SMALL_M_MAX_ROWS) run block_fp8_gemm on the fp8 weight, within ``tol`` of the
+    dequantise + F.linear path (which rounds the weight to x's dtype first: fp32 differs only by
+    summation order); a 3-D x keeps its leading dims; flag off: the dequantised path."""
+    import sgl_kernel.fp8_gemm as fg
+    from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS
+
+    layer = _fp8_layer([96, 96], 160, bias=True)
+    layer.bias.data = layer.bias.data.to(dtype)
+    method = layer.quant_method
+    x = torch.randn(100, 160, generator=torch.Generator().manual_seed(12)).to(DEVICE, dtype)
+    assert x.shape[0] > SMALL_M_MAX_ROWS
+    ref = torch.nn.functional.linear(x, method.dequantized_weight(layer, dtype), layer.bias)
+    calls = []
+    real = fg.block_fp8_gemm
+    monkeypatch.setattr(fg, "block_fp8_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    layer.small_m_gemm = False
+    assert torch.equal(layer(x), ref) and not calls
+    layer.small_m_gemm = True
+    got = layer(x)
+    assert calls and got.dtype == dtype and _rel(got, ref) < tol
+    assert torch.equal(got, real(x, layer.weight, layer.weight_scale_inv,
+                                 layer.weight_row_block, layer.bias))
+    assert torch.equal(layer(x.reshape(4, 25, 160)), got.reshape(4, 25, 192))
+
+
+def test_fp8_linear_method_above_the_fused_rows_dequantises_in_one_pass():
+    """Above FUSED_MAX_ROWS the layer dequantises with the Triton pass and runs F.linear: bit for
+    bit the reference path (dequantise in torch, F.linear)."""
+    from sgl_kernel.fp8_gemm import FUSED_MAX_ROWS
+
+    layer = _fp8_layer([96, 40], 200, bias=True)
+    x = torch.randn(FUSED_MAX_ROWS + 3, 200, generator=torch.Generator().manual_seed(15))
+    x = x.to(DEVICE)
+    ref = torch.nn.functional.linear(x, layer.quant_method.dequantized_weight(layer, x.dtype),
+                                     layer.bias)
+    layer.small_m_gemm = True
+    assert torch.equal(layer(x), ref)
+
+
+def test_row_parallel_gated_norm_above_the_small_m_range():
+    """A gated-norm o_proj at prefill rows: the torch GatedRMSNorm first, then block_fp8_gemm
+    (fp32, interpreter), equal to the norm followed by the dequantised product."""
+    from sgl_kernel.small_m_gemm import GatedNormPrologue, gated_norm_reference
+    from sglang.srt.layers.linear import RowParallelLinear
+    from sglang.srt.layers.quantization import quantization_scope
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.model_loader.weight_utils import LazyWeight
+
+    gen = torch.Generator().manual_seed(13)
+    with quantization_scope(Fp8Config()):
+        layer = RowParallelLinear(128, 48, params_dtype=torch.float32)
+    layer.weight_loader(layer.weight, LazyWeight.from_tensor("o", torch.randn(48, 128,
+                                                                            generator=gen)))
+    layer = layer.to(DEVICE)
+    layer.small_m_gemm = True
+    x, gate = (torch.randn(80, 128, generator=gen).to(DEVICE) for _ in "xg")
+    pro = GatedNormPrologue(gate, (1 + torch.rand(64, generator=gen)).to(DEVICE), 1e-6, 64)
+    got = layer(x, gated_norm=pro)
+    ref = torch.nn.functional.linear(gated_norm_reference(x, pro),
+                                     layer.quant_method.dequantized_weight(layer, x.dtype))
+    assert _rel(got, ref) < 1e-5
+
+
+# The model's dense fp8 shapes (docs/model.md): KDA's fused q|k|v|b|f|g and o_proj, MLA's
+# q_proj, kv_a and dense, the shared expert and the dense MLP.
+LING_SHAPES = [([4096, 4096, 4096, 32, 4096, 4096], 2560), ([2560], 4096), ([6144], 2560),
+               ([576], 2560), ([768, 768], 2560), ([2560], 768), ([6144, 6144], 2560)]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [1024, 8192, 333])
+def test_cuda_bf16_at_the_model_shapes(m):
+    """bf16 on the GPU at the model's shapes: within bf16 rounding of the fp32 reference and of
+    the dequantise + F.linear path."""
+    if not ON_CUDA:
+        pytest.skip("needs CUDA")
+    from sgl_kernel.fp8_gemm import block_fp8_gemm, block_fp8_gemm_reference
+
+    gen = torch.Generator().manual_seed(m)
+    for pieces, k in LING_SHAPES:
+        w, scale, rows = _pieces(pieces, k, gen)
+        x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
+        got = block_fp8_gemm(x, w, scale, rows)
+        assert _rel(got, block_fp8_gemm_reference(x, w, scale, rows)) < 1e-2, (pieces, k)
+        if len(pieces) == 1:  # one grid: the map and row // 128 agree
+            assert torch.equal(block_fp8_gemm(x, w, scale), got)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_dequantize_kernel_is_bit_equal_to_the_torch_dequantisation(dtype):
+    """block_fp8_dequantize: the weight q * scale rounded once, bit-equal to fp8_blocks'
+    block_dequantize, with and without the row map (ragged N and K)."""
+    from sgl_kernel.fp8_blocks import block_dequantize
+    from sgl_kernel.fp8_gemm import block_fp8_dequantize
+
+    gen = torch.Generator().manual_seed(14)
+    w, scale, rows = _pieces([96, 40], 200, gen)
+    assert torch.equal(block_fp8_dequantize(w, scale, rows, dtype),
+                       block_dequantize(w, scale, dtype, rows=rows))
+    one, one_scale = w[:, :130], scale[:1, :2].contiguous()
+    assert torch.equal(block_fp8_dequantize(one[:100], one_scale, None, dtype),
+                       block_dequantize(one[:100], one_scale, dtype))
