@@ -54,3 +54,18 @@ def test_bench_one_batch_rejects_too_long_input(ckpt):
     with pytest.raises(ValueError, match="context length"):
         bench_one_batch.main(["--model-path", ckpt, "--device", "cpu", "--input-len", "600",
                               "--output-len", "4", "--skip-warmup", "--max-total-tokens", "1024"])
+
+
+def test_warm_up_runs_each_prompt_length_before_the_timed_runs(ckpt, monkeypatch):
+    calls = []
+    real = bench_one_batch.run_once
+
+    def logged(worker, bs, il, ol, seed):
+        calls.append((bs, il))
+        return real(worker, bs, il, ol, seed)
+
+    monkeypatch.setattr(bench_one_batch, "run_once", logged)
+    bench_one_batch.main(["--model-path", ckpt, "--device", "cpu", "--batch-size", "1",
+                          "--input-len", "12", "6", "12", "--output-len", "2"])
+    # Warm-ups at every distinct length (compiles keyed by the token count happen there).
+    assert calls == [(1, 12), (1, 6), (1, 12), (1, 6), (1, 12)]
