@@ -349,6 +349,45 @@ def test_backend_fla_prefill_matches_torch_on_cuda():
     assert rel_err(outs[1], outs[0]) < FLA_TOL and rel_err(finals[1], finals[0]) < FLA_TOL
 
 
+@pytest.mark.gpu
+def test_backend_fla_prefill_forms_the_raw_gate_in_kernel_on_cuda():
+    """The model's call on the fla path: raw gate inputs (KDAGate) and unnormalised q / k go to
+    fla, which forms the decay, beta and the L2 norm inside its kernels; two requests of one
+    batch (one behind a prefix) against the torch path."""
+    if not fla_kda.is_available():
+        pytest.skip("fla-core not installed")
+    from sglang.srt.layers.attention.kda_ops import KDAGate
+
+    gen = torch.Generator().manual_seed(11)
+    lens = [70, 33]
+    t = sum(lens) + 20
+    q, k, v, f = (torch.randn(t, C, generator=gen) for _ in range(4))
+    b = torch.randn(t, H, generator=gen)
+    a_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(C, generator=gen)
+    results = []
+    for impl in ("torch", "fla"):
+        h = Harness(backend=TorchNativeKDABackend(impl), device="cuda")
+        slots = [h.new_request(), h.new_request()]
+        outs = []
+        # The second request first extends 20 tokens alone, then 33 more beside the first's 70.
+        for batch_slots, prefix, pieces in (([slots[1]], [0], [slice(0, 20)]),
+                                            (slots, [0, 20], [slice(20, 90), slice(90, 123)])):
+            rows_ = torch.cat([torch.arange(p.start, p.stop) for p in pieces])
+            n = rows_.numel()
+            fb = ForwardBatch.for_extend(torch.zeros(n, dtype=torch.int64, device="cuda"),
+                                         batch_slots, prefix, [p.stop - p.start for p in pieces],
+                                         torch.arange(1, n + 1), req_to_token_pool=h.req_pool,
+                                         kda_state_pool=h.state_pool)
+            fb.attn_backend = h.backend
+            h.backend.init_forward_metadata(fb)
+            dev = [x[rows_].cuda() for x in (q, k, v, f, b)]
+            gate = KDAGate(dev[3], dev[4], a_log.cuda(), dt_bias.cuda(), -5.0)
+            outs.append(h.layer(dev[0], dev[1], dev[2], None, None, fb, gate=gate))
+        results.append((torch.cat(outs), *(h.states(s)[1] for s in slots)))
+    for got, ref in zip(results[1], results[0]):
+        assert rel_err(got, ref) < FLA_TOL
+
+
 # The Triton decode kernels on this file's CPU tensors: only under the interpreter.
 needs_interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                   reason="needs TRITON_INTERPRET=1 (test/conftest.py sets it on CPU)")

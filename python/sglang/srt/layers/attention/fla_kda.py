@@ -38,13 +38,20 @@ def chunk_kda_varlen(
     initial_state: torch.Tensor,
     seq_lens: Sequence[int],
     cu_seqlens: Optional[torch.Tensor] = None,
+    l2norm_in_kernel: bool = False,
+    gate_params: Optional[Tuple[torch.Tensor, torch.Tensor, Optional[float]]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """KDA over a flattened batch of ``N`` sequences with fla's chunked kernel.
 
     ``q, k [T, H, K]`` (L2-normalised), ``v [T, H, V]``, ``g [T, H, K]`` natural-log decay,
     ``beta [T, H]``, ``initial_state [N, H, K, V]`` fp32, ``seq_lens`` host lengths (sum ``T``);
     ``cu_seqlens`` (int64 ``[N+1]`` on q's device) may be passed to skip building it.
-    Returns ``(o [T, H, V] in q's dtype, final_state [N, H, K, V] fp32)``.
+    With ``l2norm_in_kernel`` q and k come as they are and fla normalises them; with
+    ``gate_params = (A_log [H], dt_bias [H * K], lower_bound)`` ``g`` is the raw gate projection
+    and ``beta`` the raw beta logits, and fla forms the decay (``kda_ops.kda_gate``'s two forms:
+    the safe gate with ``lower_bound``, else the softplus form) and the sigmoid in its kernels,
+    with no fp32 copies of them in memory. Returns ``(o [T, H, V] in q's dtype, final_state
+    [N, H, K, V] fp32)``.
     """
     if not is_available():
         raise RuntimeError("fla_kda.chunk_kda_varlen needs CUDA and fla-core (pip install fla-core)")
@@ -60,13 +67,22 @@ def chunk_kda_varlen(
     cu_cpu[1:] = torch.tensor(list(seq_lens), dtype=torch.int64).cumsum(0)
     if cu_seqlens is None:
         cu_seqlens = cu_cpu.to(q.device, non_blocking=True)
+    gate_kw = {}
+    if gate_params is not None:
+        a_log, dt_bias, lower_bound = gate_params
+        gate_kw = dict(use_gate_in_kernel=True, use_beta_sigmoid_in_kernel=True,
+                       A_log=a_log.float(), dt_bias=dt_bias.float(),
+                       safe_gate=lower_bound is not None, lower_bound=lower_bound)
+    else:
+        g, beta = g.float(), beta.float()
     o, final_state = chunk_kda(
-        q.unsqueeze(0), k.unsqueeze(0), v.unsqueeze(0), g.float().unsqueeze(0),
-        beta.float().unsqueeze(0),
+        q.contiguous().unsqueeze(0), k.contiguous().unsqueeze(0), v.contiguous().unsqueeze(0),
+        g.contiguous().unsqueeze(0), beta.contiguous().unsqueeze(0),
         scale=scale,
         initial_state=initial_state.contiguous(),
         output_final_state=True,
-        use_qk_l2norm_in_kernel=False,
+        use_qk_l2norm_in_kernel=l2norm_in_kernel,
+        **gate_kw,
         cu_seqlens=cu_seqlens,
         # The host copy lets fla build its chunk index without reading cu_seqlens back.
         cu_seqlens_cpu=cu_cpu,

@@ -474,11 +474,11 @@ class TorchNativeKDABackend(AttentionBackend):
             y[start:start + n], window = causal_conv1d(mixed[start:start + n], layer.conv_weight,
                                                        conv_pool[slot])
             conv_pool[slot].copy_(window)
+        if self._use_fla(mixed):
+            self._extend_fla(y, g, beta, gate, layer, reqs, ssm_pool, out)
+            return out
         qn, kn, vn = self._split_heads(y, layer)
         gf, bf = self._gate(g, beta, gate, layer)
-        if self._use_fla(mixed):
-            self._extend_fla(qn, kn, vn, gf, bf, layer, reqs, ssm_pool, out, q.dtype)
-            return out
         for slot, start, n in reqs:
             rows = slice(start, start + n)
             fn = kda_recurrent if n <= RECURRENT_MAX_TOKENS else kda_chunked
@@ -489,15 +489,25 @@ class TorchNativeKDABackend(AttentionBackend):
         return out
 
     @staticmethod
-    def _extend_fla(qn, kn, vn, gf, bf, layer, reqs, ssm_pool, out, dtype):
-        """All requests in one varlen ``chunk_kda`` call; q/k/v go in the model dtype."""
-        rows = torch.cat([torch.arange(st, st + n) for _, st, n in reqs]).to(qn.device)
-        slots = torch.tensor([s for s, _, _ in reqs], dtype=torch.int64, device=qn.device)
+    def _extend_fla(y, g, beta, gate: Optional[KDAGate], layer, reqs, ssm_pool, out):
+        """All requests in one varlen ``chunk_kda`` call on the conv output ``y [T, 3C]`` as it
+        is: fla L2-normalises q and k and, given the raw gate inputs (:class:`KDAGate`), forms
+        the decay and beta inside its kernels, so no fp32 copy of q, k, g or beta is written.
+        The requests' rows are consecutive (each starts where the previous one ends), so the
+        output needs no scatter."""
+        t, h, d = y.shape[0], layer.num_heads, layer.head_dim
+        qkv = y.view(t, 3, h, d)
+        slots = torch.tensor([s for s, _, _ in reqs], dtype=torch.int64, device=y.device)
         lens = [n for _, _, n in reqs]
+        if gate is not None:
+            g, beta = gate.f.reshape(t, h, d), gate.b
+            params = (gate.A_log, gate.dt_bias, gate.lower_bound)
+        else:
+            params = None
         o, final = fla_kda.chunk_kda_varlen(
-            qn[rows].to(dtype), kn[rows].to(dtype), vn[rows].to(dtype), gf[rows], bf[rows],
-            layer.scale, ssm_pool[slots], lens)
-        out[rows] = o.to(out.dtype)
+            qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, layer.scale, ssm_pool[slots], lens,
+            l2norm_in_kernel=True, gate_params=params)
+        out.copy_(o.view_as(out))
         ssm_pool.index_copy_(0, slots, final)
 
     def _forward_target_verify(self, q, k, v, g, beta, layer, forward_batch,
