@@ -135,11 +135,13 @@ def _fp8_layer(pieces, k: int, bias: bool):
 
 
 @pytest.mark.parametrize("dtype,tol", CASES)
-def test_fp8_linear_method_takes_it_above_the_small_m_range(dtype, tol, monkeypatch):
-    """``Fp8LinearMethod.apply`` with the layer's Triton flag (``small_m_gemm``) on: 100 rows
-    (above SMALL_M_MAX_ROWS) run block_fp8_gemm on the fp8 weight, within ``tol`` of the
-    dequantise + F.linear path (which rounds the weight to x's dtype first: fp32 differs only by
-    summation order); a 3-D x keeps its leading dims; flag off: the dequantised path."""
+def test_fp8_linear_method_above_the_small_m_range(dtype, tol, monkeypatch):
+    """``Fp8LinearMethod.apply`` with the layer's Triton flag (``small_m_gemm``) on, 100 rows
+    (above SMALL_M_MAX_ROWS): block_fp8_linear, which dequantises in one Triton pass and runs
+    F.linear, bit for bit the dequantise + F.linear reference path; with the fused GEMM chosen
+    for these rows (FUSED_MAX_ROWS raised) within ``tol`` of it (the reference rounds the weight
+    to x's dtype first: fp32 differs by summation order only). A 3-D x keeps its leading dims;
+    flag off: the reference path, no kernel."""
     import sgl_kernel.fp8_gemm as fg
     from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS
 
@@ -155,25 +157,14 @@ def test_fp8_linear_method_takes_it_above_the_small_m_range(dtype, tol, monkeypa
     layer.small_m_gemm = False
     assert torch.equal(layer(x), ref) and not calls
     layer.small_m_gemm = True
+    if x.shape[0] > fg.FUSED_MAX_ROWS:
+        assert torch.equal(layer(x), ref) and not calls
+    monkeypatch.setattr(fg, "FUSED_MAX_ROWS", 128)
     got = layer(x)
     assert calls and got.dtype == dtype and _rel(got, ref) < tol
     assert torch.equal(got, real(x, layer.weight, layer.weight_scale_inv,
                                  layer.weight_row_block, layer.bias))
     assert torch.equal(layer(x.reshape(4, 25, 160)), got.reshape(4, 25, 192))
-
-
-def test_fp8_linear_method_above_the_fused_rows_dequantises_in_one_pass():
-    """Above FUSED_MAX_ROWS the layer dequantises with the Triton pass and runs F.linear: bit for
-    bit the reference path (dequantise in torch, F.linear)."""
-    from sgl_kernel.fp8_gemm import FUSED_MAX_ROWS
-
-    layer = _fp8_layer([96, 40], 200, bias=True)
-    x = torch.randn(FUSED_MAX_ROWS + 3, 200, generator=torch.Generator().manual_seed(15))
-    x = x.to(DEVICE)
-    ref = torch.nn.functional.linear(x, layer.quant_method.dequantized_weight(layer, x.dtype),
-                                     layer.bias)
-    layer.small_m_gemm = True
-    assert torch.equal(layer(x), ref)
 
 
 def test_row_parallel_gated_norm_above_the_small_m_range():

@@ -23,17 +23,20 @@ Why weight-only ("w8a16") and not fp8 activations too:
   matter below that. The cost being removed is the per-call dequantisation (a full bf16 copy of
   the weight written and read again) and its launches.
 
-Measured (H200, bf16, L2 flushed, ``benchmark/kernels/bench_fp8_gemm.py``): this kernel runs
-at about 250-265 TF/s from 1024 rows on (the model's shapes; the best of a 10-config sweep is
-within 1-5 % of :func:`launch_config`), a third of cuBLAS on a bf16 weight (640-800 TF/s): the
-per-block promotion (each block's dot waited on, then scaled) and the converted weight tile's
-trip back to shared memory keep the tensor cores from streaming. At 1024 rows it beat the
-engine's torch dequantise + F.linear (26.8 vs 37.8 ms for the model's dense projections of one
-prefill), at 4096 and 8192 it lost (88 vs 59 ms, 172 vs 87 ms). So the engine's entry point
-:func:`block_fp8_linear` takes this kernel only up to ``FUSED_MAX_ROWS`` rows and otherwise
-dequantises in one Triton pass (:func:`block_fp8_dequantize`: one read of the fp8 weight, one
-write of x's dtype, where the torch path makes several full-size fp32 passes) and runs the
-library GEMM: the reference path's values, close to the bf16 floor.
+Measured (H200, bf16, L2 flushed, ``benchmark/kernels/bench_fp8_gemm.py`` and
+``fp8_gemm_variants.py``): this kernel runs at 250-265 TF/s from 1024 rows on (the model's
+shapes; a 10-config sweep found at most 1-5 % more), a third of cuBLAS on a bf16 weight
+(640-800 TF/s). The variants on the 12288 x 2560 weight at 4096 rows place the loss: the same
+kernel on a bf16 weight 600 TF/s, with the e4m3 -> bf16 conversion 430, with the per-block
+promotion (each block's dot waited on, then scaled) 260 (320 with ``swap_ab`` and 8 warps).
+A one-pass Triton dequantisation (:func:`block_fp8_dequantize`: one read of the fp8 weight, one
+write in x's dtype, where the torch path makes several full-size fp32 passes) followed by
+cuBLAS was faster at every measured row count: the model's dense projections of one prefill
+took 5.8 / 11.2 / 31.8 / 59.6 ms at 128 / 1024 / 4096 / 8192 rows against 9.6 / 26.5 / 87.9 /
+172 ms here, 31.9 / 37.4 / 57.9 / 85.6 ms with the torch dequantisation and 3.1 / 8.4 / 29.0 /
+58.3 ms on bf16 weights (the floor). So the engine's entry point :func:`block_fp8_linear` takes
+the dequantisation + library GEMM (the reference path's values, bit for bit) and this kernel
+only up to ``FUSED_MAX_ROWS`` rows, now none.
 
 A later step could quantise the activations per token and 128-column group (``w8a8``, as the
 published fp8 checkpoints' ``activation_scheme: dynamic`` intends) and run ``tl.dot`` on fp8
@@ -54,10 +57,10 @@ from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
 __all__ = ["GemmConfig", "block_fp8_gemm", "block_fp8_gemm_reference", "block_fp8_dequantize",
            "block_fp8_linear", "launch_config", "FUSED_MAX_ROWS"]
 
-# Rows up to which block_fp8_linear takes the fused GEMM (see "Measured" above): an estimate
-# from the 1024-row figures (the fused kernel's weight bytes against a dequantisation pass plus
-# cuBLAS), to be set from bench_fp8_gemm.py's 128 / 256 / 512-row rows.
-FUSED_MAX_ROWS = 128
+# Rows up to which block_fp8_linear takes the fused GEMM: none, since the dequantisation pass +
+# cuBLAS was faster at every measured row count from 128 (module docstring, "Measured"); the
+# engine's range above the small-M kernel starts at 65 rows.
+FUSED_MAX_ROWS = 0
 
 
 class GemmConfig(NamedTuple):
@@ -155,7 +158,8 @@ def _block_fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, b_ptr, out_ptr, M, N, 
 _GPU_TABLE = (
     (128, GemmConfig(64, 128, 128, 8, 4, 4)),
     (512, GemmConfig(64, 128, 128, 8, 4, 4)),
-    (1 << 62, GemmConfig(128, 128, 128, 8, 8, 4)),
+    # swap_ab with 8 warps: 320 against 260 TF/s on the 12288 x 2560 weight at 4096 rows
+    (1 << 62, GemmConfig(128, 128, 128, 8, 8, 3, swap_ab=True)),
 )
 # The interpreter's cost is per program and per op: small tiles keep a test's arrays small and
 # still exercise several programs, the grouped order and the wrapped edge rows.
@@ -285,9 +289,10 @@ def block_fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      w_scale_rows: Optional[torch.Tensor] = None,
                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [M, K] @ dequant(w).T (+ bias)`` in x's dtype by the faster route for M (module
-    docstring, "Measured"): :func:`block_fp8_gemm` up to ``FUSED_MAX_ROWS`` rows, else the
-    one-pass :func:`block_fp8_dequantize` to x's dtype and ``torch.nn.functional.linear`` (the
-    library GEMM; the same values as the engine's dequantise + F.linear reference path)."""
+    docstring, "Measured"): :func:`block_fp8_gemm` up to ``FUSED_MAX_ROWS`` rows (none now),
+    else the one-pass :func:`block_fp8_dequantize` to x's dtype and
+    ``torch.nn.functional.linear`` (the library GEMM; bit for bit the engine's dequantise +
+    F.linear reference path)."""
     if x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS:
         return block_fp8_gemm(x, w, w_scale, w_scale_rows, bias)
     return torch.nn.functional.linear(x, block_fp8_dequantize(w, w_scale, w_scale_rows, x.dtype),

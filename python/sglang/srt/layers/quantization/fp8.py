@@ -236,9 +236,9 @@ class Fp8LinearMethod(LinearMethodBase):
         ``auto`` turns it on for fp8 models on CUDA) is the one switch for "this layer's fp8
         product runs on Triton kernels", at every row count: a decode / verify batch takes the
         batch-invariant small-M kernel, more rows (prefill) ``sgl_kernel.fp8_gemm``'s
-        ``block_fp8_linear``: the tiled block-fp8 GEMM for a few hundred rows, beyond them a
-        one-pass Triton dequantisation and the library GEMM (faster at prefill sizes on the
-        H200; the same values as this reference path). Off, the reference path:
+        ``block_fp8_linear``: a one-pass Triton dequantisation and the library GEMM (bit for
+        bit this reference path's values; on the H200 faster than the tiled block-fp8 GEMM
+        there at every measured prefill size). Off, the reference path:
         ``linear(x, dequant(weight), bias)``, which forms the whole weight in x's dtype in
         several fp32 torch passes at every call. A ``gated_norm`` prologue above the small-M
         range is the torch GatedRMSNorm first, as in :func:`linear`."""
