@@ -391,6 +391,21 @@ class TorchNativeKDABackend(AttentionBackend):
             return None
         return _extend_layout(forward_batch)
 
+    def _prefill_conv_kernel(self, x: torch.Tensor) -> Optional[Any]:
+        """``sgl_kernel.kda_prefill_conv`` (one launch per request instead of a dozen over fp32
+        temporaries) when the extend's tensors are on CUDA, or in the CPU interpreter when the
+        Triton decode kernels are on; None (the torch reference) otherwise."""
+        if not x.is_cuda:
+            if self._conv_kernel is None:
+                return None
+            from sgl_kernel._triton_mode import INTERPRETED
+
+            if not INTERPRETED:
+                return None
+        from sgl_kernel.kda_prefill_conv import kda_prefill_conv
+
+        return kda_prefill_conv
+
     def _use_fla(self, x: torch.Tensor) -> bool:
         if self.kda_prefill_impl == "torch":
             return False
@@ -470,7 +485,12 @@ class TorchNativeKDABackend(AttentionBackend):
         reqs = [(s, st, n) for s, st, n in zip(lay.slots, lay.starts, lay.extend_lens) if n > 0]
         # Short convolution per request (it needs that request's window), state written back.
         y = torch.empty_like(mixed)
+        conv = self._prefill_conv_kernel(mixed)
         for slot, start, n in reqs:
+            if conv is not None:  # one launch: taps, SiLU, y and the window written in place
+                conv(mixed[start:start + n], layer.conv_weight, conv_pool[slot],
+                     out=y[start:start + n])
+                continue
             y[start:start + n], window = causal_conv1d(mixed[start:start + n], layer.conv_weight,
                                                        conv_pool[slot])
             conv_pool[slot].copy_(window)

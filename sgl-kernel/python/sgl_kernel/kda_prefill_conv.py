@@ -1,0 +1,142 @@
+"""KDA's short convolution over one request's prefill (or chunk of one), in one launch.
+
+For the ``T`` new tokens of a request and every channel ``c`` of the ``[q | k | v]``
+projections, as :func:`sglang.srt.layers.attention.kda_ops.causal_conv1d` computes them::
+
+    u = [window (K-1 values from the pool slot, oldest first), x_0 .. x_{T-1}]
+    y_t = silu(sum_j w_j * u_{t+j})              (fp32, rounded once to x's dtype)
+    window <- u_T .. u_{T+K-2}                   (the last K-1 of u, so T < K-1 works too)
+
+The torch path spends about a dozen launches on full ``[T, 3C]`` fp32 temporaries (the cast and
+concatenation with the window, a product and a sum per tap, SiLU, the cast back, the window
+copy); here each program reads its ``[BLOCK_T, BLOCK_C]`` tile of ``x`` (and the ``K-1`` rows
+before it) once from memory and writes ``y`` once.
+
+Rounding. The taps are summed as the reference sums them: from zero, ``acc += u * w`` for
+``j = 0 .. K-1``, each product rounded before its add (mul+add contraction is off), so the
+pre-activation is bit-equal to the torch path's. SiLU is ``acc / (1 + exp(-acc))`` with an
+IEEE-rounded division, the formula torch's SiLU kernels use; on the GPU ``exp`` is libdevice's
+``expf`` (the function torch's CUDA SiLU calls), under the interpreter numpy's. Torch's CPU SiLU
+uses its own vectorised ``exp``, so against the CPU reference fp32 results may differ in the
+last bit; the rounding to fp16 / bf16 hides that almost always.
+
+Window ordering (no second launch). Token blocks are at least ``K-1`` tokens tall, so only the
+programs of token block 0 read the window, each for its own channel block. That program also
+writes the new window for its channels: it first loads the ``K-1`` new entries (from ``x`` or,
+when ``T < K-1``, from the old window), then waits at a CTA barrier until all of its threads
+have done every read of the old window, then stores. No other program touches those channels'
+window, so nothing else can race with the write.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+from triton.language.extra import libdevice
+
+from sgl_kernel._triton_mode import INTERPRETED, NO_FP_FUSION, compiler_options
+
+__all__ = ["kda_prefill_conv"]
+
+# Tiles: on the GPU 32 tokens x 256 channels (8 K fp32 accumulators over 4 warps); the
+# interpreter pays per program and per op, and tests run small widths there.
+_BLOCK_T = 32
+_BLOCK_C = 64 if INTERPRETED else 256
+_NUM_WARPS = 4
+
+
+# T only bounds masks: one compiled variant for every prefill length (no T == 1 or T % 16 ones).
+@triton.jit(do_not_specialize=["T"])
+def _kda_prefill_conv_kernel(x_ptr, w_ptr, win_ptr, y_ptr, T, C,
+                             s_xt, s_wc, s_wk, s_vc, s_vk, s_yt,
+                             KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_W: tl.constexpr, PRECISE_EXP: tl.constexpr):
+    pid_t = tl.program_id(0)
+    rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # output tokens of this block
+    ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
+    cmask = ch < C
+    rmask = rows < T
+    win_ch = win_ptr + ch.to(tl.int64)[None, :] * s_vc
+    acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
+    for j in tl.static_range(KW):
+        u = rows + j  # index into window ‖ x: below KW-1 it is a window entry
+        xr = u - (KW - 1)
+        from_x = (xr >= 0)[:, None]
+        xv = tl.load(x_ptr + xr.to(tl.int64)[:, None] * s_xt + ch[None, :],
+                     mask=from_x & rmask[:, None] & cmask[None, :], other=0.0)
+        # All-false mask outside token block 0 (BLOCK_T >= KW-1): no memory traffic there.
+        wv = tl.load(win_ch + u[:, None] * s_vk,
+                     mask=(xr < 0)[:, None] & rmask[:, None] & cmask[None, :], other=0.0)
+        tap = tl.load(w_ptr + ch * s_wc + j * s_wk, mask=cmask, other=0.0).to(tl.float32)
+        acc += tl.where(from_x, xv.to(tl.float32), wv.to(tl.float32)) * tap[None, :]
+    # SiLU as torch writes it: x / (1 + exp(-x)), the division rounded to nearest.
+    if PRECISE_EXP:
+        e = libdevice.exp(-acc)
+    else:
+        e = tl.exp(-acc)
+    y = tl.div_rn(acc, 1.0 + e)
+    tl.store(y_ptr + rows.to(tl.int64)[:, None] * s_yt + ch[None, :],
+             y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+    if KW > 1:
+        if pid_t == 0:  # the only reader of these channels' window: write the new one
+            i = tl.arange(0, BLOCK_W)  # new window entry i takes u[T + i]
+            src = T + i
+            xr = src - (KW - 1)
+            from_x = (xr >= 0)[:, None]
+            wmask = (i < KW - 1)[:, None] & cmask[None, :]
+            xv = tl.load(x_ptr + xr.to(tl.int64)[:, None] * s_xt + ch[None, :],
+                         mask=from_x & wmask, other=0.0)
+            ov = tl.load(win_ch + src[:, None] * s_vk, mask=(xr < 0)[:, None] & wmask, other=0.0)
+            # Through x's dtype, as the reference returns the window before the pool copy.
+            new = tl.where(from_x, xv.to(tl.float32), ov.to(tl.float32))
+            new = new.to(x_ptr.dtype.element_ty).to(win_ptr.dtype.element_ty)
+            # Every thread of this program has read the old window (conv taps above, entries
+            # kept when T < K-1 just now) before any thread overwrites it.
+            tl.debug_barrier()
+            tl.store(win_ch + i[:, None] * s_vk, new, mask=wmask)
+
+
+def kda_prefill_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
+                     out: Optional[torch.Tensor] = None, block_t: Optional[int] = None,
+                     block_c: Optional[int] = None) -> torch.Tensor:
+    """Causal depthwise conv + SiLU of one request's ``T`` new tokens, in one launch.
+
+    ``x [T, Cx]`` (rows may be strided, the last dim must be contiguous: e.g. a column block of
+    the fused projection output), ``weight [Cx, K]`` (index ``K-1`` multiplies the current
+    token), ``window [Cx, K-1]`` the request's pool slot (the previous ``K-1`` inputs, oldest
+    first): read, then overwritten in place with the last ``K-1`` inputs of ``window ‖ x``,
+    rounded through x's dtype into the window's. Returns ``y [T, Cx]`` in x's dtype, written
+    into ``out`` when given (same shape and dtype, last dim contiguous). ``T == 0`` launches
+    nothing and leaves the window as it is. ``block_t`` / ``block_c`` override the tile
+    (rounded up to powers of two; ``block_t`` to at least ``K-1``). No host synchronisation.
+    """
+    if x.dim() != 2 or x.stride(1) != 1:
+        raise ValueError(f"kda_prefill_conv: x must be [T, Cx] with a contiguous last dim, got "
+                         f"shape {tuple(x.shape)} strides {tuple(x.stride())}")
+    t, c = x.shape
+    if weight.dim() != 2 or weight.shape[0] != c or weight.shape[1] < 1:
+        raise ValueError(f"kda_prefill_conv: weight must be [{c}, K], got {tuple(weight.shape)}")
+    kw = weight.shape[1]
+    if tuple(window.shape) != (c, kw - 1):
+        raise ValueError(f"kda_prefill_conv: window must be [{c}, {kw - 1}], got "
+                         f"{tuple(window.shape)}")
+    if out is None:
+        out = torch.empty(t, c, dtype=x.dtype, device=x.device)
+    elif tuple(out.shape) != (t, c) or out.dtype != x.dtype or (t and out.stride(1) != 1):
+        raise ValueError(f"kda_prefill_conv: out must be [{t}, {c}] {x.dtype} with a contiguous "
+                         f"last dim, got {tuple(out.shape)} {out.dtype}")
+    if not (x.device == weight.device == window.device == out.device):
+        raise ValueError("kda_prefill_conv: x, weight, window and out must share a device")
+    if t == 0 or c == 0:
+        return out
+    bt = triton.next_power_of_2(max(block_t or _BLOCK_T, kw - 1, 1))
+    bc = triton.next_power_of_2(block_c or min(_BLOCK_C, c))
+    grid = (triton.cdiv(t, bt), triton.cdiv(c, bc))
+    _kda_prefill_conv_kernel[grid](
+        x, weight, window, out, t, c, x.stride(0), weight.stride(0), weight.stride(1),
+        window.stride(0), window.stride(1), out.stride(0), KW=kw, BLOCK_T=bt, BLOCK_C=bc,
+        BLOCK_W=triton.next_power_of_2(max(kw - 1, 1)), PRECISE_EXP=not INTERPRETED,
+        **NO_FP_FUSION, **compiler_options(_NUM_WARPS, None))
+    return out
