@@ -57,8 +57,9 @@ stop_server() { kill -9 -- -$SERVER 2>/dev/null; sleep 3; }
 
 case "${STAGE:-kernels}" in
 kernels)
-  timeout 240 python3 -m pytest -q -m gpu test/kernels/test_moe_grouped_gemm.py \
-    test/kernels/test_fp8_gemm.py test/srt/test_mla_prefill.py 2>&1 | tee "$OUT/kernel_tests.log" | tail -4
+  timeout 240 python3 -m pytest -q -m gpu ${KTESTS:-test/kernels/test_moe_grouped_gemm.py \
+    test/kernels/test_fp8_gemm.py test/srt/test_mla_prefill.py} 2>&1 | tee "$OUT/kernel_tests.log" | tail -4
+  [ "${SWEEP:-1}" = 1 ] || exit 0
   # The packaged table is the output: $OUT gets a copy. A reduced grid (the compiles dominate).
   for dt in ${SWEEP_DTYPES:-bf16 fp8}; do
     bk="64 128"; [ $dt = fp8 ] && bk=128
@@ -73,8 +74,9 @@ kernels)
   ;;
 prefill12)
   one_batch flash12-new $FLASH12
-  LENS=${OLD_LENS:-1024} one_batch flash12-torchmoe $FLASH12 --moe-runner-backend torch_native
-  for len in ${CENSUS_LENS:-1024 8192}; do census flash12-new $len $FLASH12 --disable-cuda-graph; done
+  [ -n "${OLD_LENS-1024}" ] && LENS=${OLD_LENS:-1024} one_batch flash12-torchmoe $FLASH12 \
+    --moe-runner-backend torch_native
+  for len in ${CENSUS_LENS-1024 8192}; do census flash12-new $len $FLASH12 --disable-cuda-graph; done
   ;;
 peer)  # transformers' bailing_hybrid on the 12-layer shape (its wheel staged in .whl_peer)
   python3 -m pip install -q --no-index --no-deps --target /tmp/peer .whl_peer/*.whl 2>&1 | tail -1
@@ -85,7 +87,7 @@ peer)  # transformers' bailing_hybrid on the 12-layer shape (its wheel staged in
   ;;
 prefill42)
   one_batch flash42fp8-new $FLASH42 --max-running-requests 2
-  for len in ${LENS:-1024 8192}; do
+  for len in ${CENSUS_LENS-1024 8192}; do
     census flash42fp8-new $len $FLASH42 --max-running-requests 2 --disable-cuda-graph
   done
   ;;

@@ -83,14 +83,14 @@ def _kda_prefill_conv_kernel(x_ptr, w_ptr, win_ptr, y_ptr, T, C,
         if pid_t == 0:  # the only reader of these channels' window: write the new one
             i = tl.arange(0, BLOCK_W)  # new window entry i takes u[T + i]
             src = T + i
-            xr = src - (KW - 1)
-            from_x = (xr >= 0)[:, None]
+            wr = src - (KW - 1)
+            w_from_x = (wr >= 0)[:, None]
             wmask = (i < KW - 1)[:, None] & cmask[None, :]
-            xv = tl.load(x_ptr + xr.to(tl.int64)[:, None] * s_xt + ch[None, :],
-                         mask=from_x & wmask, other=0.0)
-            ov = tl.load(win_ch + src[:, None] * s_vk, mask=(xr < 0)[:, None] & wmask, other=0.0)
+            wxv = tl.load(x_ptr + wr.to(tl.int64)[:, None] * s_xt + ch[None, :],
+                          mask=w_from_x & wmask, other=0.0)
+            ov = tl.load(win_ch + src[:, None] * s_vk, mask=(wr < 0)[:, None] & wmask, other=0.0)
             # Through x's dtype, as the reference returns the window before the pool copy.
-            new = tl.where(from_x, xv.to(tl.float32), ov.to(tl.float32))
+            new = tl.where(w_from_x, wxv.to(tl.float32), ov.to(tl.float32))
             new = new.to(x_ptr.dtype.element_ty).to(win_ptr.dtype.element_ty)
             # Every thread of this program has read the old window (conv taps above, entries
             # kept when T < K-1 just now) before any thread overwrites it.
