@@ -152,6 +152,9 @@ CHAT_REFUSED = [
     ({"tools": [TOOL], "tool_choice": "auto"}, ("tools",)),
     ({"functions": [TOOL["function"]]}, ("functions",)),
     ({"function_call": "auto"}, ("function_call",)),
+    ({"modalities": ["text", "audio"], "audio": {"voice": "alloy", "format": "wav"}},
+     ("modalities", "audio", "text only")),
+    ({"audio": {"voice": "alloy", "format": "wav"}}, ("audio", "text only")),
 ]
 
 
@@ -170,6 +173,11 @@ def test_chat_refuses_function_calling(server, extra, needles):
 def test_chat_message_without_content_is_refused(server, messages, where):
     body = {"model": "m", "max_tokens": 1, "messages": messages}
     _assert_error(_post(server, "/v1/chat/completions", body), 400, where, "required")
+
+
+def test_text_modality_is_accepted(server):
+    r = _post(server, "/v1/chat/completions", _chat("hi", modalities=["text"]))
+    assert r.status_code == 200, r.text
 
 
 def test_assistant_message_without_content_is_accepted(server):

@@ -236,6 +236,9 @@ class ChatCompletionRequest(SamplingExtensions):
     # OpenAI's legacy function calling; declared only to be refused when set.
     functions: Optional[Any] = None
     function_call: Optional[Any] = None
+    # Output modalities (OpenAI's audio output); a text-only server serves ["text"] alone.
+    modalities: Optional[List[str]] = None
+    audio: Optional[Any] = None
 
 
 class TopLogprob(BaseModel):

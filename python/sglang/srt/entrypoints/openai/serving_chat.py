@@ -93,6 +93,13 @@ def check_chat_fields(request: ChatCompletionRequest) -> None:
         if getattr(request, name) is not None:
             raise ValueError(f"'{name}' (legacy function calling) is not supported by this "
                              "server")
+    other = [m for m in request.modalities or [] if m != "text"]
+    if other:
+        raise ValueError(f"'modalities' {other} is not supported: this server answers in text "
+                         "only (send [\"text\"] or leave it unset)")
+    if request.audio is not None:
+        raise ValueError("'audio' (audio output) is not supported: this server answers in text "
+                         "only")
     for i, message in enumerate(request.messages):
         if message.content is None and message.role != "assistant":
             raise ValueError(f"messages[{i}].content is required for a {message.role!r} "
