@@ -10,6 +10,8 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional
 
+from sglang.srt.configs.hf_fields import dtype_of, rope_theta_of
+
 ARCHITECTURE = "BailingMoeV3ForCausalLM"
 
 
@@ -107,6 +109,12 @@ class BailingMoeV3Config:
         # Ling and DeepSeek spell the router activation differently.
         if "score_function" not in raw and "scoring_func" in raw:
             kwargs["score_function"] = raw["scoring_func"]
+        # transformers 5 layouts: rope_parameters.rope_theta, dtype beside torch_dtype.
+        try:
+            kwargs["rope_theta"] = rope_theta_of(raw, cls.rope_theta)
+        except ValueError as e:
+            raise ConfigError(str(e)) from None
+        kwargs["torch_dtype"] = dtype_of(raw, cls.torch_dtype)
         cfg = cls(**kwargs)
         cfg.validate()
         return cfg

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Sequence
 
 from sglang.srt.configs.bailing_moe_v3 import ConfigError
+from sglang.srt.configs.hf_fields import dtype_of, rope_theta_of
 
 __all__ = [
     "DSPARK_ARCHITECTURES",
@@ -86,6 +87,14 @@ def _int(name: str, value: Any, minimum: int) -> int:
     if value < minimum:
         raise ConfigError(f"{name} must be >= {minimum}, got {value}")
     return value
+
+
+def _rope_theta(raw: Dict[str, Any]) -> float:
+    """The draft's RoPE base from either config layout (``hf_fields.rope_theta_of``)."""
+    try:
+        return rope_theta_of(raw, 10000.0, "the DSpark draft config")
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _bool(name: str, value: Any) -> bool:
@@ -196,9 +205,9 @@ class DSparkDraftConfig:
             enable_confidence_head=_drafter_value(raw, "enable_confidence_head", True),
             confidence_head_with_markov=_drafter_value(raw, "confidence_head_with_markov", True),
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(raw.get("rope_theta", 10000.0)),
+            rope_theta=_rope_theta(raw),
             max_position_embeddings=raw.get("max_position_embeddings", 32768),
-            torch_dtype=raw.get("torch_dtype") or "bfloat16",
+            torch_dtype=dtype_of(raw, "bfloat16"),
             architectures=list(archs),
         )
         if cfg.target_layer_ids is None:
@@ -280,6 +289,11 @@ class DSparkDraftConfig:
         if not isinstance(ids, list) or not ids:
             raise ConfigError(f"target_layer_ids must be a non-empty list, got {ids!r}")
         for i, layer in enumerate(ids):
+            if layer == -1:
+                raise ConfigError(
+                    f"target_layer_ids[{i}] is -1, which in DeepSpec's convention selects the "
+                    "embedding output; this engine captures decoder-layer outputs only (ids "
+                    "0 .. num_target_layers - 2)")
             _int(f"target_layer_ids[{i}]", layer, 0)
         if self.num_target_layers is not None:
             _int("num_target_layers", self.num_target_layers, 1)
