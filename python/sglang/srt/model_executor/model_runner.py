@@ -302,8 +302,9 @@ class ModelRunner:
                                                   self.device.type, quantized), self.device)
         if quantized and self.device.type == "cuda" and not self.small_m_gemm:
             logger.warning("fp8 weights with SGLANG_TRITON_SMALL_M_GEMM=0: every dense "
-                           "layer dequantises its weight at each decode step (the small-M GEMM "
-                           "reads the fp8 weight itself; docs/performance.md)")
+                           "layer dequantises its weight in torch at each forward (the small-M "
+                           "GEMM reads the fp8 weight itself at decode, a one-pass Triton "
+                           "dequantisation serves prefill; docs/performance.md)")
         self._init_pools(draft_extra_mla_layers, max_total_tokens, mem_fraction_static,
                          req_to_token_pool, token_to_kv_pool_allocator, token_to_kv_pool,
                          kda_state_pool)

@@ -18,8 +18,11 @@ between ranks); the load fails naming the tensor and the TP sizes that work.
 run the unquantized math -- :func:`~sglang.srt.layers.linear.linear` for dense layers, the
 native MoE strategies for experts, where only the experts a batch selects are dequantised
 (per pair on the gather path, per active expert on the loop path). The Triton paths
-(``sgl_kernel.grouped_gemv``, ``sgl_kernel.small_m_gemm``) read the fp8 weights and their scales
-directly and dequantise each tile as they load it, to the same values.
+(``sgl_kernel.grouped_gemv``, ``sgl_kernel.small_m_gemm`` for decode / verify batches,
+``sgl_kernel.moe_grouped_gemm`` for the experts of a prefill) read the fp8 weights and their
+scales directly and dequantise each tile as they load it, to the same values; a dense layer at
+prefill sizes dequantises its weight in one Triton pass and runs the library GEMM
+(``sgl_kernel.fp8_gemm.block_fp8_linear``).
 """
 from __future__ import annotations
 
