@@ -194,6 +194,17 @@ class TorchNativeMLABackend(AttentionBackend):
             raise ValueError("MLA attention needs forward_batch.token_to_kv_pool and req_to_token_pool")
         return q.view(t, layer.tp_q_head_num, dk)
 
+    @staticmethod
+    def _extend_rows(k, layer, forward_batch, save_kv_cache: bool):
+        """``(cache buffer, req->token map, the new tokens' rows)`` of an extend, after writing
+        ``k`` to the cache when asked. The new rows come straight from ``k`` cast to the cache
+        dtype (exactly what the cache holds), so a result never depends on save_kv_cache."""
+        pool = forward_batch.token_to_kv_pool
+        if save_kv_cache:
+            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k)
+        buf = pool.get_kv_buffer(layer.layer_id)
+        return buf, forward_batch.req_to_token_pool.req_to_token, k.to(buf.dtype)
+
     def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
         """Prefill / chunked prefill / verify: each request attends to its cached prefix and,
         causally, to its new tokens."""
@@ -204,14 +215,7 @@ class TorchNativeMLABackend(AttentionBackend):
         out = q.new_empty(q.shape[0], layer.tp_q_head_num, layer.v_head_dim)
         if q.shape[0] == 0:
             return out
-        pool = forward_batch.token_to_kv_pool
-        if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k)
-        buf = pool.get_kv_buffer(layer.layer_id)
-        req_to_token = forward_batch.req_to_token_pool.req_to_token
-        # The new rows come straight from k (cast to the cache dtype, i.e. exactly what the cache
-        # holds), so the result does not depend on save_kv_cache.
-        new_rows = k.to(buf.dtype)
+        buf, req_to_token, new_rows = self._extend_rows(k, layer, forward_batch, save_kv_cache)
         for slot, prefix, n, start in zip(lay.slots, lay.prefix_lens, lay.extend_lens, lay.starts):
             if n == 0:
                 continue
@@ -264,13 +268,7 @@ class TorchNativeMLABackend(AttentionBackend):
         out = q.new_empty(t, h, dv)
         if t == 0:
             return out
-        pool = forward_batch.token_to_kv_pool
-        if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k)
-        buf = pool.get_kv_buffer(layer.layer_id)
-        req_to_token = forward_batch.req_to_token_pool.req_to_token
-        # Cast through the cache dtype, as the absorbed path reads them: the same key values.
-        new_rows = k.to(buf.dtype)
+        buf, req_to_token, new_rows = self._extend_rows(k, layer, forward_batch, save_kv_cache)
         reqs = [r for r in zip(lay.slots, lay.prefix_lens, lay.extend_lens, lay.starts) if r[2]]
         if all(prefix == 0 for _, prefix, _, _ in reqs):
             rows, offsets = new_rows, [start for _, _, _, start in reqs]
