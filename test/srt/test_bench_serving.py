@@ -240,14 +240,6 @@ def test_profile_endpoints_and_bench_serving_profile(server, tmp_path, monkeypat
     assert requests.post(f"{url}/stop_profile").status_code == 400  # it ended by itself
 
 
-def test_unreachable_server_is_a_clear_error(capsys):
-    from sglang.benchmark.serving import main
-    from sglang.test.test_utils import find_available_port
-
-    port = find_available_port(29500)
-    code = main(["--host", "127.0.0.1", "--port", str(port), "--ready-check-timeout-sec", "1",
-                 "--num-prompts", "1"])
-    assert code == 2 and "not ready" in capsys.readouterr().err
 
 
 def test_random_ids_against_a_model_without_tokenizer(tmp_path):
@@ -276,3 +268,244 @@ def test_random_ids_against_a_model_without_tokenizer(tmp_path):
         kill_process_tree(proc.pid)
     assert result["completed"] == 2 and result["total_output_tokens"] == 12
     assert result["mean_ttft_ms"] > 0 and result["mean_tpot_ms"] > 0
+
+
+# ----------------------------------------------------------------------------- datasets, offline
+class WordTokenizer:
+    """A whitespace tokenizer: one token per word, ids assigned on first sight. It pretends the
+    server adds one special token (BOS) so that the text-mode length reduction is visible."""
+
+    all_special_ids: list = []
+    vocab_size = 1000
+
+    def __init__(self):
+        self.ids = {}
+        self.words = []
+
+    def encode(self, text, add_special_tokens=True):
+        out = []
+        for word in text.split():
+            if word not in self.ids:
+                self.ids[word] = len(self.words)
+                self.words.append(word)
+            out.append(self.ids[word])
+        return out
+
+    def decode(self, ids):
+        return " ".join(self.words[i] if i < len(self.words) else f"w{i}" for i in ids)
+
+    def num_special_tokens_to_add(self):
+        return 1
+
+
+def _write_sharegpt(path, conversations) -> str:
+    """A ShareGPT-shaped file: ``conversations`` is a list of (human, gpt) or (human,) tuples."""
+    data = [{"id": f"c{i}", "conversations": [
+        {"from": speaker, "value": text} for speaker, text in zip(("human", "gpt"), turns)]}
+        for i, turns in enumerate(conversations)]
+    with open(path, "w") as f:
+        json.dump(data, f)
+    return str(path)
+
+
+def _words(prefix: str, n: int) -> str:
+    return " ".join(f"{prefix}{k}" for k in range(n))
+
+
+SHAREGPT_CONVERSATIONS = [
+    (_words("a", 6), _words("r", 5)),
+    (_words("b", 3), _words("s", 4)),
+    (_words("c", 1), _words("t", 9)),  # a 1-token prompt: pruned
+    (_words("d", 4), _words("u", 1)),  # a 1-token reply: pruned (unless the output is fixed)
+    (_words("e", 30), _words("v", 30)),  # 60 tokens: pruned by a context length of 40
+    (_words("f", 2),),  # one turn only: dropped
+]
+
+
+def test_sharegpt_sampling_as_upstream(tmp_path):
+    import random
+
+    from sglang.benchmark.datasets import get_dataset, sample_sharegpt_requests
+
+    path = _write_sharegpt(tmp_path / "sg.json", SHAREGPT_CONVERSATIONS)
+    tok = WordTokenizer()
+    random.seed(3)
+    rows = sample_sharegpt_requests(path, 100, tok, context_len=40)
+    # First turn as prompt, the reply's token count as output length; short/long pairs pruned.
+    assert sorted((r.prompt, r.prompt_len, r.output_len) for r in rows) == [
+        (_words("a", 6), 6, 5), (_words("b", 3), 3, 4)]
+    random.seed(3)
+    fixed = sample_sharegpt_requests(path, 100, tok, fixed_output_len=8)
+    assert {r.prompt_len: r.output_len for r in fixed} == {6: 8, 3: 8, 4: 8, 30: 8}
+    random.seed(3)
+    assert len(get_dataset("sharegpt", tok, 2, 0, 0, 0.0, dataset_path=path)) == 2
+    # The shuffle follows Python's random (seeded by --seed): same seed, same order.
+    orders = []
+    for _ in range(2):
+        random.seed(11)
+        orders.append([r.prompt for r in sample_sharegpt_requests(path, 3, tok)])
+    assert orders[0] == orders[1]
+    with pytest.raises(ValueError, match="sharegpt-output-len"):
+        sample_sharegpt_requests(path, 1, tok, fixed_output_len=3)
+    with pytest.raises(ValueError, match="needs --dataset-path"):
+        sample_sharegpt_requests("", 1, tok)
+
+
+def test_random_is_sharegpt_tokens_repeated_to_drawn_lengths(tmp_path):
+    import random
+
+    from sglang.benchmark.datasets import get_dataset
+
+    path = _write_sharegpt(tmp_path / "sg.json", SHAREGPT_CONVERSATIONS)
+    tok = WordTokenizer()
+    random.seed(0)
+    np.random.seed(0)
+    rows = get_dataset("random", tok, 5, 40, 20, 0.5, dataset_path=path)
+    assert len(rows) == 5
+    for row in rows:
+        # Drawn in [20, 40], less the one special token the server adds back.
+        assert 19 <= row.prompt_len <= 39 and 10 <= row.output_len <= 20
+        words = row.prompt.split()
+        assert len(words) == row.prompt_len
+        # One first turn, repeated from its start and cut at the length.
+        base = words[0][0]
+        period = {"a": 6, "b": 3, "c": 1, "d": 4, "e": 30}[base]
+        assert words == [f"{base}{k % period}" for k in range(row.prompt_len)]
+    ratio_one = get_dataset("random", tok, 3, 12, 7, 1.0, dataset_path=path)
+    assert [(r.prompt_len, r.output_len) for r in ratio_one] == [(11, 7)] * 3
+    # Without a file (nothing is downloaded): random vocabulary, same length rules.
+    synthetic = get_dataset("random", tok, 4, 10, 6, 0.5)
+    assert all(4 <= r.prompt_len <= 9 and 3 <= r.output_len <= 6 for r in synthetic)
+
+
+def test_peak_concurrency_counts_overlap_not_seconds():
+    from sglang.benchmark.metrics import peak_in_flight
+
+    # Back to back inside one second (what --max-concurrency 1 produces): never two at once.
+    serial = [_replay(0.1 * k, [(0.1 * k + 0.05, 1), (0.1 * k + 0.1, 2)]) for k in range(5)]
+    assert peak_in_flight(serial) == 1 and peak_buckets(serial)[1] == 1
+    # Two overlapping, a third after both.
+    mixed = [_replay(0.0, [(0.5, 1)]), _replay(0.2, [(0.7, 1)]), _replay(0.8, [(0.9, 1)])]
+    assert peak_in_flight(mixed) == 2
+
+
+def test_default_port_and_output_file_name():
+    from sglang.benchmark.serving import build_parser, default_output_file, resolve_base_url
+
+    parse = build_parser().parse_args
+    assert resolve_base_url(parse(["--backend", "vllm"])) == "http://0.0.0.0:8000"
+    assert resolve_base_url(parse(["--backend", "sglang-oai"])) == "http://0.0.0.0:30000"
+    assert resolve_base_url(parse(["--base-url", "http://h:1/"])) == "http://h:1"
+    args = parse(["--num-prompts", "7"])
+    assert args.dataset_name == "sharegpt"  # upstream's default
+    assert default_output_file(args).endswith("_7_sharegpt.jsonl")
+    args = parse(["--dataset-name", "random", "--random-input-len", "5",
+                  "--random-output-len", "6", "--backend", "vllm", "--num-prompts", "7"])
+    assert default_output_file(args).startswith("vllm_")
+    assert default_output_file(args).endswith("_7_5_6.jsonl")
+
+
+# ----------------------------------------------------------------------------- errors, fast
+def _one_line_error(capsys, argv, match: str, max_s: float = 3.0) -> None:
+    import time
+
+    from sglang.benchmark.serving import main
+
+    t0 = time.monotonic()
+    code = main(argv)
+    elapsed = time.monotonic() - t0
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and elapsed < max_s, (code, elapsed, err)
+    assert "\n" not in err and err.startswith("bench_serving: error:") and match in err, err
+
+
+def test_unreachable_server_fails_at_once_in_one_line(capsys):
+    from sglang.test.test_utils import find_available_port
+
+    port = find_available_port(29500)
+    _one_line_error(capsys, ["--host", "127.0.0.1", "--port", str(port), "--num-prompts", "1",
+                             "--dataset-name", "random"],
+                    f"not reachable at http://127.0.0.1:{port}", max_s=1.5)
+
+
+def test_server_never_ready_fails_after_ready_timeout(capsys):
+    import http.server
+    import threading
+
+    class Busy(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):  # a server that is up but warming up forever
+            self.send_response(503)
+            self.send_header("Content-Length", "0")
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Busy)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{httpd.server_address[1]}"
+        _one_line_error(capsys, ["--base-url", url, "--ready-timeout", "1", "--dataset-name",
+                                 "random", "--num-prompts", "1"], "not ready after 1s")
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def test_sharegpt_without_path_fails_before_contacting_the_server(capsys):
+    _one_line_error(capsys, ["--port", "1", "--num-prompts", "1"], "needs --dataset-path")
+
+
+# ----------------------------------------------------------------------------- sharegpt, live
+@pytest.fixture(scope="module")
+def sharegpt_file(tmp_path_factory) -> str:
+    """Real prose (tokenized by the tiny model's own tokenizer) in the ShareGPT shape."""
+    conversations = [
+        ("Explain how a radix cache shares prefixes between requests.",
+         "It stores token ids in a tree so requests with a common prefix reuse the KV cache."),
+        ("Write a haiku about a scheduler.", "Batches come and go, the queue is never empty."),
+        ("What does a tokenizer do with text?",
+         "It splits the text into pieces and maps each piece to an integer id."),
+        ("x", "too short to keep"),
+    ]
+    return _write_sharegpt(tmp_path_factory.mktemp("sharegpt") / "sg.json", conversations)
+
+
+@pytest.mark.parametrize("backend", ["sglang", "sglang-oai", "sglang-oai-chat", "vllm"])
+def test_sharegpt_on_every_backend(server, sharegpt_file, tmp_path, backend):
+    from sglang.benchmark.serving import build_parser, run_benchmark
+
+    out_file = tmp_path / "r.jsonl"
+    result = run_benchmark(build_parser().parse_args([
+        "--backend", backend, "--base-url", server.base_url, "--dataset-name", "sharegpt",
+        "--dataset-path", sharegpt_file, "--num-prompts", "2", "--sharegpt-output-len", "4",
+        "--output-file", str(out_file), "--disable-tqdm", "--seed", "5"]))
+    assert result["completed"] == 2 and result["total_output_tokens"] == 8
+    assert result["backend"] == backend and result["dataset_name"] == "sharegpt"
+    assert result["sharegpt_output_len"] == 4
+    # Streaming: TTFT at the first content chunk, then one ITL per further token.
+    assert result["mean_ttft_ms"] > 0 and result["mean_itl_ms"] > 0
+    assert result["mean_ttft_ms"] <= result["mean_e2e_latency_ms"]
+    assert json.loads(out_file.read_text().splitlines()[-1]) == result
+
+
+def test_random_with_sharegpt_source_at_concurrency_one(server, sharegpt_file, tmp_path):
+    """Live: the drawn lengths hold (the server generates exactly the drawn output lengths),
+    the JSON line has upstream's fields, and at --max-concurrency 1 the peak is 1."""
+    from sglang.benchmark.serving import build_parser, run_benchmark
+
+    out_file = tmp_path / "r.jsonl"
+    result = run_benchmark(build_parser().parse_args([
+        "--backend", "sglang", "--base-url", server.base_url, "--dataset-name", "random",
+        "--dataset-path", sharegpt_file, "--num-prompts", "4", "--random-input-len", "24",
+        "--random-output-len", "6", "--random-range-ratio", "0.5", "--max-concurrency", "1",
+        "--output-file", str(out_file), "--output-details", "--disable-tqdm",
+        "--warmup-requests", "2"]))
+    line = json.loads(out_file.read_text())
+    assert all(k in line for k in JSONL_KEYS + ["sharegpt_output_len", "max_itl_ms"])
+    assert line["completed"] == 4  # the warm-up requests are not counted
+    assert all(3 <= n <= 6 for n in line["output_lens"])
+    assert line["total_output_tokens"] == sum(line["output_lens"])
+    assert all(12 <= n <= 24 for n in line["input_lens"])
+    assert line["max_concurrency"] == 1 and line["max_concurrent_requests"] == 1
+    assert result["concurrency"] <= 1.0 + 1e-9

@@ -1,9 +1,13 @@
 """Benchmark clients: one coroutine per backend that sends a request and times its stream.
 
 - ``sglang``: ``POST /generate`` with SGLang's native payload (upstream SGLang's field names).
-- ``sglang-oai``: ``POST /v1/completions``; ``sglang-oai-chat``: ``POST /v1/chat/completions``.
+- ``sglang-oai`` and ``vllm``: ``POST /v1/completions``; ``sglang-oai-chat`` and ``vllm-chat``:
+  ``POST /v1/chat/completions`` (upstream treats vLLM as an OpenAI-compatible server).
 Both OpenAI clients ask for ``stream_options.continuous_usage_stats`` so that every chunk carries
-the cumulative completion-token count and multi-token chunks split their ITL like the native one.
+the cumulative completion-token count and multi-token chunks split their ITL like the native one;
+a server that sends no per-chunk usage gets one ITL per content chunk (each counted as a token,
+as upstream's OpenAI client), and the final usage chunk fixes the output length.
+TTFT is the time to the first chunk with non-empty text in every client.
 """
 from __future__ import annotations
 
@@ -212,4 +216,9 @@ ASYNC_REQUEST_FUNCS: Dict[str, tuple] = {
     "sglang-native": (async_request_sglang_generate, "/generate"),
     "sglang-oai": (async_request_openai_completions, "/v1/completions"),
     "sglang-oai-chat": (async_request_openai_chat_completions, "/v1/chat/completions"),
+    "vllm": (async_request_openai_completions, "/v1/completions"),
+    "vllm-chat": (async_request_openai_chat_completions, "/v1/chat/completions"),
 }
+
+# Upstream's --port default per backend (when neither --port nor --base-url is given).
+DEFAULT_PORTS: Dict[str, int] = {"vllm": 8000, "vllm-chat": 8000}

@@ -1,8 +1,10 @@
 """``python -m sglang.bench_serving``: SGLang's online serving benchmark (our implementation).
 
-Sends a synthetic dataset to a running server at a Poisson request rate (or all at once) under an
-optional concurrency cap, then prints SGLang's result table and appends one JSON line of results.
-Metric definitions live in :mod:`sglang.benchmark.metrics`.
+Sends a dataset (a local ShareGPT file, or synthetic ``random`` / ``random-ids`` prompts) to a
+running server at a Poisson request rate (or all at once) under an optional concurrency cap, then
+prints SGLang's result table and appends one JSON line of results. Nothing is downloaded.
+Metric definitions live in :mod:`sglang.benchmark.metrics`; the clients of each ``--backend`` in
+:mod:`sglang.benchmark.backends`.
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from tqdm.asyncio import tqdm
 from sglang.benchmark.backends import (
     AIOHTTP_TIMEOUT,
     ASYNC_REQUEST_FUNCS,
+    DEFAULT_PORTS,
     READ_BUFSIZE,
     RequestFuncInput,
     RequestFuncOutput,
@@ -48,20 +51,45 @@ def get_tokenizer(path: str):
 
 
 def wait_for_server(base_url: str, timeout_s: float) -> None:
-    """Poll ``GET /health`` until 200; raise with a clear message after ``timeout_s``."""
-    deadline = time.time() + timeout_s
-    last = "no answer"
+    """Poll ``GET /health`` until it answers 200.
+
+    Raises ``RuntimeError`` (one line) at once when nothing answers at ``base_url`` (connection
+    refused, unknown host: waiting would only hide a wrong URL or a server that is not running),
+    and after ``timeout_s`` seconds when a server answers but is not ready (e.g. 503 during its
+    warmup). The wait is announced, never silent.
+    """
+    deadline = time.monotonic() + timeout_s
+    announced = False
     while True:
+        remaining = deadline - time.monotonic()
         try:
-            r = requests.get(f"{base_url}/health", timeout=5)
+            r = requests.get(f"{base_url}/health", timeout=max(min(5.0, remaining), 0.5))
             if r.status_code == 200:
                 return
-            last = f"HTTP {r.status_code}"
-        except requests.RequestException as e:
-            last = type(e).__name__
-        if time.time() > deadline:
-            raise RuntimeError(f"server at {base_url} not ready after {timeout_s:.0f}s ({last})")
-        time.sleep(1.0)
+            last = f"/health answered HTTP {r.status_code}"
+        except requests.ConnectionError as e:
+            reason = _connection_error_reason(e)
+            raise RuntimeError(f"server not reachable at {base_url} ({reason})") from None
+        except requests.RequestException as e:  # a read timeout: up, but too busy to answer
+            last = f"/health: {type(e).__name__}"
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise RuntimeError(f"server at {base_url} not ready after {timeout_s:g}s ({last}); "
+                               "--ready-timeout waits longer")
+        if not announced:
+            print(f"waiting up to {timeout_s:g}s for the server at {base_url} ({last})")
+            announced = True
+        time.sleep(min(1.0, remaining))
+
+
+def _connection_error_reason(error: Exception) -> str:
+    """The innermost cause of a requests ``ConnectionError`` in a few words."""
+    text = str(error)
+    for marker in ("Connection refused", "Name or service not known", "No route to host",
+                   "timed out", "Temporary failure in name resolution"):
+        if marker in text:
+            return marker.lower()
+    return type(error).__name__
 
 
 def _get_json(url: str) -> Optional[Dict[str, Any]]:
@@ -91,10 +119,12 @@ def resolve_model_and_tokenizer(args: argparse.Namespace, base_url: str):
         return model_id, get_tokenizer(tok_path)
     except ValueError:
         info = _get_json(f"{base_url}/model_info") or {}
-        if args.dataset_name != "random-ids" or args.backend != "sglang" or not info.get("vocab_size"):
+        ids_usable = args.dataset_name == "random-ids" and args.backend == "sglang"
+        if not ids_usable or not info.get("vocab_size"):
             raise
     # A model served without a tokenizer (a dummy-weight preset): token ids only.
-    print(f"no tokenizer at {tok_path!r}: sending token ids and counting tokens by completion_tokens")
+    print(f"no tokenizer at {tok_path!r}: sending token ids and counting tokens by "
+          "completion_tokens")
     return model_id, IdsOnlyTokenizer(int(info["vocab_size"]))
 
 
@@ -222,6 +252,7 @@ async def benchmark(
         "dataset_name": args.dataset_name,
         "request_rate": args.request_rate,
         "max_concurrency": args.max_concurrency,
+        "sharegpt_output_len": args.sharegpt_output_len,
         "random_input_len": args.random_input_len,
         "random_output_len": args.random_output_len,
         "random_range_ratio": args.random_range_ratio,
@@ -275,17 +306,28 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
         raise ValueError("--request-rate must be positive (inf sends everything at once)")
     if args.max_concurrency is not None and args.max_concurrency < 1:
         raise ValueError("--max-concurrency must be >= 1")
+    if args.dataset_name == "sharegpt" and not args.dataset_path:
+        # Checked before the server is contacted: a wrong command line fails at once.
+        raise ValueError("--dataset-name sharegpt needs --dataset-path to a local ShareGPT JSON "
+                         "file (this build never downloads)")
+    if args.dataset_path and not os.path.isfile(args.dataset_path):
+        raise ValueError(f"--dataset-path {args.dataset_path!r} is not a file")
     random.seed(args.seed)
     np.random.seed(args.seed)
-    base_url = (args.base_url or f"http://{args.host}:{args.port}").rstrip("/")
+    base_url = resolve_base_url(args)
     wait_for_server(base_url, args.ready_check_timeout_sec)
     model_id, tokenizer = resolve_model_and_tokenizer(args, base_url)
 
+    if args.dataset_name == "random" and not args.dataset_path:
+        print("random: no --dataset-path, so prompts are random ordinary-vocabulary tokens "
+              "(upstream would download ShareGPT for them; this build never downloads)")
     rows = get_dataset(
         args.dataset_name, tokenizer, args.num_prompts,
         args.random_input_len, args.random_output_len, args.random_range_ratio,
+        dataset_path=args.dataset_path, sharegpt_output_len=args.sharegpt_output_len,
+        sharegpt_context_len=args.sharegpt_context_len,
     )
-    if args.backend == "sglang-oai-chat":
+    if ASYNC_REQUEST_FUNCS[args.backend][1].endswith("/chat/completions"):
         # Chat messages carry text: decode id prompts.
         rows = [DatasetRow(tokenizer.decode(r.prompt), r.prompt_len, r.output_len)
                 if isinstance(r.prompt, list) else r for r in rows]
@@ -293,13 +335,28 @@ def run_benchmark(args: argparse.Namespace) -> Dict[str, Any]:
     print(f"#Output tokens: {sum(r.output_len for r in rows)}")
 
     result = asyncio.run(benchmark(args, base_url, model_id, tokenizer, rows))
-    output_file = args.output_file or (
-        f"{args.backend}_{datetime.now().strftime('%m%d')}_{args.num_prompts}_"
-        f"{args.random_input_len}_{args.random_output_len}.jsonl"
-    )
+    output_file = args.output_file or default_output_file(args)
     with open(output_file, "a") as f:
         f.write(json.dumps(result) + "\n")
+    print(f"Results saved to {output_file}")
     return result
+
+
+def resolve_base_url(args: argparse.Namespace) -> str:
+    """``--base-url``, else ``http://--host:--port`` with upstream's per-backend default port."""
+    if args.base_url:
+        return args.base_url.rstrip("/")
+    port = args.port if args.port is not None else DEFAULT_PORTS.get(args.backend, 30000)
+    return f"http://{args.host}:{port}"
+
+
+def default_output_file(args: argparse.Namespace) -> str:
+    """Upstream's file name when ``--output-file`` is absent: the random lengths for the random
+    datasets, the dataset name otherwise."""
+    stem = f"{args.backend}_{datetime.now().strftime('%m%d')}_{args.num_prompts}"
+    if args.dataset_name.startswith("random"):
+        return f"{stem}_{args.random_input_len}_{args.random_output_len}.jsonl"
+    return f"{stem}_{args.dataset_name}.jsonl"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -308,8 +365,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", default="sglang", choices=sorted(ASYNC_REQUEST_FUNCS))
     p.add_argument("--base-url", default=None, help="server URL; overrides --host/--port")
     p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=30000)
-    p.add_argument("--dataset-name", default="random", choices=DATASET_NAMES)
+    p.add_argument("--port", type=int, default=None,
+                   help="default: 8000 for vllm backends, 30000 otherwise (as upstream)")
+    p.add_argument("--dataset-name", default="sharegpt", choices=DATASET_NAMES)
+    p.add_argument("--dataset-path", default="",
+                   help="local ShareGPT JSON file: needed by sharegpt; random's prompt source "
+                        "(without it, random vocabulary tokens); never downloaded")
+    p.add_argument("--sharegpt-output-len", type=int, default=None,
+                   help="output length of every sharegpt request (default: the reply's length)")
+    p.add_argument("--sharegpt-context-len", type=int, default=None,
+                   help="drop sharegpt pairs whose prompt + output exceed this many tokens")
     p.add_argument("--model", default=None,
                    help="model id for OpenAI payloads (default: the server's /v1/models)")
     p.add_argument("--tokenizer", default=None, help="tokenizer folder (default: the server's)")
@@ -334,7 +399,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="JSON object merged into each payload")
     p.add_argument("--warmup-requests", type=int, default=1)
     p.add_argument("--flush-cache", action="store_true", help="POST /flush_cache before the run")
-    p.add_argument("--ready-check-timeout-sec", type=float, default=60)
+    p.add_argument("--ready-timeout", "--ready-check-timeout-sec", dest="ready_check_timeout_sec",
+                   type=float, default=30,
+                   help="seconds to wait for a server that answers but is not ready yet; one "
+                        "that cannot be reached fails at once")
     p.add_argument("--profile", action="store_true",
                    help="torch-profile the server during the run (/start_profile, /stop_profile; "
                         "traces go to the client's SGLANG_TORCH_PROFILER_DIR if set, else the "

@@ -1,12 +1,16 @@
-"""Benchmark datasets. Only synthetic ones ship: nothing is ever downloaded."""
+"""Benchmark datasets: ``sharegpt`` (a local file), ``random``, ``random-ids``. This build never
+downloads anything: a dataset that needs a file takes it from ``--dataset-path``."""
+from typing import List, Optional
+
+from sglang.benchmark.datasets.common import DatasetRow, compute_random_lens
 from sglang.benchmark.datasets.random import (
-    DatasetRow,
-    compute_random_lens,
     sample_random_ids_requests,
+    sample_random_requests,
     sample_random_text_requests,
 )
+from sglang.benchmark.datasets.sharegpt import load_sharegpt_pairs, sample_sharegpt_requests
 
-DATASET_NAMES = ("random", "random-ids")
+DATASET_NAMES = ("sharegpt", "random", "random-ids")
 
 
 def get_dataset(
@@ -16,17 +20,28 @@ def get_dataset(
     input_len: int,
     output_len: int,
     range_ratio: float,
-):
-    """Build the request list of dataset ``name`` (``random`` or ``random-ids``)."""
+    dataset_path: Optional[str] = None,
+    sharegpt_output_len: Optional[int] = None,
+    sharegpt_context_len: Optional[int] = None,
+) -> List[DatasetRow]:
+    """Build the request list of dataset ``name`` (one of :data:`DATASET_NAMES`).
+
+    ``input_len`` / ``output_len`` / ``range_ratio`` are the ``--random-*`` flags (``random``,
+    ``random-ids``); ``dataset_path`` is the ShareGPT file (``sharegpt``, and ``random``'s
+    prompt source); ``sharegpt_*`` are ``--sharegpt-output-len`` / ``--sharegpt-context-len``.
+    """
+    if name == "sharegpt":
+        return sample_sharegpt_requests(dataset_path, num_prompts, tokenizer,
+                                        sharegpt_output_len, sharegpt_context_len)
     if name == "random":
-        return sample_random_text_requests(tokenizer, num_prompts, input_len, output_len,
-                                           range_ratio)
+        return sample_random_requests(tokenizer, num_prompts, input_len, output_len,
+                                      range_ratio, dataset_path)
     if name == "random-ids":
         return sample_random_ids_requests(tokenizer, num_prompts, input_len, output_len,
                                           range_ratio)
     raise ValueError(
-        f"dataset {name!r} is not available: this build ships only {', '.join(DATASET_NAMES)} "
-        "(they need no download)"
+        f"dataset {name!r} is not available: this build ships {', '.join(DATASET_NAMES)} "
+        "(nothing is downloaded)"
     )
 
 
@@ -35,6 +50,9 @@ __all__ = [
     "DatasetRow",
     "compute_random_lens",
     "get_dataset",
+    "load_sharegpt_pairs",
     "sample_random_ids_requests",
+    "sample_random_requests",
     "sample_random_text_requests",
+    "sample_sharegpt_requests",
 ]
