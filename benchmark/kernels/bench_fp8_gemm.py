@@ -6,12 +6,14 @@ kernel aims at), on Ling-3.0-flash's dense fp8 shapes.
     python benchmark/kernels/bench_fp8_gemm.py [--rows 1024 4096 8192] [--iters 20]
 
 For each weight (pieces on their own block grids where the layer fuses several) the script
-checks the kernel against the fp32 reference at the first row count, times a small sweep of
-tile configs at every row count (median of CUDA-event timings, L2 flushed before each call),
-and prints one table row per (shape, M) with microseconds and TFLOP/s (``2 M N K`` flops) of
-the default config, the best swept one, dequantise + F.linear and bf16 F.linear. The last
-table adds the shapes up over the 42-layer model (how many layers have each projection) for
-one prefill of M tokens.
+checks the kernel (both fp8 inner loops) against the fp32 reference at the first row count,
+times a small sweep of tile configs at every row count, each with both inner loops (median of
+CUDA-event timings, L2 flushed before each call), and prints one table row per (shape, M) with
+microseconds and TFLOP/s (``2 M N K`` flops) of the default config (per-block product
+scaling), the default tiles with pre-scaled weight tiles (``GemmConfig.fp8_prescale``), the
+best swept config of each inner loop, dequantise + F.linear and bf16 F.linear. The last table
+adds the shapes up over the 42-layer model (how many layers have each projection) for one
+prefill of M tokens.
 
 Without CUDA (``TRITON_INTERPRET=1``, fp32, wall-clock times, ``--scale`` shrinks N and M)
 it is only a smoke run.
@@ -47,7 +49,8 @@ FLASH_SHAPES: Dict[str, Tuple[Sequence[int], int, int]] = {
     "dense down": ([2560], 6144, 2),
 }
 
-# The sweep: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, swap_ab.
+# The sweep: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, swap_ab (each timed with
+# both fp8 inner loops).
 SWEEP = [
     GemmConfig(128, 128, 128, 8, 8, 3),
     GemmConfig(128, 128, 128, 8, 8, 4),
@@ -65,7 +68,8 @@ SMOKE_SWEEP = [GemmConfig(32, 64, 128, 2), GemmConfig(16, 32, 64, 1, swap_ab=Tru
 
 def _label(cfg: GemmConfig) -> str:
     return (f"{cfg.block_m}/{cfg.block_n}/{cfg.block_k}/{cfg.group_m}/{cfg.num_warps}/"
-            f"{cfg.num_stages}{'/swap' if cfg.swap_ab else ''}")
+            f"{cfg.num_stages}{'/swap' if cfg.swap_ab else ''}"
+            f"{'/pre' if cfg.fp8_prescale else ''}")
 
 
 def median_us(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> float:
@@ -115,14 +119,17 @@ def main() -> None:
     torch.manual_seed(0)
     flush = flush_buffer(dev)
     sweep = [] if args.no_sweep else (SWEEP if on_cuda else SMOKE_SWEEP)
+    sweep = [c._replace(fp8_prescale=pre) for c in sweep for pre in (False, True)]
     from sglang.srt.layers.quantization.fp8_utils import dequantize_indexed
 
     name_dev = torch.cuda.get_device_name() if on_cuda else "CPU (Triton interpreter)"
     print(f"{name_dev}, {dt}, L2 flushed before each call, median of {args.iters}; config = "
-          "BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/num_warps/num_stages[/swap]\n")
-    print("| shape | N x K | M | fp8 gemm default | best swept (config) | dequant + F.linear "
+          "BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/num_warps/num_stages[/swap][/pre: pre-scaled "
+          "weight tiles]\n")
+    print("| shape | N x K | M | fp8 gemm default | prescaled, default tiles | best swept "
+          "per-block (config) | best swept prescaled (config) | dequant + F.linear "
           "| Triton dequant + F.linear | bf16 F.linear | default / F.linear |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     totals: Dict[int, List[float]] = {}
     for name in args.shapes:
         pieces, k, layers = FLASH_SHAPES[name]
@@ -133,22 +140,27 @@ def main() -> None:
         w16 = dequantize_indexed(w, scale, rows, cols, dt)
         for i, m in enumerate(max(1, r // args.scale) for r in args.rows):
             x = torch.randn(m, k, device=dev, dtype=dt)
+            cfg = launch_config(m, n, k)
+            pre_cfg = cfg._replace(fp8_prescale=True)
             if i == 0:
                 ref = block_fp8_gemm_reference(x, w, scale, rows)
-                err = float((block_fp8_gemm(x, w, scale, rows).float() - ref.float()).abs().max()
-                            / ref.float().abs().max())
-                if err > (1e-2 if dt == torch.bfloat16 else 1e-4):
-                    raise SystemExit(f"{name}: block_fp8_gemm differs from the reference "
-                                     f"(max rel. err {err:.2e})")
+                for c in (cfg, pre_cfg):
+                    got = block_fp8_gemm(x, w, scale, rows, config=c)
+                    err = float((got.float() - ref.float()).abs().max() / ref.float().abs().max())
+                    if err > (1e-2 if dt == torch.bfloat16 else 1e-4):
+                        raise SystemExit(f"{name}: block_fp8_gemm ({_label(c)}) differs from "
+                                         f"the reference (max rel. err {err:.2e})")
             flops = 2.0 * m * n * k
 
             def fmt(us: float) -> str:
                 return f"{us:.1f} µs {flops / us / 1e6:.0f} TF/s"
 
-            cfg = launch_config(m, n, k)
             t_def = median_us(lambda: block_fp8_gemm(x, w, scale, rows, config=cfg), args.iters,
                               flush)
-            best, best_cfg = t_def, cfg
+            t_pre = median_us(lambda: block_fp8_gemm(x, w, scale, rows, config=pre_cfg),
+                              args.iters, flush)
+            # The best swept config of each inner loop, from the default tiles' times.
+            best = {False: (t_def, cfg), True: (t_pre, pre_cfg)}
             for c in sweep:
                 c = c._replace(block_n=min(c.block_n, max(16, 1 << (n - 1).bit_length())))
                 try:
@@ -157,23 +169,25 @@ def main() -> None:
                 except Exception as exc:  # e.g. a config whose stages exceed shared memory
                     print(f"<!-- {name} M={m} {_label(c)}: {type(exc).__name__} -->")
                     continue
-                if t < best:
-                    best, best_cfg = t, c
+                if t < best[c.fp8_prescale][0]:
+                    best[c.fp8_prescale] = (t, c)
             t_deq = median_us(lambda: F.linear(x, dequantize_indexed(w, scale, rows, cols, dt)),
                               args.iters, flush)
             t_tdq = median_us(lambda: F.linear(x, block_fp8_dequantize(w, scale, rows, dt)),
                               args.iters, flush)
             t_lin = median_us(lambda: F.linear(x, w16), args.iters, flush)
-            tot = totals.setdefault(m, [0.0, 0.0, 0.0, 0.0, 0.0])
-            for j, t in enumerate((t_def, best, t_deq, t_tdq, t_lin)):
+            times = (t_def, t_pre, best[False][0], best[True][0], t_deq, t_tdq, t_lin)
+            tot = totals.setdefault(m, [0.0] * len(times))
+            for j, t in enumerate(times):
                 tot[j] += layers * t
-            print(f"| {name} | {n}x{k} | {m} | {fmt(t_def)} | {fmt(best)} ({_label(best_cfg)}) "
-                  f"| {fmt(t_deq)} | {fmt(t_tdq)} | {fmt(t_lin)} | {t_def / t_lin:.2f} |")
+            print(f"| {name} | {n}x{k} | {m} | {fmt(t_def)} | {fmt(t_pre)} | "
+                  + " | ".join(f"{fmt(t)} ({_label(c)})" for t, c in (best[False], best[True]))
+                  + f" | {fmt(t_deq)} | {fmt(t_tdq)} | {fmt(t_lin)} | {t_def / t_lin:.2f} |")
     print("\nThe model's dense projections for one prefill of M tokens (each shape times its "
           "layers):\n")
-    print("| M | fp8 gemm default | best swept | dequant + F.linear | Triton dequant + F.linear "
-          "| bf16 F.linear |")
-    print("|---|---|---|---|---|---|")
+    print("| M | fp8 gemm default | prescaled, default tiles | best swept per-block | best swept "
+          "prescaled | dequant + F.linear | Triton dequant + F.linear | bf16 F.linear |")
+    print("|---|---|---|---|---|---|---|---|")
     for m, tot in totals.items():
         print(f"| {m} | " + " | ".join(f"{t / 1000:.2f} ms" for t in tot) + " |")
 

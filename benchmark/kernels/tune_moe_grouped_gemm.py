@@ -2,18 +2,21 @@
 the per-GPU table that ``moe_grouped_gemm.launch_config`` reads.
 
     python benchmark/kernels/tune_moe_grouped_gemm.py [--dtype bf16 fp8] \\
-        [--tokens 128 256 512 1024 2048 4096 8192] [--output PATH] [--iters 20]
+        [--tokens 128 256 512 1024 2048 4096 8192] [--fp8-prescale 0 1] [--output PATH] \\
+        [--iters 20]
 
 For each weight format (bf16, block fp8), projection (the up-projection with its SwiGLU epilogue,
 ``W13 [E, 2I, H]``; the down-projection, ``W2 [E, H, I]``) and batch (``--tokens`` x top-k pairs,
 uniform random routing over the E experts), every (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps,
-num_stages) of the grid is checked against a per-expert fp32 torch reference and timed as a CUDA
+num_stages) of the grid, for fp8 also each fp8 inner loop of ``--fp8-prescale`` (0: per-block
+product scaling, 1: pre-scaled weight tiles; ``LaunchConfig.fp8_prescale``, both by default,
+ignored for bf16), is checked against a per-expert fp32 torch reference and timed as a CUDA
 graph replay of one launch (median of ``--iters`` replays, CUDA events; the experts' bytes, GBs
 at Ling's size, are far beyond L2, so every call streams them from HBM). The fastest config of
 every pair bucket goes into ``--output`` under ``torch.cuda.get_device_name()`` and
 ``moe_grouped_gemm.config_key(E, N, K, dtype)``, merged into what the file already holds (other
 GPUs, shapes, buckets stay); default: the table shipped in the package. A markdown table of the
-winners against the fallback config is printed.
+winners against the fallback config (and, for fp8, the best time of each inner loop) is printed.
 
 Without CUDA (``TRITON_INTERPRET=1``, fp32, wall-clock times, pass tiny ``--experts`` /
 ``--hidden`` / ``--intermediate``) it is only a smoke run of the script.
@@ -37,9 +40,11 @@ from sgl_kernel.moe_grouped_gemm import (CONFIG_PATH, LaunchConfig, config_field
 
 
 def label(cfg: LaunchConfig) -> str:
-    """``BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/num_warps/num_stages``."""
+    """``BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/num_warps/num_stages``, ``/pre`` appended for
+    pre-scaled fp8 weight tiles."""
     return "/".join(str(v) for v in (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
-                                     cfg.num_warps, cfg.num_stages))
+                                     cfg.num_warps, cfg.num_stages)) + (
+        "/pre" if cfg.fp8_prescale else "")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor], ids: torch.Tensor,
@@ -111,6 +116,9 @@ def main() -> None:
     p.add_argument("--group-m", type=int, nargs="+", default=[1, 8])
     p.add_argument("--num-warps", type=int, nargs="+", default=[4, 8])
     p.add_argument("--num-stages", type=int, nargs="+", default=[3, 4])
+    p.add_argument("--fp8-prescale", type=int, nargs="+", choices=[0, 1], default=[0, 1],
+                   help="fp8 inner loops to sweep: 0 per-block product scaling, 1 pre-scaled "
+                        "weight tiles (ignored for bf16)")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--output", default=CONFIG_PATH,
                    help="JSON table to merge the winners into (default: the packaged table)")
@@ -126,9 +134,12 @@ def main() -> None:
             for bm, bn, bk, gm, nw, ns in itertools.product(
                 args.block_m, args.block_n, args.block_k, args.group_m, args.num_warps,
                 args.num_stages)]
+    # fp8 sweeps each tile config with each inner loop asked for; bf16 has one loop.
+    fp8_grid = [cfg._replace(fp8_prescale=bool(pre)) for cfg in grid
+                for pre in sorted(set(args.fp8_prescale))]
     print(f"{device_name}, E={e} H={h} I={i} top-{k}, activations {act_dtype}, {len(grid)} "
-          f"configs, median of {args.iters} graph replays; config = "
-          f"BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/num_warps/num_stages")
+          f"configs ({len(fp8_grid)} in fp8), median of {args.iters} graph replays; config = "
+          f"BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/num_warps/num_stages[/pre: pre-scaled fp8 tiles]")
     torch.manual_seed(0)
     winners: Dict[str, Dict[str, dict]] = {}
     rows: List[Tuple] = []
@@ -153,7 +164,8 @@ def main() -> None:
                 ref = reference(x, w, scale, ids, rows_per_x, swiglu, args.limit)
                 aligns = {}
                 results = []
-                for cfg in [fallback] + [c for c in grid if c != fallback]:
+                for cfg in [fallback] + [c for c in (fp8_grid if fp8 else grid)
+                                         if c != fallback]:
                     if cfg.block_m not in aligns:
                         aligns[cfg.block_m] = moe_align(ids, e, cfg.block_m)
                     out = torch.empty(pairs, ref.shape[1], dtype=act_dtype, device=dev)
@@ -176,18 +188,27 @@ def main() -> None:
                     results.append((time_us(run, args.iters, on_cuda), cfg, err))
                 fallback_us = results[0][0]
                 best_us, best, err = min(results, key=lambda r: r[0])
-                winners.setdefault(key, {})[str(pairs)] = config_fields(best)
+                winners.setdefault(key, {})[str(pairs)] = config_fields(best, fp8)
                 flops = 2 * pairs * n * kk
+                # fp8: the best time of each inner loop, the comparison the sweep is for.
+                schemes = ""
+                if fp8:
+                    per_scheme = [min((r[0] for r in results if r[1].fp8_prescale == pre),
+                                      default=None) for pre in (False, True)]
+                    schemes = " / ".join("-" if t is None else f"{t:.1f}" for t in per_scheme)
                 rows.append((fmt, proj, key, pairs, label(best), best_us,
-                             flops / best_us / 1e6, fallback_us, err))
+                             flops / best_us / 1e6, fallback_us, err, schemes))
                 print(f"  {fmt} {proj} {pairs} pairs: best {label(best)} {best_us:.1f} us "
-                      f"(fallback {fallback_us:.1f} us)", flush=True)
+                      f"(fallback {fallback_us:.1f} us"
+                      f"{'; per-block / pre-scaled best ' + schemes + ' us' if fp8 else ''})",
+                      flush=True)
 
     print("\n| weights | proj | shape | pairs | best config | us | TFLOP/s | fallback us | "
-          "speedup | rel. err |\n|---|---|---|---|---|---|---|---|---|---|")
-    for fmt, proj, key, pairs, cfg, us, tflops, fb, err in rows:
+          "speedup | rel. err | fp8 best us: per-block / pre-scaled |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
+    for fmt, proj, key, pairs, cfg, us, tflops, fb, err, schemes in rows:
         print(f"| {fmt} | {proj} | {key} | {pairs} | {cfg} | {us:.1f} | {tflops:.1f} | "
-              f"{fb:.1f} | {fb / us:.2f}x | {err:.1e} |")
+              f"{fb:.1f} | {fb / us:.2f}x | {err:.1e} | {schemes} |")
     if args.dry_run:
         return
     table: dict = {}

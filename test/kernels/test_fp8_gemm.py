@@ -70,6 +70,34 @@ def test_pieces_on_their_own_grids_and_other_tiles(dtype, tol):
         assert _rel(block_fp8_gemm(x, w, scale, rows, config=cfg), ref) < tol, cfg
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-3)])
+def test_prescaled_tiles_match_dequantise_then_matmul(dtype, tol):
+    """``GemmConfig.fp8_prescale``: the product with the weight dequantised to x's dtype
+    (``fp8_blocks.block_dequantize``: fp32 ``q * scale`` rounded once) plus the bias, within
+    summation order (fp32) and one output rounding (fp16: an ulp of the largest output is
+    2^-10). Two pieces on their own grids (96 + 40 rows: ragged N, the row map), K = 300 (a
+    partial last scale column and a ragged last step), plain and swapped tiles, BLOCK_K 64 and
+    128. In fp16 the rounded weight shows: per-block product scaling gives other values."""
+    from sgl_kernel.fp8_blocks import block_dequantize
+    from sgl_kernel.fp8_gemm import GemmConfig, block_fp8_gemm
+
+    gen = torch.Generator().manual_seed(15)
+    m, k = 40, 300
+    w, scale, rows = _pieces([96, 40], k, gen)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    bias = torch.randn(w.shape[0], generator=gen).to(DEVICE, dtype)
+    w_x = block_dequantize(w, scale, dtype, rows=rows)
+    ref = (x.float() @ w_x.float().t() + bias.float()).to(dtype)
+    for cfg in (GemmConfig(16, 64, 128, 2, fp8_prescale=True),
+                GemmConfig(32, 32, 64, 1, swap_ab=True, fp8_prescale=True)):
+        got = block_fp8_gemm(x, w, scale, rows, bias, config=cfg)
+        assert _rel(got, ref) < tol, cfg
+    if dtype == torch.float16:
+        per_block = block_fp8_gemm(x, w, scale, rows, bias, config=cfg._replace(
+            fp8_prescale=False))
+        assert not torch.equal(per_block, got) and _rel(got, ref) < _rel(per_block, ref)
+
+
 def test_strided_x_and_rejects_bad_inputs():
     """A row slice of a wider x (strided rows) is read in place; wrong shapes, dtypes, scales
     and tiles are refused with a message."""
@@ -201,19 +229,27 @@ LING_SHAPES = [([4096, 4096, 4096, 32, 4096, 4096], 2560), ([2560], 4096), ([614
 @pytest.mark.parametrize("m", [1024, 8192, 333])
 def test_cuda_bf16_at_the_model_shapes(m):
     """bf16 on the GPU at the model's shapes: within bf16 rounding of the fp32 reference and of
-    the dequantise + F.linear path."""
+    the dequantise + F.linear path; the same for pre-scaled weight tiles (``fp8_prescale``)."""
     if not ON_CUDA:
         pytest.skip("needs CUDA")
-    from sgl_kernel.fp8_gemm import block_fp8_gemm, block_fp8_gemm_reference
+    from sgl_kernel.fp8_gemm import (block_fp8_dequantize, block_fp8_gemm,
+                                     block_fp8_gemm_reference, launch_config)
 
     gen = torch.Generator().manual_seed(m)
     for pieces, k in LING_SHAPES:
         w, scale, rows = _pieces(pieces, k, gen)
         x = torch.randn(m, k, generator=gen).to(DEVICE, torch.bfloat16)
         got = block_fp8_gemm(x, w, scale, rows)
-        assert _rel(got, block_fp8_gemm_reference(x, w, scale, rows)) < 1e-2, (pieces, k)
+        ref = block_fp8_gemm_reference(x, w, scale, rows)
+        assert _rel(got, ref) < 1e-2, (pieces, k)
         if len(pieces) == 1:  # one grid: the map and row // 128 agree
             assert torch.equal(block_fp8_gemm(x, w, scale), got)
+        # Pre-scaled tiles: the dequantise-to-bf16 + F.linear path's values up to summation
+        # order, so within bf16 output rounding of it (and of the fp32 reference).
+        cfg = launch_config(m, w.shape[0], k)._replace(fp8_prescale=True)
+        pre = block_fp8_gemm(x, w, scale, rows, config=cfg)
+        lib = torch.nn.functional.linear(x, block_fp8_dequantize(w, scale, rows, x.dtype))
+        assert _rel(pre, lib) < 1e-2 and _rel(pre, ref) < 1e-2, (pieces, k)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])

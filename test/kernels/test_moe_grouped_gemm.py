@@ -168,6 +168,49 @@ def test_block_fp8_weights_match_the_dequantised_reference(mgg, dtype, tol, i, b
                                                   w_scale=s2)) < tol
 
 
+# Pre-scaled tiles against "dequantise to x's dtype, then matmul": fp32 differs by summation order
+# only; fp16 by that and the output's rounding (at most an ulp of the largest output, 2^-10,
+# which also covers gate / up rounded before the SwiGLU).
+@pytest.mark.parametrize("dtype,tol,i,cfg", [
+    (torch.float32, 1e-5, 48, (16, 64, 64)), (torch.float16, 1e-3, 48, (16, 32, 32)),
+    (torch.float16, 1e-3, 160, None),
+])
+def test_prescaled_fp8_tiles_match_dequantise_then_matmul(mgg, dtype, tol, i, cfg):
+    """``fp8_prescale``: up + SwiGLU and down on block-fp8 experts equal the reference on the
+    weight dequantised to x's dtype (``fp8_blocks.block_dequantize``: fp32 ``q * scale`` rounded
+    once). ``I = 48``: gate and up rows on separate scale rows; K = H = 192 and K = I: partial
+    last scale columns; ``I = 160``: two scale rows per half, interpreter tiles. In fp16 the
+    rounded weight shows: the result differs from per-block product scaling's."""
+    from sgl_kernel.fp8_blocks import block_dequantize, block_quantize
+
+    t, k, e, h = 20, 3, 6, 192
+    gen = torch.Generator().manual_seed(21)
+    x = torch.randn(t, h, generator=gen).to(DEVICE, dtype)
+    w13, s13 = block_quantize(_weights(e, 2 * i, h, torch.float32, 22), split=i)
+    w2, s2 = block_quantize(_weights(e, h, i, torch.float32, 23))
+    ids = _routes(t, k, e, seed=24)
+    if cfg is None:  # the launch's own tiles (under the interpreter: whole-width, BLOCK_K 128)
+        base = mgg.launch_config(e, 2 * i, h, t * k, True, x.device, swiglu=True)
+    else:
+        base = mgg.LaunchConfig(block_n=cfg[1], block_k=cfg[2], block_m=cfg[0])
+    base = base._replace(block_m=16 if cfg is None else cfg[0])
+    pre = base._replace(fp8_prescale=True)
+    al = mgg.moe_align(ids, e, base.block_m)
+    act = mgg.moe_grouped_gemm(x, w13, al, rows_per_x=k, swiglu=True, swiglu_limit=2.0,
+                               w_scale=s13, config=pre)
+    ref = mgg.moe_grouped_gemm_reference(x, block_dequantize(w13, s13, dtype, i), ids,
+                                         rows_per_x=k, swiglu=True, swiglu_limit=2.0)
+    assert _rel(act, ref) < tol
+    y = mgg.moe_grouped_gemm(act, w2, al, rows_per_x=1, swiglu=False, w_scale=s2, config=pre)
+    y_ref = mgg.moe_grouped_gemm_reference(act, block_dequantize(w2, s2, dtype), ids,
+                                           rows_per_x=1, swiglu=False)
+    assert _rel(y, y_ref) < tol
+    if dtype == torch.float16:  # the flag reaches the kernel: the weight's rounding shows
+        per_block = mgg.moe_grouped_gemm(act, w2, al, rows_per_x=1, swiglu=False, w_scale=s2,
+                                         config=base)
+        assert not torch.equal(per_block, y) and _rel(y, y_ref) < _rel(per_block, y_ref)
+
+
 def test_rejects_bad_inputs(mgg):
     x = torch.zeros(4, 32, device=DEVICE)
     w = torch.zeros(3, 16, 32, device=DEVICE)
@@ -211,6 +254,16 @@ def test_launch_config_table_lookup(mgg, tmp_path, monkeypatch):
     # No entry: the fallback, its row block sized to the mean group (2048 / 512 = 4 rows).
     assert pick(2048, fp8=True) == mgg.DEFAULT_CONFIG._replace(block_k=128, block_m=16)
     assert pick(65536, n=1024) == mgg.DEFAULT_CONFIG
+    assert not pick(2048, fp8=True).fp8_prescale  # the fallback keeps per-block scaling
+    fp8_key = mgg.config_key(512, 1536, 2560, True)
+    assert mgg.config_fields(pick(2048)) == entry  # bf16 records: no fp8 field
+    path.write_text(json.dumps({"Fake GPU": {key: {"1024": entry}, fp8_key: {
+        "1024": entry, "8192": {**entry, "fp8_prescale": True}}}}))
+    mgg.load_config_table.cache_clear()
+    assert not pick(1024, fp8=True).fp8_prescale  # a record without the field: per-block
+    assert pick(8192, fp8=True).fp8_prescale
+    assert mgg.config_fields(pick(8192, fp8=True), fp8=True) == {**entry, "fp8_prescale": True}
+    mgg.load_config_table.cache_clear()
     assert pick(16384, n=1024).block_m == 32
     monkeypatch.setattr(mgg, "INTERPRETED", True)
     small = mgg.launch_config(6, 96, 64, 40, device=torch.device("cpu"), swiglu=True)
@@ -351,19 +404,34 @@ def test_grouped_moe_on_ling_shapes_on_cuda(mgg, fp8):
 
 
 @pytest.mark.gpu
-def test_grouped_gemm_kernel_on_cuda_matches_reference(mgg):
+@pytest.mark.parametrize("prescaled_fp8", [False, True])
+def test_grouped_gemm_kernel_on_cuda_matches_reference(mgg, prescaled_fp8):
     """The kernel alone in bf16 on a Ling-width expert slice (fewer experts so the per-pair
-    reference fits), with the table's / fallback tiles."""
+    reference fits), with the table's / fallback tiles; and block-fp8 experts with pre-scaled
+    tiles against the reference on the weights dequantised to bf16 (``I = 768``: 6 scale rows
+    per half; compiled on sm_90 this is the path the interpreter cannot check in bf16)."""
     if not ON_CUDA:
         pytest.skip("needs CUDA")
     t, k, e, h, i = 96, 8, 32, 2560, 768
     hidden, w13, w2, _, ids = _moe_inputs(torch.bfloat16, t=t, e=e, h=h, i=i, k=k)
     al = mgg.moe_align(ids, e, 64)
+    cfg, s13, s2 = mgg.DEFAULT_CONFIG, None, None
+    if prescaled_fp8:
+        from sgl_kernel.fp8_blocks import block_dequantize, block_quantize
+
+        (w13, s13), (w2, s2) = block_quantize(w13.float(), split=i), block_quantize(w2.float())
+        cfg = cfg._replace(block_k=128, fp8_prescale=True)
     act = mgg.moe_grouped_gemm(hidden, w13, al, rows_per_x=k, swiglu=True, swiglu_limit=7.0,
-                               config=mgg.DEFAULT_CONFIG)
+                               w_scale=s13, config=cfg)
+    if prescaled_fp8:  # the reference path's weights: q * scale rounded once to bf16
+        w13 = block_dequantize(w13, s13, torch.bfloat16, i)
+        w2_ref = block_dequantize(w2, s2, torch.bfloat16)
+    else:
+        w2_ref = w2
     ref = mgg.moe_grouped_gemm_reference(hidden, w13, ids, rows_per_x=k, swiglu=True,
                                          swiglu_limit=7.0)
     assert _rel(act, ref) < 2e-2
-    y = mgg.moe_grouped_gemm(ref, w2, al, rows_per_x=1, swiglu=False)
-    assert _rel(y, mgg.moe_grouped_gemm_reference(ref, w2, ids, rows_per_x=1,
+    y = mgg.moe_grouped_gemm(ref, w2, al, rows_per_x=1, swiglu=False, w_scale=s2,
+                             config=cfg if prescaled_fp8 else None)
+    assert _rel(y, mgg.moe_grouped_gemm_reference(ref, w2_ref, ids, rows_per_x=1,
                                                   swiglu=False)) < 2e-2

@@ -68,11 +68,15 @@ def test_moe_grouped_gemm_sweep_runs_and_writes_its_table(tmp_path):
     shapes = table["CPU (Triton interpreter)"]
     assert sorted(shapes) == sorted(f"E=6,N={n},K={k},dtype={d}" for n, k in ((96, 64), (64, 48))
                                     for d in ("bf16", "fp8"))
-    for buckets in shapes.values():
+    for key, buckets in shapes.items():
         assert list(buckets) == ["16"]
+        fp8 = key.endswith("dtype=fp8")  # fp8 records also name their inner loop
         assert set(buckets["16"]) == {"block_m", "block_n", "block_k", "group_m", "num_warps",
-                                      "num_stages"}
+                                      "num_stages"} | ({"fp8_prescale"} if fp8 else set())
     assert len(re.findall(r"^\| (bf16|fp8) \| (up|down) \| ", stdout, re.MULTILINE)) == 4
+    # Both fp8 inner loops were timed (--fp8-prescale defaults to 0 1).
+    assert len(re.findall(r"^\| fp8 \| (up|down) \| .* \| [\d.]+ / [\d.]+ \|$", stdout,
+                          re.MULTILINE)) == 2, stdout
 
 
 @pytest.mark.slow  # the interpreter

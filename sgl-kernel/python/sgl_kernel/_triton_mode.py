@@ -17,7 +17,13 @@ class LaunchConfig(NamedTuple):
     kernels that take them, ``split_k`` ranges of K summed in range order and ``swap_ab``
     (the weight as the tensor-core product's first operand); for the grouped MoE GEMM,
     ``block_m`` rows of the expert-sorted pair list per tile and ``group_m`` row blocks per
-    swizzle group (fields last, so the shorter positional forms keep their meaning)."""
+    swizzle group (fields last, so the shorter positional forms keep their meaning).
+
+    ``fp8_prescale`` (block-fp8 weights of the grouped MoE GEMM; ignored for other weights):
+    each e4m3 weight tile is multiplied in fp32 by its rows' block scales and rounded to x's
+    dtype before one running ``tl.dot`` over K (the dequantise-then-GEMM values), instead of
+    scaling each 128-column block's ``tl.dot`` result ("per-block product scaling", the
+    default until an H200 sweep says otherwise)."""
 
     block_n: int
     block_k: int
@@ -27,6 +33,7 @@ class LaunchConfig(NamedTuple):
     swap_ab: bool = False
     block_m: Optional[int] = None
     group_m: int = 1
+    fp8_prescale: bool = False
 
 
 def compiler_options(num_warps: Optional[int], num_stages: Optional[int]) -> dict:

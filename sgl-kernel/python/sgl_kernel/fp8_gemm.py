@@ -9,7 +9,19 @@ weight tiles in L2), and the K loop is software-pipelined over ``num_stages`` bu
 loads an e4m3 weight tile, converts it to x's dtype (exact: every e4m3 value is a bf16 and an
 fp16 value), runs ``tl.dot`` with an fp32 result over ``BLOCK_K`` columns inside one 128-column
 scale block, and adds that sum times the block's scales (one per output column) to the fp32
-accumulator. The bias is added in fp32 and the result rounded once to x's dtype.
+accumulator ("per-block product scaling"). The bias is added in fp32 and the result rounded
+once to x's dtype.
+
+``GemmConfig.fp8_prescale`` selects a second inner loop, "pre-scaled weight tiles": the e4m3
+tile is converted to fp32, each weight row multiplied by its block scale (``BLOCK_K`` still
+divides 128: one scale per row and step), rounded to x's dtype and fed to one running
+``tl.dot(x, w, acc)`` over K, with no fp32 multiply-add of each step's result into the
+accumulator. Its weight values are exactly the dequantised weight of the reference path
+(:func:`block_fp8_dequantize`: the fp32 product rounded once to x's dtype), up to the fp32
+summation order. Compiled for sm_90 by Triton 3.6 (``test_sm90_compile_prefill.py``) both
+loops still end each K step with ``wgmma.wait_group 0``: the weight tile goes from registers to
+shared memory either way. Off by default until the H200 sweep (``bench_fp8_gemm.py``, its
+"prescaled" columns) has timed it against the measurements below.
 
 Why weight-only ("w8a16") and not fp8 activations too:
 
@@ -66,7 +78,9 @@ FUSED_MAX_ROWS = 0
 class GemmConfig(NamedTuple):
     """Tiles and compiler options of one :func:`block_fp8_gemm` launch. ``block_k`` divides the
     128-column scale block; ``swap_ab`` computes the transposed tile (the converted weight tile
-    as the dot's first operand, which Hopper's wgmma may take from registers)."""
+    as the dot's first operand, which Hopper's wgmma may take from registers);
+    ``fp8_prescale`` scales the weight tile before one running dot instead of scaling each
+    step's dot result (module docstring; last, so positional forms keep their meaning)."""
 
     block_m: int
     block_n: int
@@ -75,6 +89,7 @@ class GemmConfig(NamedTuple):
     num_warps: Optional[int] = None
     num_stages: Optional[int] = None
     swap_ab: bool = False
+    fp8_prescale: bool = False
 
 
 @triton.jit
@@ -83,7 +98,7 @@ def _block_fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, b_ptr, out_ptr, M, N, 
                            HAS_BIAS: tl.constexpr, ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr,
                            QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
-                           DOT_PRECISION: tl.constexpr):
+                           PRESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     # Grouped order: GROUP_M row tiles walk the column tiles together, so a weight tile is read
     # from HBM once per group and from L2 by the others running beside it.
     pid = tl.program_id(0)
@@ -121,14 +136,24 @@ def _block_fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, b_ptr, out_ptr, M, N, 
             in_k = (k0 + offs_k) < K
             x = tl.load(x_ptrs, mask=in_k[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
-        # e4m3 -> x's dtype is exact; the step lies in one scale block (BLOCK_K divides QB), so
-        # its fp32 sum times the block's per-row scales is the product with q * scale.
-        w = w.to(x.dtype)
+        # The step lies in one scale block (BLOCK_K divides QB): one scale per weight row.
         scale = tl.load(s_ptrs + k0 // QB)
-        if SWAP_AB:
-            acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION) * scale[:, None]
+        if PRESCALE:
+            # q * scale in fp32 rounded once to x's dtype (the dequantised weight's values),
+            # then one running dot: no fp32 scaling of each step's sum.
+            w_s = (w.to(tl.float32) * scale[:, None]).to(x.dtype)
+            if SWAP_AB:
+                acc = tl.dot(w_s, tl.trans(x), acc, input_precision=DOT_PRECISION)
+            else:
+                acc = tl.dot(x, tl.trans(w_s), acc, input_precision=DOT_PRECISION)
         else:
-            acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
+            # e4m3 -> x's dtype is exact; the step's fp32 sum times the block's per-row scales
+            # is the product with q * scale (never rounded).
+            w_x = w.to(x.dtype)
+            if SWAP_AB:
+                acc += tl.dot(w_x, tl.trans(x), input_precision=DOT_PRECISION) * scale[:, None]
+            else:
+                acc += tl.dot(x, tl.trans(w_x), input_precision=DOT_PRECISION) * scale[None, :]
         x_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
 
@@ -217,7 +242,9 @@ def block_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     weight row ``i`` uses scale row ``w_scale_rows[i]`` (int32 / int64, for a weight of several
     pieces each on its own grid) or ``i // 128`` when it is ``None``. ``x`` may be bf16, fp16
     or fp32 (fp32 inputs take full-precision dots: the interpreter tests). Accumulation, block
-    scaling and the bias are fp32, with one rounding to x's dtype (module docstring).
+    scaling and the bias are fp32, with one rounding to x's dtype (module docstring); with
+    ``config.fp8_prescale`` the weight is ``q * scale`` rounded to x's dtype (the reference
+    path's dequantised weight) and only the accumulation and bias are fp32.
     ``config`` overrides :func:`launch_config` (the benchmark's sweep)."""
     _check(x, w, w_scale, w_scale_rows, bias)
     if x.stride(1) != 1:
@@ -238,6 +265,7 @@ def block_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
         HAS_BIAS=bias is not None, ROW_MAP=w_scale_rows is not None,
         EVEN_K=k % cfg.block_k == 0, QB=QBLOCK, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
+        PRESCALE=bool(cfg.fp8_prescale),
         # fp32 inputs (interpreter tests) multiply exactly; 16-bit inputs ignore the option
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         **compiler_options(cfg.num_warps, cfg.num_stages))

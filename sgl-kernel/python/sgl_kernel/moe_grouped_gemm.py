@@ -26,17 +26,31 @@ rounds each to x's dtype (the reference's ``h13`` in the model dtype), applies
 ``min(silu(gate), limit) * clamp(up, -limit, limit)``) and rounds once. ``N_out = I``, and the
 ``[P, 2I]`` intermediate never exists.
 
-Block fp8 (``w_scale`` given; :mod:`sgl_kernel.fp8_blocks` layout): weight-only fp8 ("w8a16").
-Each weight tile is converted e4m3 -> x's dtype as it is loaded (exact: every e4m3 value is a
-bf16 / fp16 / fp32 value), each ``BLOCK_K`` slice's ``tl.dot`` (one slice never straddles a
-128-column scale block) is multiplied in fp32 by its per-row scales and added to the
-accumulator: the weight is ``q * scale`` in fp32, the same values as dequantising first, with
-no per-call dequantised copy of any expert. Activations stay in the model dtype: quantising
-them per token group (w8a8, fp8 tensor cores) would change the numerics against the
-torch-native reference and is left for later.
+Block fp8 (``w_scale`` given; :mod:`sgl_kernel.fp8_blocks` layout): weight-only fp8 ("w8a16"),
+no per-call dequantised copy of any expert. One ``BLOCK_K`` slice never straddles a 128-column
+scale block (``BLOCK_K`` divides 128), so a slice's weight rows each have one scale. Two inner
+loops, chosen per launch by ``LaunchConfig.fp8_prescale``:
 
-Tiles come from a per-GPU table (``configs/moe_grouped_gemm.json``, written by
-``benchmark/kernels/tune_moe_grouped_gemm.py``) through :func:`launch_config`. Reference:
+* per-block product scaling (``False``, the default): the tile is converted e4m3 -> x's dtype
+  (exact: every e4m3 value is a bf16 / fp16 / fp32 value), the slice's ``tl.dot`` is multiplied
+  in fp32 by its per-row scales and added to the accumulator: the weight is ``q * scale`` in
+  fp32, never rounded. Each slice's dot result is waited on before it is scaled, which on the
+  H200 cost about half the tensor-core rate in the dense fp8 GEMM (:mod:`sgl_kernel.fp8_gemm`);
+* pre-scaled weight tiles (``True``): the tile is converted to fp32, multiplied by its rows'
+  scales, rounded to x's dtype and fed to one running ``tl.dot(a, w, acc)`` over K. The
+  weight's values are then exactly the reference path's dequantised weight
+  (:func:`sgl_kernel.fp8_blocks.block_dequantize` to the model dtype: the fp32 product rounded
+  once), up to the fp32 summation order; the extra cost is a multiply and a rounding per weight
+  element on the CUDA cores, per row block. Compiled for sm_90 by Triton 3.6 both loops still
+  end each K step with ``wgmma.wait_group 0`` (the converted weight tile goes from registers to
+  shared memory either way), so what pre-scaling removes is the accumulator's multiply-add per
+  step. The tile sweep decides which one is faster.
+
+Activations stay in the model dtype: quantising them per token group (w8a8, fp8 tensor cores)
+would change the numerics against the torch-native reference and is left for later.
+
+Tiles (and the fp8 inner loop) come from a per-GPU table (``configs/moe_grouped_gemm.json``,
+written by ``benchmark/kernels/tune_moe_grouped_gemm.py``) through :func:`launch_config`. Reference:
 :func:`moe_grouped_gemm_reference`.
 """
 from __future__ import annotations
@@ -123,7 +137,8 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, 
                              stride_x, stride_we, stride_wn, stride_o,
                              stride_se, stride_sn, stride_sk, up_row, up_scale_row, limit,
                              SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                             HAS_SCALE: tl.constexpr, QB: tl.constexpr, DOT_PREC: tl.constexpr,
+                             HAS_SCALE: tl.constexpr, PRESCALE: tl.constexpr, QB: tl.constexpr,
+                             DOT_PREC: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
     # Swizzle: GROUP_M row blocks sweep the column tiles together, so their A rows and the
@@ -156,20 +171,35 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, 
         mask_k = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
         mask_b = mask_k[:, None] & mask_n[None, :]
-        b = tl.load(b_ptrs, mask=mask_b, other=0.0).to(a.dtype)  # e4m3 -> x's dtype: exact
-        if HAS_SCALE:  # this K slice lies in one scale column: scale its sum per output row
+        if PRESCALE:
+            # This K slice lies in one scale column: each weight row (a column of the tile)
+            # times its scale in fp32, rounded once to x's dtype, as the reference dequantises;
+            # then one running dot (no fp32 scaling of each slice's result).
             col = (k0 // QB) * stride_sk
-            acc += tl.dot(a, b, input_precision=DOT_PREC) * tl.load(
-                s_gate + col, mask=mask_n, other=0.0)[None, :]
+            q_gate = tl.load(b_ptrs, mask=mask_b, other=0.0).to(tl.float32)
+            sc_gate = tl.load(s_gate + col, mask=mask_n, other=0.0)
+            w_gate = (q_gate * sc_gate[None, :]).to(a.dtype)
+            acc = tl.dot(a, w_gate, acc, input_precision=DOT_PREC)
+            if SWIGLU:  # the up rows of the same columns, on the up half's scale rows
+                q_up = tl.load(b_ptrs + up_row, mask=mask_b, other=0.0).to(tl.float32)
+                sc_up = tl.load(s_up + col, mask=mask_n, other=0.0)
+                w_up = (q_up * sc_up[None, :]).to(a.dtype)
+                acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PREC)
         else:
-            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-        if SWIGLU:  # the up rows of the same columns, up_row rows further on
-            b_up = tl.load(b_ptrs + up_row, mask=mask_b, other=0.0).to(a.dtype)
-            if HAS_SCALE:
-                acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * tl.load(
-                    s_up + col, mask=mask_n, other=0.0)[None, :]
+            b = tl.load(b_ptrs, mask=mask_b, other=0.0).to(a.dtype)  # e4m3 -> x's dtype: exact
+            if HAS_SCALE:  # this K slice lies in one scale column: scale its sum per output row
+                col = (k0 // QB) * stride_sk
+                acc += tl.dot(a, b, input_precision=DOT_PREC) * tl.load(
+                    s_gate + col, mask=mask_n, other=0.0)[None, :]
             else:
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
+                acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+            if SWIGLU:  # the up rows of the same columns, up_row rows further on
+                b_up = tl.load(b_ptrs + up_row, mask=mask_b, other=0.0).to(a.dtype)
+                if HAS_SCALE:
+                    acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * tl.load(
+                        s_up + col, mask=mask_n, other=0.0)[None, :]
+                else:
+                    acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
     if SWIGLU:
@@ -187,11 +217,15 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, 
 
 # ------------------------------------------------------------------------------ launch configs
 # Without a table entry for the device and shape: 64-row blocks (a prefill chunk's experts hold
-# tens of rows each), 128 output columns, BLOCK_K 64 (128 in fp8: one scale block per step);
-# see fallback_config for the row block of smaller batches.
+# tens of rows each), 128 output columns, BLOCK_K 64 (128 in fp8: one scale block per step),
+# per-block product scaling in fp8 until a sweep has timed the pre-scaled tiles; see
+# fallback_config for the row block of smaller batches.
 DEFAULT_CONFIG = LaunchConfig(block_n=128, block_k=64, num_warps=4, num_stages=3, block_m=64,
                               group_m=1)
 _FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages")
+# Stored for fp8 entries only (a bf16 launch ignores it); a missing key reads as False, so the
+# tables written before the field existed keep their meaning.
+_FP8_FIELDS = ("fp8_prescale",)
 
 
 def fallback_config(num_experts: int, pairs: int, fp8: bool) -> LaunchConfig:
@@ -228,12 +262,15 @@ def _device_name(index: int) -> str:
 def _from_fields(fields: dict) -> LaunchConfig:
     return LaunchConfig(block_n=int(fields["block_n"]), block_k=int(fields["block_k"]),
                         num_warps=int(fields["num_warps"]), num_stages=int(fields["num_stages"]),
-                        block_m=int(fields["block_m"]), group_m=int(fields.get("group_m", 1)))
+                        block_m=int(fields["block_m"]), group_m=int(fields.get("group_m", 1)),
+                        fp8_prescale=bool(fields.get("fp8_prescale", False)))
 
 
-def config_fields(cfg: LaunchConfig) -> dict:
-    """The table's record of ``cfg``."""
-    return {name: getattr(cfg, name) for name in _FIELDS}
+def config_fields(cfg: LaunchConfig, fp8: bool = False) -> dict:
+    """The table's record of ``cfg``; for an fp8 weight (``fp8``) also its inner-loop scheme
+    ``fp8_prescale`` (bf16 records leave it out: the kernel ignores it there)."""
+    names = _FIELDS + (_FP8_FIELDS if fp8 else ())
+    return {name: getattr(cfg, name) for name in names}
 
 
 def launch_config(num_experts: int, n: int, k: int, pairs: int, fp8: bool = False,
@@ -243,7 +280,8 @@ def launch_config(num_experts: int, n: int, k: int, pairs: int, fp8: bool = Fals
     rows of a SwiGLU weight) and ``pairs`` (token, expert) pairs.
 
     From the table at ``table_path`` under the CUDA device's name and :func:`config_key`: the
-    entry of the pair bucket nearest ``pairs`` on a log scale (the sweep times powers of two).
+    entry of the pair bucket nearest ``pairs`` on a log scale (the sweep times powers of two;
+    an entry without ``fp8_prescale`` takes per-block product scaling).
     Without an entry, :func:`fallback_config`; under Triton's CPU interpreter,
     whose cost is per program and per op, 16-row blocks and whole-width column / K tiles (at most
     128 wide)."""
@@ -288,7 +326,9 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
     stride: a TP slice works). ``w`` in x's dtype, or ``float8_e4m3fn`` with its fp32 block scales
     ``w_scale`` (:mod:`sgl_kernel.fp8_blocks`; SwiGLU: gate and up on their own grids).
     ``config`` defaults to :func:`launch_config` with ``align.block_m``; a given one must have
-    ``align``'s ``block_m``. Sentinel rows are never written; every pair's row is."""
+    ``align``'s ``block_m``; its ``fp8_prescale`` picks the fp8 inner loop (module docstring)
+    and is ignored for a weight in x's dtype. Sentinel rows are never written; every pair's row
+    is."""
     e, n, k = w.shape if w.dim() == 3 else (None, None, None)
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != k:
         raise ValueError(f"moe_grouped_gemm: expected x [M, K], w [E, N, K]; got "
@@ -333,7 +373,8 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
         n_out, k, p, rows_per_x, max_blocks, x.stride(0), w.stride(0), w.stride(1),
         out.stride(0), scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
         scale.stride(2) if fp8 else 0, n_out * w.stride(1), -(-n_out // QBLOCK), limit,
-        SWIGLU=swiglu, HAS_LIMIT=swiglu and limit > 0, HAS_SCALE=fp8, QB=QBLOCK, DOT_PREC=prec,
+        SWIGLU=swiglu, HAS_LIMIT=swiglu and limit > 0, HAS_SCALE=fp8,
+        PRESCALE=fp8 and bool(config.fp8_prescale), QB=QBLOCK, DOT_PREC=prec,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, **compiler_options(config.num_warps, config.num_stages))
     return out

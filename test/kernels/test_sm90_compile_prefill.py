@@ -1,0 +1,110 @@
+"""The prefill Triton kernels compile for sm_90 (the H200) on a machine without a GPU.
+
+The CPU interpreter runs a kernel's Python, not Triton's compiler: code it accepts can still fail
+to compile (a variable given another type inside a runtime ``if``, a dtype a ``tl.dot`` does not
+take, a shape the layout passes reject), and the interpreter cannot run bf16 at all. So each
+kernel is compiled here, in a subprocess without ``TRITON_INTERPRET``, by Triton's CUDA backend
+to PTX and through ``ptxas`` for ``GPUTarget("cuda", 90, 32)``, with the argument types and
+constexprs of its real launches:
+
+* ``moe_grouped_gemm._moe_grouped_gemm_kernel``: bf16 experts with the SwiGLU epilogue, and
+  block-fp8 experts with both fp8 inner loops (per-block product scaling, pre-scaled tiles),
+  up-projection (SwiGLU) and down-projection;
+* ``fp8_gemm._block_fp8_gemm_kernel`` with both inner loops (plain and swapped tiles) and its
+  one-pass ``_dequantize_kernel``;
+* ``kda_prefill_conv._kda_prefill_conv_kernel``: bf16 x and taps, fp32 window pool, K = 4.
+
+Skipped where the backend finds no ``ptxas``. Marked slow: each subprocess imports torch and
+triton and compiles a few kernels (tens of seconds on 2 cores).
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = pytest.mark.slow
+
+# Shared by every case's script: one kernel compiled with its arguments typed as
+# ``ptrs`` / ``scalars`` (``i32`` when not named) and the given constexprs, to PTX and cubin.
+_PRELUDE = r"""
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+
+def build(name, kernel, ptrs, constexprs, scalars=None, **options):
+    scalars = scalars or {}
+    sig = {arg: "constexpr" if arg in constexprs else ptrs.get(arg, scalars.get(arg, "i32"))
+           for arg in kernel.arg_names}
+    src = ASTSource(kernel, sig, constexprs=constexprs)
+    out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
+    assert out.asm["cubin"], name
+    print(f"compiled {name}: {'wgmma' if 'wgmma' in out.asm['ptx'] else 'no wgmma'}", flush=True)
+"""
+
+_MOE = _PRELUDE + r"""
+from sgl_kernel.moe_grouped_gemm import _moe_grouped_gemm_kernel as kernel
+
+base = dict(QB=128, DOT_PREC=None, BLOCK_M=64, BLOCK_N=128, GROUP_M=8)
+ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", s_ptr="*fp32", out_ptr="*bf16", pairs_ptr="*i32",
+            bexp_ptr="*i32", nblk_ptr="*i32")
+fp8 = {**ptrs, "w_ptr": "*fp8e4nv"}
+opts = dict(num_warps=4, num_stages=3)
+build("bf16 up+SwiGLU", kernel, ptrs, dict(base, SWIGLU=True, HAS_LIMIT=True, HAS_SCALE=False,
+      PRESCALE=False, BLOCK_K=64), {"limit": "fp32"}, **opts)
+for prescale in (False, True):
+    scheme = "pre-scaled" if prescale else "per-block"
+    build(f"fp8 {scheme} up+SwiGLU", kernel, fp8, dict(base, SWIGLU=True, HAS_LIMIT=True,
+          HAS_SCALE=True, PRESCALE=prescale, BLOCK_K=128), {"limit": "fp32"}, **opts)
+    build(f"fp8 {scheme} down", kernel, fp8, dict(base, SWIGLU=False, HAS_LIMIT=False,
+          HAS_SCALE=True, PRESCALE=prescale, BLOCK_K=128), {"limit": "fp32"}, **opts)
+"""
+
+_FP8_GEMM = _PRELUDE + r"""
+from sgl_kernel.fp8_gemm import _block_fp8_gemm_kernel as kernel, _dequantize_kernel
+
+ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", srow_ptr="*i64", b_ptr="*bf16",
+            out_ptr="*bf16")
+# The launch's bf16 shape: a bias, a fused weight's row map, a ragged last K step.
+base = dict(HAS_BIAS=True, ROW_MAP=True, EVEN_K=False, QB=128, BLOCK_M=128, BLOCK_N=128,
+            BLOCK_K=128, GROUP_M=8, DOT_PRECISION="tf32")
+for prescale in (False, True):
+    for swap in (False, True):
+        build(f"{'pre-scaled' if prescale else 'per-block'}{' swap_ab' if swap else ''}",
+              kernel, ptrs, dict(base, SWAP_AB=swap, PRESCALE=prescale), num_warps=8,
+              num_stages=3)
+build("dequantize", _dequantize_kernel, dict(w_ptr="*fp8e4nv", s_ptr="*fp32",
+      srow_ptr="*i64", out_ptr="*bf16"), dict(ROW_MAP=True, QB=128, BLOCK_N=32, BLOCK_K=256),
+      num_warps=4)
+"""
+
+_KDA_CONV = _PRELUDE + r"""
+from sgl_kernel.kda_prefill_conv import _kda_prefill_conv_kernel as kernel
+
+build("kda prefill conv", kernel, dict(x_ptr="*bf16", w_ptr="*bf16", win_ptr="*fp32",
+      y_ptr="*bf16"), dict(KW=4, BLOCK_T=32, BLOCK_C=256, BLOCK_W=4, PRECISE_EXP=True),
+      num_warps=4, enable_fp_fusion=False)
+"""
+
+# module -> (script, variants compiled, of which GEMMs: Hopper's wgmma expected in their PTX).
+CASES = {"moe_grouped_gemm": (_MOE, 5, 5), "fp8_gemm": (_FP8_GEMM, 5, 4),
+         "kda_prefill_conv": (_KDA_CONV, 1, 0)}
+
+
+@pytest.mark.parametrize("module", list(CASES))
+def test_prefill_kernels_compile_for_sm90(module):
+    """Every listed variant of the module's kernels compiles to an sm_90 cubin, and every GEMM
+    variant (bf16 and both fp8 inner loops) runs its ``tl.dot`` on wgmma, not the older
+    mma.sync path a changed operand layout could fall back to."""
+    script, variants, gemms = CASES[module]
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
+                         text=True, timeout=600)
+    if out.returncode != 0 and "ptxas" in out.stderr and "not found" in out.stderr:
+        pytest.skip("no ptxas for Triton's CUDA backend")
+    assert out.returncode == 0, out.stderr[-4000:]
+    assert out.stdout.count("compiled ") == variants, out.stdout
+    assert out.stdout.count(": wgmma") == gemms, out.stdout
