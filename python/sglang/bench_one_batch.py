@@ -31,6 +31,7 @@ from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.distributed.parallel_state import free_port
 from sglang.srt.server_args import ServerArgs
+from sglang.srt.server_args_cli import ServerArgumentParser
 
 logger = logging.getLogger(__name__)
 
@@ -51,14 +52,22 @@ class BenchArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """Register the benchmark flags."""
         d = BenchArgs()
-        parser.add_argument("--run-name", type=str, default=d.run_name)
-        parser.add_argument("--batch-size", type=int, nargs="+", default=d.batch_size)
-        parser.add_argument("--input-len", type=int, nargs="+", default=d.input_len)
-        parser.add_argument("--output-len", type=int, nargs="+", default=d.output_len)
-        parser.add_argument("--result-filename", type=str, default=None,
-                            help="Append one JSON line per configuration to this file.")
-        parser.add_argument("--skip-warmup", action="store_true")
-        parser.add_argument("--seed", type=int, default=d.seed, help="Seed of the random prompts.")
+        g = parser.add_argument_group("benchmark", "One static batch per (batch size, input "
+                                      "length, output length) combination.")
+        g.add_argument("--run-name", type=str, default=d.run_name,
+                       help="Name stored in each result line.")
+        g.add_argument("--batch-size", type=int, nargs="+", default=d.batch_size,
+                       help="Batch sizes to time.")
+        g.add_argument("--input-len", type=int, nargs="+", default=d.input_len,
+                       help="Prompt lengths to time, in tokens.")
+        g.add_argument("--output-len", type=int, nargs="+", default=d.output_len,
+                       help="Tokens to generate (one prefill, then decode steps).")
+        g.add_argument("--result-filename", type=str, default=None,
+                       help="Append one JSON line per configuration to this file.")
+        g.add_argument("--skip-warmup", action="store_true",
+                       help="No untimed warm-up run per prompt length first (the first timed "
+                            "run then includes kernel compilation).")
+        g.add_argument("--seed", type=int, default=d.seed, help="Seed of the random prompts.")
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "BenchArgs":
@@ -210,7 +219,8 @@ def run_rank(server_args: ServerArgs, bench_args: BenchArgs, tp_rank: int,
 
 def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     """CLI entry; returns rank 0's results."""
-    parser = argparse.ArgumentParser(prog="python -m sglang.bench_one_batch")
+    parser = ServerArgumentParser(prog="python -m sglang.bench_one_batch",
+                                  description="Latency of one static batch, without a server.")
     ServerArgs.add_cli_args(parser)
     BenchArgs.add_cli_args(parser)
     args = parser.parse_args(argv)

@@ -7,6 +7,10 @@ up to ``SGLANG_GRACEFUL_SHUTDOWN_TIMEOUT`` seconds to finish, the rest is aborte
 child process (the schedulers and the detokenizer) is stopped before this process exits; the
 children also die with this process if it is killed outright (they set a parent-death signal).
 
+``--help`` lists the flags in upstream's groups with each default, ``--version`` prints the
+package version; both, and an unknown flag (one line naming it), are answered before torch is
+imported (``server_args_cli.ServerArgumentParser``).
+
 Exit codes: 0 after a signal, 1 when the server could not start or stopped itself (port in use,
 a child failed, the warmup failed), 2 for bad arguments, configuration or environment values.
 """

@@ -55,7 +55,7 @@ from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, parse_override_ar
 from sglang.srt.environ import require_triton_runtime, warn_compat_envs
 from sglang.srt.managers.template_manager import check_chat_template
 from sglang.srt.port_args import PortArgs  # noqa: F401  (re-exported: upstream's import path)
-from sglang.srt.server_args_cli import NO_OP_FLAGS, register_server_flags
+from sglang.srt.server_args_cli import NO_OP_FLAGS, ServerArgumentParser, register_server_flags
 from sglang.srt.server_args_config_parser import ConfigArgumentMerger
 
 logger = logging.getLogger(__name__)
@@ -280,6 +280,9 @@ class ServerArgs:
             if self.tp_size > torch.cuda.device_count():
                 raise ValueError(f"--tp-size {self.tp_size} exceeds the "
                                  f"{torch.cuda.device_count()} visible GPUs")
+        # Before the integer checks below: cuda_graph_max_bs defaults to the largest size, so a
+        # bad --cuda-graph-bs would otherwise be reported as a bad --cuda-graph-max-bs.
+        self._check_cuda_graph_bs()
         _int_at_least("--port", self.port, 1)
         if self.port > 65535:
             raise ValueError(f"--port must be <= 65535, got {self.port}")
@@ -297,7 +300,6 @@ class ServerArgs:
             _int_at_least("--cpu-num-threads", self.cpu_num_threads, 1)
         _int_at_least("--stream-interval", self.stream_interval, 1)
         _int_at_least("--decode-log-interval", self.decode_log_interval, 1)
-        self._check_cuda_graph_bs()
         cps = self.chunked_prefill_size
         if cps is not None and (not _is_int(cps) or (cps != -1 and cps <= 0)):
             raise ValueError(f"--chunked-prefill-size must be -1 or > 0, got {cps!r}")
@@ -337,6 +339,8 @@ class ServerArgs:
             return
         if not isinstance(bs, (list, tuple)) or not bs or not all(_is_int(b) and b >= 1 for b in bs):
             raise ValueError(f"--cuda-graph-bs must be a non-empty list of integers >= 1, got {bs!r}")
+        if not _is_int(self.cuda_graph_max_bs) or self.cuda_graph_max_bs < 1:
+            return  # check() reports --cuda-graph-max-bs itself
         too_big = [b for b in bs if b > self.cuda_graph_max_bs]
         if too_big:
             raise ValueError(f"--cuda-graph-bs {', '.join(map(str, too_big))} exceeds "
@@ -471,12 +475,14 @@ def warn_compat_flags(server_args: ServerArgs) -> List[str]:
 
 
 def prepare_server_args(argv: Sequence[str]) -> ServerArgs:
-    """Parse ``argv`` (without the program name); bad values exit with code 2 naming the flag.
+    """Parse ``argv`` (without the program name); bad values exit with code 2 naming the flag,
+    an unknown flag with one line naming it (``ServerArgumentParser``).
 
     ``--config FILE.yaml`` supplies flag values from a YAML mapping; flags on the command line
     override them (``server_args_config_parser.ConfigArgumentMerger``).
     """
-    parser = argparse.ArgumentParser(prog="python -m sglang.launch_server")
+    parser = ServerArgumentParser(prog="python -m sglang.launch_server",
+                                  description="Serve a model over SGLang's HTTP API.")
     ServerArgs.add_cli_args(parser)
     parser.add_argument("--config", type=str, default=None, metavar="FILE.yaml",
                         help="YAML mapping of flag names (with or without '--', dashes or "

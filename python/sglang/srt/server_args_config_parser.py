@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Tuple
 __all__ = ["ConfigArgumentMerger", "load_config_file"]
 
 # The only parser destinations a file cannot set.
-_NOT_FROM_FILE = ("help", "config")
+_NOT_FROM_FILE = ("help", "config", "version")
 # Flags whose value is JSON text: a file may write it as a YAML mapping instead.
 _JSON_FLAGS = ("json_model_override_args",)
 
@@ -81,7 +81,8 @@ class ConfigArgumentMerger:
     @staticmethod
     def config_path(argv: List[str]) -> Optional[str]:
         """The ``--config`` value of ``argv`` (any spelling argparse accepts), or ``None``."""
-        pre = argparse.ArgumentParser(add_help=False, exit_on_error=False)
+        # No abbreviations, like the server's parser: "--conf" is not --config there either.
+        pre = argparse.ArgumentParser(add_help=False, exit_on_error=False, allow_abbrev=False)
         pre.add_argument("--config", action="append", default=None)
         try:
             known, _ = pre.parse_known_args(argv)
@@ -117,7 +118,7 @@ class ConfigArgumentMerger:
         action = self._options.get(flag)
         if action is not None:
             return flag, action
-        if flag in ("--config", "--help"):
+        if flag in ("--config", "--help", "--version"):
             raise ValueError(f"--config {path}: {flag} cannot be set from a config file")
         close = difflib.get_close_matches(flag, list(self._options), n=1)
         hint = f" (did you mean {close[0]}?)" if close else ""

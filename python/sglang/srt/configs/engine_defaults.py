@@ -37,6 +37,7 @@ __all__ = [
     "ATTENTION_BACKEND_CHOICES",
     "SUBSTITUTED_ATTENTION_BACKENDS",
     "KNOWN_UPSTREAM_ATTENTION_BACKENDS",
+    "UPSTREAM_ONLY_FLAGS",
     "SPECULATIVE_ALGORITHMS",
     "SPECULATIVE_ALIASES",
     "FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES",
@@ -246,3 +247,37 @@ KNOWN_UPSTREAM_ATTENTION_BACKENDS = (
     "flashinfer", "fa3", "fa4", "flashmla", "cutlass_mla", "cutedsl_mla", "trtllm_mha",
     "flex_attention", "hpc_ops", "aiter", "wave", "dsa", "dsv4", "ascend", "intel_amx",
 )
+
+# Upstream SGLang server flags this engine does not have. The CLI names such a flag as an upstream
+# one that is not implemented here instead of offering a look-alike flag of this engine
+# (--dp-size is no misspelling of --tp-size). Not exhaustive: any other unknown flag is refused too.
+UPSTREAM_ONLY_FLAGS = frozenset((
+    # parallelism beyond tensor parallel
+    "--dp-size", "--data-parallel-size", "--enable-dp-attention", "--enable-dp-lm-head",
+    "--ep-size", "--expert-parallel-size", "--pp-size", "--pipeline-parallel-size",
+    "--nnodes", "--node-rank", "--dist-init-addr", "--dist-timeout", "--base-gpu-id",
+    "--gpu-id-step", "--moe-a2a-backend", "--deepep-mode", "--enable-eplb",
+    "--enable-two-batch-overlap", "--load-balance-method",
+    # compilation and kernels
+    "--enable-torch-compile", "--torch-compile-max-bs", "--disable-cuda-graph-padding",
+    "--enable-cudagraph-gc", "--cuda-graph-max-bs-decode", "--cuda-graph-bs-decode",
+    "--cuda-graph-config", "--prefill-attention-backend", "--decode-attention-backend",
+    "--mm-attention-backend", "--sampling-backend", "--grammar-backend",
+    "--triton-attention-num-kv-splits", "--enable-flashinfer-allreduce-fusion",
+    "--disable-shared-experts-fusion", "--enable-deterministic-inference",
+    # LoRA, memory and caches
+    "--enable-lora", "--lora-paths", "--max-loras-per-batch", "--lora-backend",
+    "--kv-cache-dtype", "--page-size", "--enable-hierarchical-cache", "--hicache-ratio",
+    "--mamba-full-memory-ratio", "--max-mamba-cache-size", "--disable-chunked-prefix-cache",
+    "--enable-memory-saver", "--quantization-param-path", "--max-queued-requests",
+    # scheduling, serving and disaggregation
+    "--schedule-policy", "--schedule-conservativeness", "--num-continuous-decode-steps",
+    "--disaggregation-mode", "--disaggregation-transfer-backend", "--tool-call-parser",
+    "--reasoning-parser", "--skip-tokenizer-init", "--tokenizer-mode", "--revision",
+    "--download-dir", "--is-embedding", "--allow-auto-truncate", "--file-storage-path",
+    "--enable-custom-logit-processor", "--speculative-token-map",
+    "--speculative-accept-threshold-single", "--speculative-accept-threshold-acc",
+    # logging and debugging
+    "--log-level-http", "--enable-cache-report", "--show-time-cost", "--enable-nan-detection",
+    "--enable-p2p-check", "--crash-dump-folder", "--enable-metrics-for-all-schedulers",
+))
