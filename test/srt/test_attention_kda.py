@@ -399,7 +399,7 @@ def test_raw_gate_inputs_and_qkv_views_equal_the_formed_gate(decode_backend):
     needed) and the gate as its raw inputs (``KDAGate``), formed by the backend: extend then
     decode equal passing ``g`` / ``beta`` formed by ``kda_gate``, bit for bit."""
     from sglang.srt.layers.attention.kda_ops import KDAGate
-    from sglang.srt.layers.attention.torch_native_backend import _qkv_columns
+    from sglang.srt.layers.attention.torch_native_kda import _qkv_columns
 
     gen = torch.Generator().manual_seed(9)
     t = 12

@@ -293,7 +293,7 @@ def _release(runner, slot: int, n: int) -> None:
 
 @needs_bundled
 def test_bundled_model_prefill_and_decode_match_absorbed(runner, monkeypatch):
-    from sglang.srt.layers.attention import torch_native_backend
+    from sglang.srt.layers.attention import torch_native_mla
 
     starts: List[int] = []  # q_start of every normal-form attention call
 
@@ -301,7 +301,7 @@ def test_bundled_model_prefill_and_decode_match_absorbed(runner, monkeypatch):
         starts.append(q_start)
         return mla_prefill_attention(q, k, v, scale, q_start, v_dim)
 
-    monkeypatch.setattr(torch_native_backend, "mla_prefill_attention", spy)
+    monkeypatch.setattr(torch_native_mla, "mla_prefill_attention", spy)
     ids = _prompt()
     results = {}
     for name, threshold in (("absorbed", None), ("normal", 1), ("chunked", 1)):

@@ -22,9 +22,9 @@ import torch
 
 from sgl_kernel._triton_mode import INTERPRETED
 from sgl_kernel.mla_decode import mla_decode_fwd, mla_decode_num_splits, mla_decode_scratch_numel
-from sglang.srt.layers.attention.torch_native_backend import (
+from sglang.srt.layers.attention.extend_layout import extend_layout
+from sglang.srt.layers.attention.torch_native_mla import (
     TorchNativeMLABackend,
-    _extend_layout,
     _MLAPaddedMeta,
     _padded_width,
 )
@@ -81,7 +81,7 @@ class TritonMLABackend(TorchNativeMLABackend):
                 raise ValueError(f"{mode.name} without host lengths needs the same number of "
                                  f"tokens per request; got {t} tokens for {b} requests")
             return _ChainMeta(t // b)
-        return _extend_layout(forward_batch)
+        return extend_layout(forward_batch)
 
     # ---- forwards ---------------------------------------------------------------------------
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache=True, **kwargs):
