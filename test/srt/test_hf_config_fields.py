@@ -30,10 +30,22 @@ def test_rope_theta_from_either_layout():
                          1e4) == 3e5
 
 
+def test_ling_partial_rotary_factor_is_its_rope_head_dims():
+    """Ling's config says partial_rotary_factor 0.5: qk_rope_head_dim 64 of head_dim 128, what
+    the engine rotates; accepted at the top level and in rope_parameters, another is not."""
+    raw = {**_without(TARGET_RAW, "rope_theta"), "head_dim": 128, "qk_rope_head_dim": 64}
+    for where in ({"partial_rotary_factor": 0.5},
+                  {"rope_parameters": {"rope_type": "default", "rope_theta": 6e6,
+                                       "partial_rotary_factor": 0.5}}):
+        assert BailingMoeV3Config.from_dict({**raw, **where}).qk_rope_head_dim == 64
+    with pytest.raises(ConfigError, match="partial_rotary_factor 0.25"):
+        BailingMoeV3Config.from_dict({**raw, "partial_rotary_factor": 0.25})
+
+
 @pytest.mark.parametrize("params,message", [
     ({"rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0}, "rope_type 'yarn'"),
-    ({"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.5},
-     "partial_rotary_factor 0.5"),
+    ({"rope_type": "default", "rope_theta": 1e6, "partial_rotary_factor": 0.3},
+     "partial_rotary_factor 0.3"),
     ("not a dict", "rope_parameters must be an object"),
 ])
 def test_unsupported_rope_is_refused_by_name(params, message):

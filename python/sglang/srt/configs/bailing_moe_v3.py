@@ -111,7 +111,11 @@ class BailingMoeV3Config:
             kwargs["score_function"] = raw["scoring_func"]
         # transformers 5 layouts: rope_parameters.rope_theta, dtype beside torch_dtype.
         try:
-            kwargs["rope_theta"] = rope_theta_of(raw, cls.rope_theta)
+            # MLA rotates qk_rope_head_dim of each head (Ling writes it as partial_rotary_factor
+            # 0.5 of head_dim 128).
+            fraction = (raw["qk_rope_head_dim"] / raw["head_dim"]
+                        if raw.get("head_dim") else 1.0)
+            kwargs["rope_theta"] = rope_theta_of(raw, cls.rope_theta, rotary_fraction=fraction)
         except ValueError as e:
             raise ConfigError(str(e)) from None
         kwargs["torch_dtype"] = dtype_of(raw, cls.torch_dtype)

@@ -17,13 +17,26 @@ __all__ = ["rope_theta_of", "dtype_of", "SUPPORTED_ROPE_TYPES"]
 SUPPORTED_ROPE_TYPES = ("default",)
 
 
-def rope_theta_of(raw: Dict[str, Any], default: float, what: str = "config.json") -> float:
+def _check_factor(factor: Any, rotary_fraction: float, where: str) -> None:
+    if factor is None:
+        return
+    if not isinstance(factor, (int, float)) or abs(float(factor) - rotary_fraction) > 1e-9:
+        raise ValueError(f"{where} {factor!r} is not supported: the engine rotates "
+                         f"{rotary_fraction:g} of the head dim (the config's rope head dims)")
+
+
+def rope_theta_of(raw: Dict[str, Any], default: float, what: str = "config.json",
+                  rotary_fraction: float = 1.0) -> float:
     """The RoPE base of ``raw``: ``rope_parameters.rope_theta`` (transformers 5), else the
-    top-level ``rope_theta``, else ``default``. Raises ``ValueError`` naming the field for a
-    ``rope_type`` other than :data:`SUPPORTED_ROPE_TYPES`, a ``partial_rotary_factor`` other
-    than 1, or two layouts that disagree."""
+    top-level ``rope_theta``, else ``default``. ``rotary_fraction`` is the share of the head dim
+    the model rotates (Ling's MLA: ``qk_rope_head_dim / head_dim`` = 64 / 128); a
+    ``partial_rotary_factor`` (top level or in ``rope_parameters``) must equal it. Raises
+    ``ValueError`` naming the field for a ``rope_type`` other than
+    :data:`SUPPORTED_ROPE_TYPES`, another rotary factor, or two layouts that disagree."""
     top = raw.get("rope_theta")
     params = raw.get("rope_parameters")
+    _check_factor(raw.get("partial_rotary_factor"), rotary_fraction,
+                  f"{what}: partial_rotary_factor")
     if params is None:
         return float(default if top is None else top)
     if not isinstance(params, dict):
@@ -32,10 +45,8 @@ def rope_theta_of(raw: Dict[str, Any], default: float, what: str = "config.json"
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(f"{what}: rope_parameters.rope_type {rope_type!r} is not supported "
                          f"(only {list(SUPPORTED_ROPE_TYPES)}: plain rotary embeddings)")
-    factor = params.get("partial_rotary_factor", 1.0)
-    if factor != 1.0:
-        raise ValueError(f"{what}: rope_parameters.partial_rotary_factor {factor!r} is not "
-                         "supported (the rotary dims are the config's rope head dims, factor 1)")
+    _check_factor(params.get("partial_rotary_factor"), rotary_fraction,
+                  f"{what}: rope_parameters.partial_rotary_factor")
     theta = params.get("rope_theta")
     if theta is None:
         return float(default if top is None else top)
