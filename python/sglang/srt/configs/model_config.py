@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Dict, Optional, Union
@@ -42,6 +43,38 @@ def is_preset(model_path: str) -> bool:
     return not os.path.isdir(model_path) and (PRESET_DIR / f"{model_path}.json").exists()
 
 
+# ``owner/name`` as the Hugging Face Hub spells a repo id (letters, digits, ``-``, ``_``, ``.``).
+_HF_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
+def looks_like_repo_id(model_path: str) -> bool:
+    """Whether ``model_path`` (known not to be a folder here) reads as a Hub repo id."""
+    return bool(_HF_REPO_ID.fullmatch(model_path)) and ".." not in model_path
+
+
+def missing_model_message(model_path: str) -> str:
+    """What to do when ``--model-path`` is neither a folder nor a preset.
+
+    A repo id is the usual mistake of a user coming from upstream SGLang, which downloads it;
+    this engine reads local files only, so the message says how to get them and which files a
+    checkpoint folder needs, and offers the presets (random weights, nothing to download).
+    """
+    presets = ", ".join(list_presets())
+    files = ("config.json, the *.safetensors shards with model.safetensors.index.json, and "
+             "the tokenizer files tokenizer.json and tokenizer_config.json")
+    alternative = (f"or, for random weights without any download, pass a preset ({presets}) "
+                   "with --load-format dummy")
+    if looks_like_repo_id(model_path):
+        local = "./" + model_path.split("/")[-1]
+        return (f"--model-path {model_path!r} looks like a Hugging Face repo id, but this "
+                "engine never downloads models: download the checkpoint folder first, e.g. "
+                f"`huggingface-cli download {model_path} --local-dir {local}` (the folder "
+                f"needs {files}), then pass --model-path {local}; {alternative}")
+    return (f"--model-path {model_path!r} is neither a checkpoint folder nor a preset; this "
+            f"engine never downloads models: pass a local folder holding {files}; "
+            f"{alternative}")
+
+
 def load_raw_config(model_path: str) -> Dict[str, Any]:
     """Read config.json from a folder, or a preset by name."""
     if os.path.isdir(model_path):
@@ -51,10 +84,7 @@ def load_raw_config(model_path: str) -> Dict[str, Any]:
     elif is_preset(model_path):
         path = PRESET_DIR / f"{model_path}.json"
     else:
-        raise ConfigError(
-            f"--model-path {model_path!r} is neither a checkpoint folder nor a preset "
-            f"({', '.join(list_presets())}); models are not downloaded"
-        )
+        raise ConfigError(missing_model_message(model_path))
     try:
         with open(path) as f:
             return json.load(f)

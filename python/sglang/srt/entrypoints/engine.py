@@ -5,17 +5,25 @@
 through its pipe (a startup failure is re-raised here with the child's traceback), then creates
 the :class:`TokenizerManager` in this process. The HTTP server reuses the same function.
 
+Spawn starts each child by re-importing the parent's main module (as ``__mp_main__``), so a
+plain script that builds the Engine at its top level, without ``if __name__ == "__main__":``,
+would build it again in every child. The child notices (:func:`refuse_main_reimport`) and exits
+with :data:`MAIN_REIMPORT_EXIT_CODE` at once, and the parent raises one ``RuntimeError`` saying
+to add the guard, instead of multiprocessing's bootstrap traceback from every child.
+
 The children ignore SIGINT and SIGTERM: a Ctrl-C in a terminal (or a service manager's SIGTERM)
 reaches the whole process group, and the children must keep serving while the parent drains its
 in-flight requests; the parent then stops them (:func:`shutdown_subprocesses`), and they die
 with it if it is killed outright (parent-death signal).
 
-Example::
+Example (the guard is required, see below)::
 
     import sglang
-    with sglang.Engine(model_path="path/to/ckpt") as engine:
-        out = engine.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
-        print(out["text"], out["meta_info"]["finish_reason"])
+
+    if __name__ == "__main__":
+        with sglang.Engine(model_path="path/to/ckpt") as engine:
+            out = engine.generate("Hello", {"max_new_tokens": 8, "temperature": 0})
+            print(out["text"], out["meta_info"]["finish_reason"])
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ import os
 import signal
 from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Tuple, Union
 
+from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
 from sglang.srt.managers.io_struct import GenerateReqInput
 from sglang.srt.managers.scheduler import run_scheduler_process
@@ -38,6 +47,26 @@ logger = logging.getLogger(__name__)
 
 ChildProcesses = List[Tuple[str, Any]]  # (name, multiprocessing.Process)
 CHILD_JOIN_TIMEOUT_S = 5.0  # how long shutdown waits for each killed child to be reaped
+# Exit status of a child that found itself starting an engine while re-importing the main
+# module; the parent maps it to MAIN_GUARD_MESSAGE. Any value the children never use otherwise.
+MAIN_REIMPORT_EXIT_CODE = 87
+MAIN_GUARD_MESSAGE = (
+    "put the code that creates and uses sglang.Engine in an `if __name__ == \"__main__\":` "
+    "block: the Engine's worker processes start by re-importing the script (multiprocessing "
+    "'spawn'), and this script creates an Engine at its top level, so each of them would "
+    "start one again")
+
+
+def refuse_main_reimport() -> None:
+    """Exit quietly with :data:`MAIN_REIMPORT_EXIT_CODE` in a spawned child importing ``__main__``.
+
+    ``multiprocessing`` flags the current process ``_inheriting`` exactly while a spawned child
+    prepares itself, which is when it re-imports the parent's main module; an unguarded script
+    then reaches ``Engine(...)`` again. Exiting here (``SystemExit`` leaves the child without a
+    traceback) lets the parent report the one line that says what to change.
+    """
+    if getattr(mp.current_process(), "_inheriting", False):
+        raise SystemExit(MAIN_REIMPORT_EXIT_CODE)
 
 
 def _launch_subprocesses(
@@ -50,6 +79,7 @@ def _launch_subprocesses(
     :func:`shutdown_subprocesses` when the caller is done. Raises ``RuntimeError`` naming the
     failing process if any child fails to start (all children are stopped first).
     """
+    refuse_main_reimport()  # before any port, file or process is made
     port_args = PortArgs.init_new(server_args)
     ctx = mp.get_context("spawn")
     children: ChildProcesses = []
@@ -91,6 +121,13 @@ def _child_main(target: Any, *args: Any) -> None:
     target(*args)
 
 
+def _exited_error(name: str, proc: Any) -> RuntimeError:
+    """The error for a child that exited before reporting ready."""
+    if proc.exitcode == MAIN_REIMPORT_EXIT_CODE:
+        return RuntimeError(MAIN_GUARD_MESSAGE)
+    return RuntimeError(f"{name} exited during startup (exit code {proc.exitcode})")
+
+
 def _wait_ready(name: str, proc: Any, reader: Any) -> Dict[str, Any]:
     """Block until a scheduler reports; raise with its error if it failed or died."""
     while True:
@@ -99,13 +136,14 @@ def _wait_ready(name: str, proc: Any, reader: Any) -> Dict[str, Any]:
                 msg = reader.recv()
             except EOFError:
                 proc.join(timeout=5)
-                raise RuntimeError(f"{name} exited during startup (exit code {proc.exitcode})")
+                # Not chained: the pipe's EOF says nothing the exit code does not.
+                raise _exited_error(name, proc) from None
             if msg.get("status") == "ready":
                 return msg
             raise RuntimeError(f"{name} failed to start: {msg.get('error')}\n"
                                f"--- child traceback ---\n{msg.get('traceback', '')}")
         if not proc.is_alive():
-            raise RuntimeError(f"{name} exited during startup (exit code {proc.exitcode})")
+            raise _exited_error(name, proc)
 
 
 def shutdown_subprocesses(children: ChildProcesses, port_args: Optional[PortArgs] = None) -> None:
@@ -130,6 +168,21 @@ def shutdown_subprocesses(children: ChildProcesses, port_args: Optional[PortArgs
                 pass
 
 
+def reported_server_args(server_args: ServerArgs) -> Dict[str, Any]:
+    """The server args as ``/get_server_info`` and :meth:`Engine.get_server_info` report them.
+
+    ``model_path`` (and ``tokenizer_path`` when unset) are the resolved paths: ``None`` stands
+    for the bundled model, and a client asking what is served needs its folder, not ``null``.
+    The API key is masked: the reply must never echo the secret.
+    """
+    args = dataclasses.asdict(server_args)
+    args["model_path"] = server_args.resolved_model_path()
+    args["tokenizer_path"] = server_args.resolved_tokenizer_path()
+    if args.get("api_key"):
+        args["api_key"] = "***"
+    return args
+
+
 class Engine:
     """Offline inference API: ``generate`` / ``async_generate`` without an HTTP server.
 
@@ -140,11 +193,15 @@ class Engine:
     """
 
     def __init__(self, model_path: Optional[str] = None, **kwargs: Any):
+        refuse_main_reimport()  # an unguarded script's re-import in a child: see the module doc
         server_args = kwargs.pop("server_args", None)
         if server_args is None:
             server_args = ServerArgs(model_path=model_path, **kwargs)
         elif kwargs or model_path is not None:
             raise ValueError("pass either server_args or model_path/keyword arguments, not both")
+        # A missing folder or a repo id is a ConfigError here, in this process, rather than a
+        # scheduler's startup failure wrapped in its traceback.
+        ModelConfig.from_path(server_args.model_path, server_args.json_model_override_args)
         self.server_args = server_args
         self._children: ChildProcesses = []
         self._shut = False
@@ -257,7 +314,7 @@ class Engine:
         from sglang import __version__
 
         states = self.loop.run_until_complete(self.tokenizer_manager.get_internal_state())
-        return {**dataclasses.asdict(self.server_args), **self.scheduler_info,
+        return {**reported_server_args(self.server_args), **self.scheduler_info,
                 "internal_states": states, "version": __version__}
 
     def is_healthy(self) -> bool:

@@ -13,7 +13,6 @@ own 404 / 405, has the one shape ``{"error": {"message", "type", "code"}}``.
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import threading
 import time
@@ -238,9 +237,10 @@ async def server_info() -> Dict[str, Any]:
     """Resolved server args (flattened) plus one internal-state dict per scheduler group."""
     st = _st()
     internal_states = await st.tokenizer_manager.get_internal_state()
-    args = dataclasses.asdict(st.server_args)
-    if args.get("api_key"):
-        args["api_key"] = "***"  # never echo the secret
+    # Imported here like _launch_subprocesses below (the engine module pulls in the scheduler).
+    from sglang.srt.entrypoints.engine import reported_server_args
+
+    args = reported_server_args(st.server_args)  # resolved model path, masked API key
     return {
         **args,
         **st.scheduler_info,

@@ -46,7 +46,11 @@ def build_tokenized_request(obj: GenerateReqInput, tokenizer: Any, vocab_size: i
     """Validate and tokenize one normalized single request; ``ValueError`` names the problem."""
     if obj.text is not None:
         if tokenizer is None:
-            raise ValueError("this model has no tokenizer: send 'input_ids' instead of 'text'")
+            # /v1 handlers refuse text in their own fields' terms before reaching here, so
+            # this names /generate's fields, and sglang.Engine's keyword arguments.
+            raise ValueError("this model has no tokenizer, so 'text' cannot be tokenized: "
+                             "send the prompt as token ids in 'input_ids' instead of 'text' "
+                             "(sglang.Engine: input_ids=[...] instead of prompt=...)")
         check_prompt_chars(len(obj.text), context_len, "the text prompt")
         input_ids = list(tokenizer.encode(obj.text))
     else:

@@ -129,8 +129,9 @@ class OpenAIServingChat(OpenAIServingBase):
         tokenizer = self.tokenizer_manager.tokenizer
         if tokenizer is None:
             raise ValueError(
-                "this model has no tokenizer, so chat is unavailable; send token ids to /generate"
-            )
+                "this model has no tokenizer, so /v1/chat/completions cannot be served ('messages' "
+                "are text, rendered by the tokenizer's chat template); send token ids instead: "
+                "as 'prompt' (a list of ints) to /v1/completions or as 'input_ids' to /generate")
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 "the model's tokenizer has no chat template (tokenizer_config.json "

@@ -63,6 +63,17 @@ class OpenAIServingCompletion(OpenAIServingBase):
         is_text = isinstance(entries[0], str)
         if any(isinstance(e, str) != is_text for e in entries):
             raise ValueError("'prompt' must not mix strings and token ids")
+        if self.tokenizer_manager.tokenizer is None:
+            # Named here, in this endpoint's terms: the TokenizerManager's own message speaks
+            # of /generate's 'text' and 'input_ids', which a /v1 client does not send.
+            if is_text:
+                raise ValueError(
+                    "this model has no tokenizer, so a text 'prompt' cannot be tokenized: send "
+                    "the prompt as token ids ('prompt': a list of ints such as [1, 2, 3], or a "
+                    "list of such lists for several prompts)")
+            if request.echo:
+                raise ValueError("'echo' needs a tokenizer to turn the prompt's ids into text, "
+                                 "and this model has none")
         batch = entries[0] if single else entries
         rids = choice_rids(request.rid, len(entries))
         return GenerateReqInput(
