@@ -10,7 +10,7 @@ checks the kernel (both fp8 inner loops) against the fp32 reference at the first
 times a small sweep of tile configs at every row count, each with both inner loops (median of
 CUDA-event timings, L2 flushed before each call), and prints one table row per (shape, M) with
 microseconds and TFLOP/s (``2 M N K`` flops) of the default config (per-block product
-scaling), the default tiles with pre-scaled weight tiles (``GemmConfig.fp8_prescale``), the
+scaling), the default tiles with pre-scaled weight tiles (``LaunchConfig.fp8_prescale``), the
 best swept config of each inner loop, dequantise + F.linear and bf16 F.linear. The last table
 adds the shapes up over the 42-layer model (how many layers have each projection) for one
 prefill of M tokens.
@@ -29,9 +29,10 @@ import torch
 import torch.nn.functional as F
 
 from cold_l2 import flush_buffer, kernel_bench_device  # benchmark/kernels/cold_l2.py
+from sgl_kernel._triton_mode import LaunchConfig
 from sgl_kernel.fp8_blocks import block_quantize
-from sgl_kernel.fp8_gemm import (GemmConfig, block_fp8_dequantize, block_fp8_gemm,
-                                 block_fp8_gemm_reference, launch_config)
+from sgl_kernel.fp8_gemm import (block_fp8_dequantize, block_fp8_gemm, block_fp8_gemm_reference,
+                                 gemm_config, launch_config)
 
 # name -> (row pieces, K, layers of Ling-3.0-flash that have it): hidden 2560, 32 heads x 128,
 # KDA's fused q|k|v|b|f|g (35 KDA layers), MLA's projections (7 layers), the shared expert
@@ -52,21 +53,21 @@ FLASH_SHAPES: Dict[str, Tuple[Sequence[int], int, int]] = {
 # The sweep: BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps, num_stages, swap_ab (each timed with
 # both fp8 inner loops).
 SWEEP = [
-    GemmConfig(128, 128, 128, 8, 8, 3),
-    GemmConfig(128, 128, 128, 8, 8, 4),
-    GemmConfig(128, 128, 128, 8, 4, 4),
-    GemmConfig(128, 128, 64, 8, 4, 4),
-    GemmConfig(128, 64, 128, 8, 4, 4),
-    GemmConfig(64, 128, 128, 8, 4, 4),
-    GemmConfig(128, 256, 128, 8, 8, 3),
-    GemmConfig(256, 128, 128, 8, 8, 3),
-    GemmConfig(128, 128, 128, 8, 4, 4, True),
-    GemmConfig(128, 128, 128, 16, 8, 4),
+    gemm_config(128, 128, 128, 8, 8, 3),
+    gemm_config(128, 128, 128, 8, 8, 4),
+    gemm_config(128, 128, 128, 8, 4, 4),
+    gemm_config(128, 128, 64, 8, 4, 4),
+    gemm_config(128, 64, 128, 8, 4, 4),
+    gemm_config(64, 128, 128, 8, 4, 4),
+    gemm_config(128, 256, 128, 8, 8, 3),
+    gemm_config(256, 128, 128, 8, 8, 3),
+    gemm_config(128, 128, 128, 8, 4, 4, True),
+    gemm_config(128, 128, 128, 16, 8, 4),
 ]
-SMOKE_SWEEP = [GemmConfig(32, 64, 128, 2), GemmConfig(16, 32, 64, 1, swap_ab=True)]
+SMOKE_SWEEP = [gemm_config(32, 64, 128, 2), gemm_config(16, 32, 64, 1, swap_ab=True)]
 
 
-def _label(cfg: GemmConfig) -> str:
+def _label(cfg: LaunchConfig) -> str:
     return (f"{cfg.block_m}/{cfg.block_n}/{cfg.block_k}/{cfg.group_m}/{cfg.num_warps}/"
             f"{cfg.num_stages}{'/swap' if cfg.swap_ab else ''}"
             f"{'/pre' if cfg.fp8_prescale else ''}")

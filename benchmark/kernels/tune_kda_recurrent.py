@@ -35,9 +35,9 @@ def main() -> None:
     flush = flush_buffer(dev)
     h, d = args.heads, args.head_dim
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU (Triton interpreter)"
-    default = launch_config(d)
+    default = launch_config(d, d)
     print(f"{name}: KDA recurrence, {h} heads x K = V = {d}, batch 1, cold L2, {args.iters} "
-          f"iters; default BV/warps {default[0]}/{default[1]}")
+          f"iters; default BV/warps {default.block_n}/{default.num_warps}")
     gen = torch.Generator().manual_seed(0)
     summary: List[str] = []
     for n in args.chain:
@@ -85,7 +85,7 @@ def main() -> None:
                 rows.append((us, bv, warps, same))
         rows.sort()
         best = rows[0]
-        cur = [r for r in rows if (r[1], r[2]) == default] or [None]
+        cur = [r for r in rows if (r[1], r[2]) == (default.block_n, default.num_warps)] or [None]
         cells = "; ".join(f"{bv}/{w} {us:.1f}{'' if same else ' (bits differ)'}"
                           for us, bv, w, same in rows[:6])
         line = (f"| {n} | {best[1]}/{best[2]} {best[0]:.1f} µs "

@@ -55,7 +55,7 @@ def test_pieces_on_their_own_grids_and_other_tiles(dtype, tol):
     """The bundled model's gate|up (two pieces of 96 rows, scale rows 0 and 1) through the row
     map, in int32 and int64, under several tilings: K steps of 64 (two per scale block), the
     swapped product, a one-row-tile group order."""
-    from sgl_kernel.fp8_gemm import GemmConfig, block_fp8_gemm, block_fp8_gemm_reference
+    from sgl_kernel.fp8_gemm import block_fp8_gemm, block_fp8_gemm_reference, gemm_config
 
     gen = torch.Generator().manual_seed(5)
     m, k = 40, 160
@@ -65,21 +65,21 @@ def test_pieces_on_their_own_grids_and_other_tiles(dtype, tol):
     ref = block_fp8_gemm_reference(x, w, scale, rows)
     assert _rel(block_fp8_gemm(x, w, scale, rows), ref) < tol
     assert _rel(block_fp8_gemm(x, w, scale, rows.int()), ref) < tol
-    for cfg in (GemmConfig(16, 64, 64, 2), GemmConfig(32, 32, 128, 1, swap_ab=True),
-                GemmConfig(16, 128, 32, 4, swap_ab=True)):
+    for cfg in (gemm_config(16, 64, 64, 2), gemm_config(32, 32, 128, 1, swap_ab=True),
+                gemm_config(16, 128, 32, 4, swap_ab=True)):
         assert _rel(block_fp8_gemm(x, w, scale, rows, config=cfg), ref) < tol, cfg
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 1e-3)])
 def test_prescaled_tiles_match_dequantise_then_matmul(dtype, tol):
-    """``GemmConfig.fp8_prescale``: the product with the weight dequantised to x's dtype
+    """``LaunchConfig.fp8_prescale``: the product with the weight dequantised to x's dtype
     (``fp8_blocks.block_dequantize``: fp32 ``q * scale`` rounded once) plus the bias, within
     summation order (fp32) and one output rounding (fp16: an ulp of the largest output is
     2^-10). Two pieces on their own grids (96 + 40 rows: ragged N, the row map), K = 300 (a
     partial last scale column and a ragged last step), plain and swapped tiles, BLOCK_K 64 and
     128. In fp16 the rounded weight shows: per-block product scaling gives other values."""
     from sgl_kernel.fp8_blocks import block_dequantize
-    from sgl_kernel.fp8_gemm import GemmConfig, block_fp8_gemm
+    from sgl_kernel.fp8_gemm import block_fp8_gemm, gemm_config
 
     gen = torch.Generator().manual_seed(15)
     m, k = 40, 300
@@ -88,8 +88,8 @@ def test_prescaled_tiles_match_dequantise_then_matmul(dtype, tol):
     bias = torch.randn(w.shape[0], generator=gen).to(DEVICE, dtype)
     w_x = block_dequantize(w, scale, dtype, rows=rows)
     ref = (x.float() @ w_x.float().t() + bias.float()).to(dtype)
-    for cfg in (GemmConfig(16, 64, 128, 2, fp8_prescale=True),
-                GemmConfig(32, 32, 64, 1, swap_ab=True, fp8_prescale=True)):
+    for cfg in (gemm_config(16, 64, 128, 2, fp8_prescale=True),
+                gemm_config(32, 32, 64, 1, swap_ab=True, fp8_prescale=True)):
         got = block_fp8_gemm(x, w, scale, rows, bias, config=cfg)
         assert _rel(got, ref) < tol, cfg
     if dtype == torch.float16:
@@ -102,7 +102,7 @@ def test_strided_x_and_rejects_bad_inputs():
     """A row slice of a wider x (strided rows) is read in place; wrong shapes, dtypes, scales
     and tiles are refused with a message."""
     from sgl_kernel.fp8_blocks import block_quantize
-    from sgl_kernel.fp8_gemm import GemmConfig, block_fp8_gemm, block_fp8_gemm_reference
+    from sgl_kernel.fp8_gemm import block_fp8_gemm, block_fp8_gemm_reference, gemm_config
 
     gen = torch.Generator().manual_seed(8)
     w, scale = (t.to(DEVICE) for t in block_quantize(torch.randn(48, 128, generator=gen) / 11))
@@ -122,7 +122,7 @@ def test_strided_x_and_rejects_bad_inputs():
     with pytest.raises(ValueError, match="bias"):
         block_fp8_gemm(x, w, scale, bias=torch.zeros(47, device=DEVICE))
     with pytest.raises(ValueError, match="block_k"):
-        block_fp8_gemm(x, w, scale, config=GemmConfig(16, 32, 96))
+        block_fp8_gemm(x, w, scale, config=gemm_config(16, 32, 96))
 
 
 def test_launch_config_table():

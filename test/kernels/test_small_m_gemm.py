@@ -208,14 +208,17 @@ def test_model_row_bound_matches_the_kernels():
 
 
 def test_split_rule_fills_the_gpu_and_keeps_two_tiles_per_range():
-    """The GPU configs' K split: doubled while the grid is under 512 programs, at most 8, and
-    never below two tiles per range; a weight of many row blocks is not split."""
-    from sgl_kernel.small_m_gemm import _split_for
+    """The GPU configs' K split: doubled while the grid is under the target (512 programs on
+    the H200's 132 SMs: four per SM rounded down to a power of two), at most 8, and never below
+    two tiles per range; a weight of many row blocks is not split."""
+    from sgl_kernel.small_m_gemm import _split_for, split_target_programs
 
-    assert _split_for(20512, 2560, 32, 128) == 1  # KDA's fused projection: 641 row blocks
-    assert _split_for(2560, 4096, 32, 128) == 8  # the attention output: 80 row blocks
-    assert _split_for(512, 2560, 16, 128) == 8  # the router gate (fp32 tiles)
-    assert _split_for(512, 512, 16, 256) == 1  # two tiles: one range
+    h200 = split_target_programs(132)
+    assert h200 == 512 and split_target_programs(8) == 32 and split_target_programs(1) == 4
+    assert _split_for(20512, 2560, 32, 128, h200) == 1  # KDA's fused projection: 641 row blocks
+    assert _split_for(2560, 4096, 32, 128, h200) == 8  # the attention output: 80 row blocks
+    assert _split_for(512, 2560, 16, 128, h200) == 8  # the router gate (fp32 tiles)
+    assert _split_for(512, 512, 16, 256, h200) == 1  # two tiles: one range
     for n, k in ((576, 2560), (2560, 768), (6144, 2560)):
-        split = _split_for(n, k, 16, 256)
+        split = _split_for(n, k, 16, 256, h200)
         assert split in (1, 2, 4, 8) and -(-k // 256) >= 2 * split

@@ -12,7 +12,7 @@ scale block, and adds that sum times the block's scales (one per output column) 
 accumulator ("per-block product scaling"). The bias is added in fp32 and the result rounded
 once to x's dtype.
 
-``GemmConfig.fp8_prescale`` selects a second inner loop, "pre-scaled weight tiles": the e4m3
+``LaunchConfig.fp8_prescale`` selects a second inner loop, "pre-scaled weight tiles": the e4m3
 tile is converted to fp32, each weight row multiplied by its block scale (``BLOCK_K`` still
 divides 128: one scale per row and step), rounded to x's dtype and fed to one running
 ``tl.dot(x, w, acc)`` over K, with no fp32 multiply-add of each step's result into the
@@ -57,16 +57,16 @@ path and would need its own accuracy gate.
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel._triton_mode import INTERPRETED, compiler_options
+from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options
 from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
 
-__all__ = ["GemmConfig", "block_fp8_gemm", "block_fp8_gemm_reference", "block_fp8_dequantize",
+__all__ = ["gemm_config", "block_fp8_gemm", "block_fp8_gemm_reference", "block_fp8_dequantize",
            "block_fp8_linear", "launch_config", "FUSED_MAX_ROWS"]
 
 # Rows up to which block_fp8_linear takes the fused GEMM: none, since the dequantisation pass +
@@ -75,21 +75,18 @@ __all__ = ["GemmConfig", "block_fp8_gemm", "block_fp8_gemm_reference", "block_fp
 FUSED_MAX_ROWS = 0
 
 
-class GemmConfig(NamedTuple):
-    """Tiles and compiler options of one :func:`block_fp8_gemm` launch. ``block_k`` divides the
-    128-column scale block; ``swap_ab`` computes the transposed tile (the converted weight tile
-    as the dot's first operand, which Hopper's wgmma may take from registers);
+def gemm_config(block_m: int, block_n: int, block_k: int = QBLOCK, group_m: int = 8,
+                num_warps: Optional[int] = None, num_stages: Optional[int] = None,
+                swap_ab: bool = False, fp8_prescale: bool = False) -> LaunchConfig:
+    """The :class:`LaunchConfig` of one :func:`block_fp8_gemm` launch, in this kernel's field
+    order and defaults (a 128-column K step, 8 row tiles per swizzle group). ``block_k`` divides
+    the 128-column scale block; ``swap_ab`` computes the transposed tile (the converted weight
+    tile as the dot's first operand, which Hopper's wgmma may take from registers);
     ``fp8_prescale`` scales the weight tile before one running dot instead of scaling each
-    step's dot result (module docstring; last, so positional forms keep their meaning)."""
-
-    block_m: int
-    block_n: int
-    block_k: int = QBLOCK
-    group_m: int = 8
-    num_warps: Optional[int] = None
-    num_stages: Optional[int] = None
-    swap_ab: bool = False
-    fp8_prescale: bool = False
+    step's dot result (module docstring)."""
+    return LaunchConfig(block_n=block_n, block_k=block_k, num_warps=num_warps,
+                        num_stages=num_stages, swap_ab=swap_ab, block_m=block_m,
+                        group_m=group_m, fp8_prescale=fp8_prescale)
 
 
 @triton.jit
@@ -181,17 +178,17 @@ def _block_fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, b_ptr, out_ptr, M, N, 
 # narrower row tiles so that the grid still covers the SMs. Starting points, to be checked
 # with benchmark/kernels/bench_fp8_gemm.py on the H200.
 _GPU_TABLE = (
-    (128, GemmConfig(64, 128, 128, 8, 4, 4)),
-    (512, GemmConfig(64, 128, 128, 8, 4, 4)),
+    (128, gemm_config(64, 128, 128, 8, 4, 4)),
+    (512, gemm_config(64, 128, 128, 8, 4, 4)),
     # swap_ab with 8 warps: 320 against 260 TF/s on the 12288 x 2560 weight at 4096 rows
-    (1 << 62, GemmConfig(128, 128, 128, 8, 8, 3, swap_ab=True)),
+    (1 << 62, gemm_config(128, 128, 128, 8, 8, 3, swap_ab=True)),
 )
 # The interpreter's cost is per program and per op: small tiles keep a test's arrays small and
 # still exercise several programs, the grouped order and the wrapped edge rows.
-_INTERPRETED_CONFIG = GemmConfig(32, 64, 128, 2)
+_INTERPRETED_CONFIG = gemm_config(32, 64, 128, 2)
 
 
-def launch_config(m: int, n: int, k: int) -> GemmConfig:
+def launch_config(m: int, n: int, k: int) -> LaunchConfig:
     """The tiles for an ``[m, k] x [n, k]`` product: from a table keyed by the row count's
     bucket (``_GPU_TABLE``; the last bucket is the fallback), the column tile narrowed for a
     weight of few rows (a 32-row gate projection); small tiles under the interpreter."""
@@ -235,7 +232,7 @@ def _check(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 def block_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                    w_scale_rows: Optional[torch.Tensor] = None,
                    bias: Optional[torch.Tensor] = None,
-                   config: Optional[GemmConfig] = None) -> torch.Tensor:
+                   config: Optional[LaunchConfig] = None) -> torch.Tensor:
     """``x [M, K] @ dequant(w) [N, K].T (+ bias [N])`` -> ``[M, N]`` in x's dtype.
 
     ``w`` is ``float8_e4m3fn`` with fp32 block scales ``w_scale [scale_rows, ceil(K/128)]``;
@@ -245,7 +242,7 @@ def block_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     scaling and the bias are fp32, with one rounding to x's dtype (module docstring); with
     ``config.fp8_prescale`` the weight is ``q * scale`` rounded to x's dtype (the reference
     path's dequantised weight) and only the accumulation and bias are fp32.
-    ``config`` overrides :func:`launch_config` (the benchmark's sweep)."""
+    ``config`` (:func:`gemm_config`) overrides :func:`launch_config` (the benchmark's sweep)."""
     _check(x, w, w_scale, w_scale_rows, bias)
     if x.stride(1) != 1:
         x = x.contiguous()
@@ -254,6 +251,9 @@ def block_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     if m == 0 or n == 0:
         return out
     cfg = config or launch_config(m, n, k)
+    if cfg.block_m is None or cfg.split_k != 1:  # a row tile; no K split in this kernel
+        raise ValueError(f"block_fp8_gemm: the config needs block_m and split_k 1, got "
+                         f"{cfg.block_m} and {cfg.split_k}")
     if QBLOCK % cfg.block_k or cfg.block_k < 16:
         raise ValueError(f"block_fp8_gemm: block_k must divide {QBLOCK} and be >= 16, got "
                          f"{cfg.block_k}")

@@ -220,6 +220,19 @@ def _placeholder(device: torch.device) -> torch.Tensor:
     return _PLACEHOLDERS[key]
 
 
+def _silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:
+    """``x = [gate | up]`` -> ``silu(gate) * up`` in fp32, rounded to x's dtype; with
+    ``limit > 0`` ``min(silu(gate), limit) * clamp(up, -limit, limit)`` (the kernel's epilogue,
+    clamped in fp32 so that it compares exact values)."""
+    d = x.shape[-1] // 2
+    gate, up = x[..., :d].float(), x[..., d:].float()
+    act = torch.nn.functional.silu(gate)
+    if limit > 0:
+        act = act.clamp(max=limit)
+        up = up.clamp(-limit, limit)
+    return (act * up).to(x.dtype)
+
+
 def grouped_gemv_reference(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                            rows_per_x: int = 1,
                            swiglu_limit: Optional[float] = None,
@@ -227,10 +240,8 @@ def grouped_gemv_reference(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                            extra_limit: float = 0.0, extra_x: Optional[torch.Tensor] = None,
                            w_scale: Optional[torch.Tensor] = None,
                            extra_w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Plain-torch :func:`grouped_gemv` (fp32 products, one rounding to x's dtype; the project's
-    ``silu_and_mul`` for the SwiGLU form; block-fp8 weights dequantised in fp32)."""
-    from sglang.srt.layers.activation import silu_and_mul
-
+    """Plain-torch :func:`grouped_gemv` (fp32 products, one rounding to x's dtype; the SwiGLU
+    form through :func:`_silu_and_mul`; block-fp8 weights dequantised in fp32)."""
     split = w.shape[1] // 2 if swiglu_limit is not None else None
 
     def rows_times(weights: torch.Tensor, scale: Optional[torch.Tensor], rows: torch.Tensor,
@@ -238,7 +249,7 @@ def grouped_gemv_reference(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
         if scale is not None:
             weights = block_dequantize(weights, scale, torch.float32, split)
         out = torch.einsum("pnk,pk->pn", weights.float(), rows.float()).to(x.dtype)
-        return out if swiglu_limit is None else silu_and_mul(out, limit)
+        return out if swiglu_limit is None else _silu_and_mul(out, limit)
 
     picked = ids.long()
     parts = [rows_times(w[picked], None if w_scale is None else w_scale[picked],

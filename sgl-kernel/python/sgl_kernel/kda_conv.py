@@ -28,7 +28,13 @@ import triton.language as tl
 from sgl_kernel import pdl
 from sgl_kernel._triton_mode import INTERPRETED, NO_FP_FUSION
 
-__all__ = ["kda_conv_qkv"]
+__all__ = ["kda_conv_qkv", "REFERENCE_NOTE"]
+
+# No torch reference in this package: the math is the engine's own decode conv
+# (kda_ops.causal_conv1d_chain, then the head split and l2norm), which test/kernels/test_kda_conv.py
+# compares against; a copy here would only restate that engine code.
+REFERENCE_NOTE = ("reference: sglang.srt.layers.attention.kda_ops.causal_conv1d_chain / "
+                  "causal_conv1d_update + l2norm, compared in test/kernels/test_kda_conv.py")
 
 
 @triton.jit(do_not_specialize=["N"])

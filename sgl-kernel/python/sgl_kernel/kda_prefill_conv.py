@@ -38,7 +38,11 @@ from triton.language.extra import libdevice
 
 from sgl_kernel._triton_mode import INTERPRETED, NO_FP_FUSION, compiler_options
 
-__all__ = ["kda_prefill_conv"]
+__all__ = ["kda_prefill_conv", "REFERENCE_NOTE"]
+
+REFERENCE_NOTE = ("reference: sglang.srt.layers.attention.kda_ops.causal_conv1d (the engine's "
+                  "prefill conv, summed in the same tap order), compared in "
+                  "test/kernels/test_kda_prefill_conv.py")
 
 # Tiles: on the GPU 32 tokens x 256 channels (8 K fp32 accumulators over 4 warps); the
 # interpreter pays per program and per op, and tests run small widths there.

@@ -4,7 +4,7 @@ tokens, the state after each position staged, the persistent state untouched).
 
 Per request ``b`` (pool slot ``slots[b]``), head ``h`` and a ``BLOCK_V`` slice of the value dim,
 one program keeps its ``[K, BLOCK_V]`` fp32 state slice in registers across the chain and per
-position does (docs/model.md §3.2, as :func:`sglang.srt.layers.attention.kda_ops.kda_step`)::
+position does (docs/model.md §3.2; the engine's torch form is ``kda_ops.kda_step``)::
 
     S <- diag(exp g) S;   S <- S + beta k (v - S^T k)^T;   o = S^T (scale q)
 
@@ -22,7 +22,7 @@ import triton
 import triton.language as tl
 
 from sgl_kernel import pdl
-from sgl_kernel._triton_mode import INTERPRETED, NO_FP_FUSION, compiler_options
+from sgl_kernel._triton_mode import INTERPRETED, NO_FP_FUSION, LaunchConfig, compiler_options
 
 __all__ = ["kda_recurrent_update", "kda_recurrent_reference", "launch_config"]
 
@@ -33,13 +33,15 @@ __all__ = ["kda_recurrent_update", "kda_recurrent_reference", "launch_config"]
 BLOCK_V, NUM_WARPS = 32, 4
 
 
-def launch_config(dv: int) -> Tuple[int, Optional[int]]:
-    """``(block_v, num_warps)`` for a value dim ``dv``: one value tile and Triton's defaults
-    under the CPU interpreter (its cost is per program), else :data:`BLOCK_V` /
-    :data:`NUM_WARPS`."""
+def launch_config(dv: int, dk: int) -> LaunchConfig:
+    """The launch for a value dim ``dv`` and key dim ``dk``: ``block_n`` the value tile,
+    ``block_k`` the whole key row (the state's reductions run over it) and ``num_warps``. One
+    value tile and Triton's default warps under the CPU interpreter (its cost is per program),
+    else :data:`BLOCK_V` / :data:`NUM_WARPS`."""
+    block_k = triton.next_power_of_2(dk)
     if INTERPRETED:
-        return triton.next_power_of_2(dv), None
-    return BLOCK_V, NUM_WARPS
+        return LaunchConfig(triton.next_power_of_2(dv), block_k)
+    return LaunchConfig(BLOCK_V, block_k, NUM_WARPS)
 
 
 # ``N`` is not specialised: Triton would compile ``N == 1`` (decode) as its own straight-line
@@ -157,9 +159,9 @@ def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
                          f"got {tuple(staged.shape)} {staged.dtype}")
     if b == 0 or n == 0:
         return out
-    default_v, default_warps = launch_config(dv)
-    block_v = block_v or default_v
-    num_warps = num_warps or default_warps
+    cfg = launch_config(dv, dk)
+    block_v = block_v or cfg.block_n
+    num_warps = num_warps or cfg.num_warps
     st = staged if staged is not None else state_pool  # unused pointer when not staging
     st_strides = (st.stride(0), st.stride(1), st.stride(2), st.stride(3)) if staged is not None \
         else (0, 0, 0, 0)
@@ -182,7 +184,7 @@ def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
         state_pool.stride(0), state_pool.stride(1), state_pool.stride(2),
         out.stride(0), out.stride(1), out.stride(2), *st_strides,
         STAGE=staged is not None, RAW_GATE=gate_params is not None, SAFE_GATE=lower is not None,
-        USE_PDL=pdl_on, BLOCK_K=triton.next_power_of_2(dk),
+        USE_PDL=pdl_on, BLOCK_K=cfg.block_k,
         BLOCK_V=block_v, **pdl.launch_options(pdl_on), **compiler_options(num_warps, None),
         # No mul+add contraction: the decode and verify programs differ in their stores, and a
         # contraction the compiler picks in one and not the other broke their bit equality on an
@@ -191,24 +193,42 @@ def kda_recurrent_update(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: t
     return out
 
 
-def kda_recurrent_reference(q, k, v, g, beta, scale, state_pool, slots, out, staged=None,
-                            gate_params=None):
-    """Plain-torch :func:`kda_recurrent_update` (the per-position step of ``kda_ops.kda_step``;
-    raw gate inputs formed by ``kda_ops.kda_gate`` and a sigmoid)."""
-    from sglang.srt.layers.attention.kda_ops import kda_gate, kda_step
+def _kda_gate(f: torch.Tensor, a_log: torch.Tensor, dt_bias: torch.Tensor,
+              lower: Optional[float]) -> torch.Tensor:
+    """Log-space decay ``g [.., H, K]`` (fp32) from the raw gate projection ``f [.., H, K]``:
+    ``lower * sigmoid(exp(A_log) * (f + dt_bias))`` with a bound, else
+    ``-exp(A_log) * softplus(f + dt_bias)`` (``dt_bias [H * K]``)."""
+    h, d = f.shape[-2:]
+    u = f.float() + dt_bias.float().view(h, d)
+    a = a_log.float().exp().view(h, 1)
+    if lower is not None:
+        return lower * torch.sigmoid(a * u)
+    return -a * torch.nn.functional.softplus(u)
 
+
+def kda_recurrent_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            g: torch.Tensor, beta: torch.Tensor, scale: float,
+                            state_pool: torch.Tensor, slots: torch.Tensor, out: torch.Tensor,
+                            staged: Optional[torch.Tensor] = None,
+                            gate_params: Optional[Tuple[torch.Tensor, torch.Tensor,
+                                                        Optional[float]]] = None
+                            ) -> torch.Tensor:
+    """Plain-torch :func:`kda_recurrent_update`, the module docstring's step per position
+    (``S <- diag(exp g) S; S <- S + beta k (v - S^T k)^T; o = S^T (scale q)``, fp32); raw gate
+    inputs formed by :func:`_kda_gate` and a sigmoid. Same arguments and effects."""
     if gate_params is not None:
-        b, n, h, d = g.shape
-        g = kda_gate(g.reshape(b * n, h, d), gate_params[0], gate_params[1],
-                     gate_params[2]).view(b, n, h, d)
+        g = _kda_gate(g, *gate_params)
         beta = torch.sigmoid(beta.float())
-
-    state = state_pool[slots.long()]
+    rows = slots.long()
+    state = state_pool[rows]
     for i in range(q.shape[1]):
-        o, state = kda_step(q[:, i], k[:, i], v[:, i], g[:, i], beta[:, i], scale, state)
-        out[:, i] = o.to(out.dtype)
+        state = state * g[:, i].exp().unsqueeze(-1)
+        pred = torch.einsum("bhk,bhkv->bhv", k[:, i], state)
+        write = (beta[:, i].unsqueeze(-1) * k[:, i]).unsqueeze(-1)
+        state = state + write * (v[:, i] - pred).unsqueeze(-2)
+        out[:, i] = torch.einsum("bhk,bhkv->bhv", q[:, i] * scale, state).to(out.dtype)
         if staged is not None:
-            staged[slots.long(), i] = state
+            staged[rows, i] = state
     if staged is None:
-        state_pool[slots.long()] = state
+        state_pool[rows] = state
     return out

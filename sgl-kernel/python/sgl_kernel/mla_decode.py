@@ -41,7 +41,6 @@ interpreter (``TRITON_INTERPRET=1``) fp32 and fp16 work; bf16 does not.
 """
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -50,9 +49,14 @@ import triton
 import triton.language as tl
 
 from sgl_kernel import pdl
-from sgl_kernel._triton_mode import INTERPRETED
+from sgl_kernel._triton_mode import INTERPRETED, sm_count
 
-__all__ = ["mla_decode_fwd", "mla_decode_num_splits", "mla_decode_scratch_numel", "MAX_SPLITS"]
+__all__ = ["mla_decode_fwd", "mla_decode_num_splits", "mla_decode_scratch_numel", "MAX_SPLITS",
+           "REFERENCE_NOTE"]
+
+REFERENCE_NOTE = ("reference: sglang.srt.layers.attention.mla_ops.mla_decode_attention over the "
+                  "padded cache gather (module docstring), compared in "
+                  "test/kernels/test_mla_decode.py")
 
 MAX_SPLITS = 64  # upper bound of num_splits (bounds the scratch and the merge's loop)
 _LOG2E = 1.4426950408889634
@@ -61,7 +65,13 @@ _NEG = tl.constexpr(-1.0e30)  # finite "minus infinity": a fully masked block ne
 
 @dataclass(frozen=True)
 class _Config:
-    """Fixed launch sizes of one cache row width."""
+    """Fixed launch sizes of one cache row width.
+
+    Not a :class:`sgl_kernel._triton_mode.LaunchConfig`: these launches tile query rows x keys
+    with no K tile (a whole latent row is one tile, sized from ``v_dim`` at launch) and carry
+    attention's split policy (``split_min``) and the merge kernel's width (``block_s``), which
+    no GEMM has; folding them in would add two attention-only fields to every kernel's config.
+    """
 
     block_h: int  # query rows per program (>= 16: the M of tl.dot)
     block_n: int  # cache rows per inner step
@@ -89,14 +99,6 @@ def _config(dk: int) -> _Config:
                    num_stages=2)
 
 
-@functools.lru_cache(maxsize=None)
-def _target_programs(device: torch.device) -> int:
-    """Programs of the split kernel that fill the device in one wave: one per SM on CUDA."""
-    if INTERPRETED or device.type != "cuda":
-        return 8
-    return torch.cuda.get_device_properties(device).multi_processor_count
-
-
 def mla_decode_num_splits(batch: int, rows: int, capacity: int, dk: int,
                           device: torch.device | str = "cuda") -> int:
     """Key splits per request: a function of shapes only (never of the sequence lengths).
@@ -110,7 +112,8 @@ def mla_decode_num_splits(batch: int, rows: int, capacity: int, dk: int,
     cfg = _config(dk)
     row_blocks = triton.cdiv(max(rows, 1), cfg.block_h)
     by_capacity = triton.cdiv(max(capacity, 1), cfg.split_min)
-    by_occupancy = _target_programs(torch.device(device)) // (max(batch, 1) * row_blocks)
+    # One program per SM fills the device in one wave (sm_count: 8 under the interpreter).
+    by_occupancy = sm_count(device) // (max(batch, 1) * row_blocks)
     return max(1, min(MAX_SPLITS, by_capacity, by_occupancy))
 
 

@@ -74,9 +74,15 @@ def moe_combine(y: torch.Tensor, topk_weights: torch.Tensor,
 
 def moe_combine_reference(y: torch.Tensor, topk_weights: torch.Tensor,
                           shared: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Plain-torch :func:`moe_combine`: the torch-native MoE's combine, which sums in the
-    kernel's order."""
-    from sglang.srt.layers.moe.fused_moe_native import combine_expert_outputs
-
+    """Plain-torch :func:`moe_combine` from the module docstring's formula, summed in the
+    kernel's order: fp32 products of slots 0, 1, ..., k-1, then the shared row, one rounding to
+    y's dtype (the torch-native MoE's ``combine_expert_outputs`` sums alike)."""
     t, k = topk_weights.shape
-    return combine_expert_outputs(y[:t * k], topk_weights, shared)
+    rows = y[:t * k].float().view(t, k, -1)
+    weights = topk_weights.float()
+    acc = rows[:, 0] * weights[:, :1]
+    for j in range(1, k):
+        acc = acc + rows[:, j] * weights[:, j:j + 1]
+    if shared is not None:
+        acc = acc + shared.float()
+    return acc.to(y.dtype)

@@ -26,7 +26,10 @@ import triton.language as tl
 
 from sgl_kernel import pdl
 
-__all__ = ["moe_router_topk", "router_kernel_supports"]
+__all__ = ["moe_router_topk", "router_kernel_supports", "REFERENCE_NOTE"]
+
+REFERENCE_NOTE = ("reference: sglang.srt.layers.moe.topk.select_experts (the rule of "
+                  "docs/model.md §5.1), compared in test/kernels/test_moe_router.py")
 
 
 @triton.jit

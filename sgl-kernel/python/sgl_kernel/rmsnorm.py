@@ -24,7 +24,10 @@ import triton.language as tl
 
 from sgl_kernel import pdl
 
-__all__ = ["rmsnorm", "GATE_ACTIVATIONS"]
+__all__ = ["rmsnorm", "GATE_ACTIVATIONS", "REFERENCE_NOTE"]
+
+REFERENCE_NOTE = ("reference: sglang.srt.layers.layernorm.rms_norm / gated_rms_norm (the "
+                  "engine's torch norms), compared in test/kernels/test_rmsnorm.py")
 
 GATE_ACTIVATIONS = {None: 0, "sigmoid": 1, "swish": 2, "silu": 2}
 

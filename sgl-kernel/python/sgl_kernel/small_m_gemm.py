@@ -19,7 +19,7 @@ properties in one launch. Reference:
 """
 from __future__ import annotations
 
-from typing import NamedTuple, Optional
+from typing import NamedTuple, Optional, Union
 
 import torch
 import triton
@@ -27,10 +27,10 @@ import triton.language as tl
 
 from sgl_kernel import pdl
 from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
-from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options
+from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options, sm_count
 
-__all__ = ["small_m_gemm", "small_m_gemm_reference", "launch_config", "SMALL_M_MAX_ROWS",
-           "BLOCK_M", "GatedNormPrologue"]
+__all__ = ["small_m_gemm", "small_m_gemm_reference", "gated_norm_reference", "launch_config",
+           "split_target_programs", "SMALL_M_MAX_ROWS", "BLOCK_M", "GatedNormPrologue"]
 
 BLOCK_M = 16
 
@@ -164,9 +164,9 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
 # launch's last range resets its tiles), so split launches on a device must not run
 # concurrently: the engine launches its kernels on one stream (the side stream of
 # sglang.srt.managers.overlap_utils only copies). Sized for the largest split grid
-# launch_config makes (under 512 row blocks, SMALL_M_MAX_ROWS rows); a larger grid (a swept
-# config) gets a larger buffer; a replaced one stays allocated, since a captured graph may
-# still point at it.
+# launch_config makes on the H200 (under 512 row blocks, SMALL_M_MAX_ROWS rows); a larger grid
+# (a swept config, a GPU of more SMs) gets a larger buffer; a replaced one stays allocated,
+# since a captured graph may still point at it.
 _COUNTS: dict = {}
 _REPLACED: list = []
 
@@ -181,14 +181,16 @@ def _split_counts(device: torch.device, tiles: int) -> torch.Tensor:
     return counts
 
 
-def launch_config(n: int, k: int, weight_dtype: torch.dtype = torch.bfloat16) -> LaunchConfig:
-    """The tiles of an ``[n, k]`` weight: a function of the shape and the weight's dtype only,
-    never of ``M``, which is what makes the product batch-invariant.
+def launch_config(n: int, k: int, weight_dtype: torch.dtype = torch.bfloat16,
+                  device: Union[torch.device, str, None] = None) -> LaunchConfig:
+    """The tiles of an ``[n, k]`` weight: a function of the shape, the weight's dtype and the
+    device's SM count only, never of ``M``, which is what makes the product batch-invariant.
 
     On the GPU: 16 weight rows x 256 columns for 16-bit weights, 128 columns for fp32 ones (the
     router gate: the same bytes per tile), 4 warps, 4 stages; block fp8 reads one scale block
     (128 columns) per step in 32-row tiles. A weight of few row blocks splits K
-    (:func:`_split_for`) so that the GPU's 132 SMs each stream several programs. On the H200
+    (:func:`_split_for`) so that the GPU's SMs (:func:`sm_count` of ``device``, the current
+    CUDA device when ``None``: 132 on the H200) each stream several programs. On the H200
     (cold L2, ``benchmark/kernels/tune_small_m_gemm.py --fp8``) the fp8 tile was within noise
     of the best of 108 configs on KDA's fused projection (27 µs, 1.9 TB/s), the attention
     output (13 µs split 8, 20 µs unsplit) and MLA's q projection; the splits of 16-bit and fp32
@@ -202,14 +204,22 @@ def launch_config(n: int, k: int, weight_dtype: torch.dtype = torch.bfloat16) ->
         block_n, block_k = 32, QBLOCK
     else:
         block_n, block_k = 16, 128 if weight_dtype == torch.float32 else 256
-    return LaunchConfig(block_n, block_k, 4, 4, _split_for(n, k, block_n, block_k))
+    programs = split_target_programs(sm_count(device))
+    return LaunchConfig(block_n, block_k, 4, 4, _split_for(n, k, block_n, block_k, programs))
 
 
-def _split_for(n: int, k: int, block_n: int, block_k: int) -> int:
+def split_target_programs(sms: int) -> int:
+    """Programs a split grid aims at on ``sms`` SMs: about four per SM, rounded down to a power
+    of two (528 -> 512 on the H200's 132 SMs: the target the splits were measured with)."""
+    return 1 << ((4 * max(sms, 1)).bit_length() - 1)
+
+
+def _split_for(n: int, k: int, block_n: int, block_k: int, programs: int) -> int:
     """K ranges for an ``[n, k]`` weight in these tiles: doubled while the grid has fewer than
-    512 programs (about four per SM), up to 8, each range keeping at least two tiles."""
+    ``programs`` programs (:func:`split_target_programs`), up to 8, each range keeping at least
+    two tiles."""
     row_blocks, tiles, split = triton.cdiv(n, block_n), triton.cdiv(k, block_k), 1
-    while row_blocks * split < 512 and split < 8 and tiles >= 4 * split:
+    while row_blocks * split < programs and split < 8 and tiles >= 4 * split:
         split *= 2
     return split
 
@@ -258,7 +268,7 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
         raise ValueError(f"small_m_gemm: out must be [{m}, {n}] with a contiguous last dim")
     if m == 0 or n == 0:
         return out
-    cfg = config or launch_config(n, k, w.dtype)
+    cfg = config or launch_config(n, k, w.dtype, x.device)
     if fp8 and cfg.block_k != QBLOCK:  # one scale block per step: its sum is scaled
         cfg = cfg._replace(block_k=QBLOCK)
     norm_d, act, z, nw, eps = 0, 1, x, x, 0.0
@@ -317,7 +327,7 @@ def small_m_gemm_reference(x: torch.Tensor, w: torch.Tensor,
     """Plain-torch :func:`small_m_gemm`: x in w's dtype (a block-fp8 w dequantised in fp32),
     fp32 product and bias, one rounding to
     ``out_dtype`` (default x's); with
-    ``gated_norm`` x goes through the torch ``GatedRMSNorm`` first."""
+    ``gated_norm`` x goes through :func:`gated_norm_reference` first."""
     if gated_norm is not None:
         x = gated_norm_reference(x, gated_norm)
     if w_scale is not None:
@@ -329,10 +339,13 @@ def small_m_gemm_reference(x: torch.Tensor, w: torch.Tensor,
 
 
 def gated_norm_reference(x: torch.Tensor, prologue: GatedNormPrologue) -> torch.Tensor:
-    """``x [M, K]`` through the project's ``GatedRMSNorm`` math per ``head_dim`` head."""
-    from sglang.srt.layers.layernorm import gated_rms_norm
-
+    """Plain-torch gated RMSNorm of ``x [M, K]`` per ``head_dim``-wide head, from
+    :class:`GatedNormPrologue`'s formula: ``x * rsqrt(mean(x^2) + eps) * weight * act(gate)``
+    in fp32 (``act`` sigmoid, or ``g * sigmoid(g)`` for swish / silu), rounded to x's dtype."""
     gate, weight, eps, d, act = prologue
     m, k = x.shape
-    return gated_rms_norm(x.reshape(m, k // d, d), gate.reshape(m, k // d, d), weight, eps,
-                          act).reshape(m, k)
+    xf = x.float().reshape(m, k // d, d)
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    gf = gate.float().reshape(m, k // d, d)
+    gated = torch.sigmoid(gf) if act == "sigmoid" else gf * torch.sigmoid(gf)
+    return (y * weight.float() * gated).to(x.dtype).reshape(m, k)

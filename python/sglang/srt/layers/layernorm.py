@@ -16,7 +16,8 @@ from sglang.srt.layers.triton_switch import set_use_triton
 from sglang.srt.layers.linear import copy_checked
 from sglang.srt.model_loader.weight_utils import LazyWeight
 
-__all__ = ["RMSNorm", "GatedRMSNorm", "rms_norm", "gated_rms_norm", "set_norm_backend"]
+__all__ = ["RMSNorm", "GatedRMSNorm", "rms_norm", "gated_rms_norm", "gated_rms_norm_heads",
+           "set_norm_backend"]
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,6 +36,17 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight: torch.Tensor, ep
     gf = gate.float()
     act = torch.sigmoid(gf) if activation == "sigmoid" else gf * torch.sigmoid(gf)
     return (y * weight.float() * act).to(x.dtype)
+
+
+def gated_rms_norm_heads(x: torch.Tensor, prologue) -> torch.Tensor:
+    """``x [M, K]`` through :func:`gated_rms_norm` per ``head_dim``-wide head, as a small-M
+    GEMM's gated-norm prologue (``sgl_kernel.small_m_gemm.GatedNormPrologue``: ``gate [M, K]``,
+    ``weight [head_dim]``, ``eps``, ``head_dim``, ``activation``) describes it: the torch path
+    for the rows that do not run that kernel."""
+    gate, weight, eps, d, activation = prologue
+    m, k = x.shape
+    return gated_rms_norm(x.reshape(m, k // d, d), gate.reshape(m, k // d, d), weight, eps,
+                          activation).reshape(m, k)
 
 
 @functools.lru_cache(maxsize=None)

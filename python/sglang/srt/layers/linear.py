@@ -100,9 +100,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
         return gemm(x.contiguous(), weight, bias, gated_norm=gated_norm)
     if gated_norm is not None:
-        from sgl_kernel.small_m_gemm import gated_norm_reference
+        from sglang.srt.layers.layernorm import gated_rms_norm_heads  # layernorm imports us
 
-        x = gated_norm_reference(x, gated_norm)
+        x = gated_rms_norm_heads(x, gated_norm)
     return F.linear(x, weight, bias)
 
 

@@ -255,10 +255,10 @@ class Fp8LinearMethod(LinearMethodBase):
                                 w_scale_rows=layer.weight_row_block, gated_norm=gated_norm)
         if layer.small_m_gemm:
             from sgl_kernel import fp8_gemm
-            from sgl_kernel.small_m_gemm import gated_norm_reference
+            from sglang.srt.layers.layernorm import gated_rms_norm_heads
 
             if gated_norm is not None:
-                x = gated_norm_reference(x, gated_norm)
+                x = gated_rms_norm_heads(x, gated_norm)
             y = fp8_gemm.block_fp8_linear(x.reshape(-1, x.shape[-1]), layer.weight,
                                           layer.weight_scale_inv, layer.weight_row_block, bias)
             return y.reshape(*x.shape[:-1], y.shape[-1])
