@@ -46,6 +46,13 @@ FP32_WEIGHT = {"router gate"}
 GATED_NORM = {"attn out + norm"}
 
 
+def label(cfg) -> str:
+    """``BLOCK_N/BLOCK_K/num_warps/num_stages/split_k/swap_ab``: the small-M GEMM's fields of a
+    LaunchConfig (the later fields belong to other kernels)."""
+    return "/".join(str(v) for v in (cfg.block_n, cfg.block_k, cfg.num_warps, cfg.num_stages,
+                                      cfg.split_k, cfg.swap_ab))
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--rows", type=int, nargs="+", default=[1, 4, 16])
@@ -107,7 +114,7 @@ def main() -> None:
             try:
                 out = run(m0, cfg)
             except Exception as exc:  # a config the compiler rejects (e.g. out of resources)
-                print(f"  {name} {'/'.join(map(str, cfg))}: {type(exc).__name__}")
+                print(f"  {name} {label(cfg)}: {type(exc).__name__}")
                 continue
             err = float((out.float() - ref.float()).norm() / ref.float().norm())
             if err > 1e-2:
@@ -115,7 +122,7 @@ def main() -> None:
             timed.append((cold_time_us(lambda: run(m0, cfg), args.iters, flush), cfg))
         timed.sort(key=lambda r: r[0])
         print(f"  {name} ranking at M={m0}: "
-              + ", ".join(f"{'/'.join(map(str, c))} {t:.1f}" for t, c in timed[:5]))
+              + ", ".join(f"{label(c)} {t:.1f}" for t, c in timed[:5]))
         best, current = timed[0][1], launch_config(n, k, w.dtype)  # small_m_gemm's default
         cells = []
         for m in args.rows:
@@ -125,8 +132,7 @@ def main() -> None:
             t_lib = cold_time_us(lambda: F.linear(x.to(w_lib.dtype), w_lib), args.iters, flush)
             cells.append(f"M={m}: best {t_best:.1f} ({nbytes / t_best / 1e3:.0f} GB/s), "
                          f"current {t_cur:.1f}, F.linear {t_lib:.1f}")
-        line = (f"| {name} | {n}x{k} | {'/'.join(map(str, best))} "
-                f"(current {'/'.join(map(str, current))}) | "
+        line = (f"| {name} | {n}x{k} | {label(best)} (current {label(current)}) | "
                 + " ; ".join(cells) + " |")
         print(line)
         summary.append(line)

@@ -39,7 +39,11 @@ def test_ling_partial_rotary_factor_is_its_rope_head_dims():
                                        "partial_rotary_factor": 0.5}}):
         assert BailingMoeV3Config.from_dict({**raw, **where}).qk_rope_head_dim == 64
     with pytest.raises(ConfigError, match="partial_rotary_factor 0.25"):
-        BailingMoeV3Config.from_dict({**raw, "partial_rotary_factor": 0.25})
+        BailingMoeV3Config.from_dict({**raw, "rope_parameters": {
+            "rope_type": "default", "rope_theta": 6e6, "partial_rotary_factor": 0.25}})
+    # The transformers 4 layout's top-level factor does not bind: overriding the preset's head
+    # dims (as tests and --json-model-override-args do) keeps working.
+    assert BailingMoeV3Config.from_dict({**raw, "partial_rotary_factor": 0.25}).head_dim == 128
 
 
 @pytest.mark.parametrize("params,message", [

@@ -30,13 +30,12 @@ def rope_theta_of(raw: Dict[str, Any], default: float, what: str = "config.json"
     """The RoPE base of ``raw``: ``rope_parameters.rope_theta`` (transformers 5), else the
     top-level ``rope_theta``, else ``default``. ``rotary_fraction`` is the share of the head dim
     the model rotates (Ling's MLA: ``qk_rope_head_dim / head_dim`` = 64 / 128); a
-    ``partial_rotary_factor`` (top level or in ``rope_parameters``) must equal it. Raises
+    ``partial_rotary_factor`` in ``rope_parameters`` must equal it (the top-level one of the
+    transformers 4 layout is informative only: the rope head dims are the config's). Raises
     ``ValueError`` naming the field for a ``rope_type`` other than
     :data:`SUPPORTED_ROPE_TYPES`, another rotary factor, or two layouts that disagree."""
     top = raw.get("rope_theta")
     params = raw.get("rope_parameters")
-    _check_factor(raw.get("partial_rotary_factor"), rotary_fraction,
-                  f"{what}: partial_rotary_factor")
     if params is None:
         return float(default if top is None else top)
     if not isinstance(params, dict):
