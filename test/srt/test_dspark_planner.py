@@ -274,7 +274,8 @@ def test_planner_end_to_end_from_logits(tmp_path):
     t.save(sps_path)
     temps = [1.0, 1.3, 1.6, 2.0]
     save_sts_temperatures(sts_path, temps)
-    planner = DSparkPlanner.from_paths(4, str(sps_path), str(sts_path))
+    planner = DSparkPlanner(4, SPSTable.load(str(sps_path)),
+                            load_sts_temperatures(str(sts_path), 4))
     gen = torch.Generator().manual_seed(3)
     for _ in range(20):
         z = 2 * torch.randn(3, 4, generator=gen) + 1

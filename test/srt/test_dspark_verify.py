@@ -98,7 +98,6 @@ def test_cap_of_full_length_is_identity():
     assert torch.equal(capped.accept_len, full.accept_len)
     assert torch.equal(capped.accepted_tokens, full.accepted_tokens)
     assert torch.equal(capped.next_seed, full.next_seed)
-    assert all(torch.equal(x, y) for x, y in zip(capped.as_chain_result(), full))
     # Out-of-range lengths are clamped into 0..g (no host read could reject them).
     clamped = cap_chain_result(full, torch.tensor([-2, 9, 0, 3]))
     assert clamped.accept_len.tolist() == [1, 3, 1, 4]

@@ -388,7 +388,7 @@ def test_speculative_algorithm_enum():
     assert SpeculativeAlgorithm.from_string(None).is_none()
     assert SpeculativeAlgorithm.from_string("eagle").is_nextn()
     assert SpeculativeAlgorithm.from_string("NextN") == SpeculativeAlgorithm.NEXTN
-    assert SpeculativeAlgorithm.from_string("dspark").is_dspark()
+    assert SpeculativeAlgorithm.from_string("dspark") == SpeculativeAlgorithm.DSPARK
     with pytest.raises(ValueError, match="speculative-algorithm"):
         SpeculativeAlgorithm.from_string("medusa")
 

@@ -10,10 +10,8 @@ from sglang.srt.layers.sampler import (
     Sampler,
     apply_penalties,
     compute_input_token_logprobs,
-    get_token_ids_logprobs,
     sampling_filter_mask,
     seeded_uniform,
-    top_logprobs_to_lists,
 )
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import TOP_K_ALL, SamplingParams
@@ -325,11 +323,6 @@ def test_output_logprobs_of_the_sampling_distribution():
     assert torch.allclose(out.next_token_logprobs, raw.gather(1, out.next_token_ids[:, None])[:, 0])
     ref_val, ref_idx = raw.topk(5, dim=-1)
     assert torch.equal(out.top_logprobs_idx, ref_idx) and torch.allclose(out.top_logprobs_val, ref_val)
-    lists = top_logprobs_to_lists(out, [2, 0, 5])
-    assert [len(x) for x in lists] == [2, 0, 5]
-    assert lists[0][0][1] == int(ref_idx[0, 0]) and abs(lists[0][0][0] - float(ref_val[0, 0])) < 1e-6
-    picked = get_token_ids_logprobs(out.logprobs, [[3, 4], None, [0]])
-    assert picked[1] is None and abs(picked[0][1] - float(raw[0, 4])) < 1e-6
     assert Sampler()(logits, info).next_token_logprobs is None
 
 

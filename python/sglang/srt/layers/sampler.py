@@ -204,30 +204,6 @@ class Sampler(nn.Module):
         return u
 
 
-def top_logprobs_to_lists(
-    out: SamplerOutput, top_logprobs_nums: Sequence[int]
-) -> List[List[Tuple[float, int]]]:
-    """Per row, the first ``top_logprobs_nums[i]`` (logprob, token id) pairs (host lists)."""
-    if out.top_logprobs_val is None:
-        return [[] for _ in top_logprobs_nums]
-    vals, idx = out.top_logprobs_val.tolist(), out.top_logprobs_idx.tolist()
-    return [list(zip(v[:k], i[:k])) for v, i, k in zip(vals, idx, top_logprobs_nums)]
-
-
-def get_token_ids_logprobs(
-    logprobs: torch.Tensor, token_ids: Sequence[Optional[Sequence[int]]]
-) -> List[Optional[List[float]]]:
-    """For ``token_ids_logprob``: row i's log-probabilities of the tokens ``token_ids[i]``."""
-    result: List[Optional[List[float]]] = []
-    for row, ids in enumerate(token_ids):
-        if not ids:
-            result.append(None)
-            continue
-        index = torch.as_tensor(list(ids), dtype=torch.int64, device=logprobs.device)
-        result.append(logprobs[row].index_select(0, index).tolist())
-    return result
-
-
 @dataclass
 class InputTokenLogprobs:
     """Log-probabilities of prompt tokens from position ``logprob_start_len`` on."""

@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from sglang.srt.speculative.dspark_sps import SPSTable
-from sglang.srt.speculative.dspark_sts import load_sts_temperatures, prefix_survival
+from sglang.srt.speculative.dspark_sts import prefix_survival
 
 __all__ = [
     "TAU_FIXED_POINT_BITS",
@@ -292,14 +292,6 @@ class DSparkPlanner:
         self.sps_dense = sps_table.as_tensor(device)
         self.temperatures = None if sts_temperatures is None else torch.tensor(
             list(sts_temperatures), dtype=torch.float64, device=device)
-
-    @classmethod
-    def from_paths(cls, gamma: int, sps_table_path: str, sts_path: Optional[str] = None,
-                   device: Union[str, torch.device, None] = None) -> "DSparkPlanner":
-        """From ``--speculative-dspark-sps-table-path`` and, optionally,
-        ``--speculative-dspark-confidence-sts-path``."""
-        temps = None if sts_path is None else load_sts_temperatures(sts_path, gamma)
-        return cls(gamma, SPSTable.load(sps_table_path), temps, device)
 
     def survival(self, confidence_logits: torch.Tensor) -> torch.Tensor:
         """Calibrated prefix survival ``[R, gamma]`` float64 of the head's logits."""

@@ -69,10 +69,6 @@ class DSparkVerifyResult(NamedTuple):
     next_seed: torch.Tensor  # [B]: the final (bonus / residual) token = the next anchor
     num_accepted: torch.Tensor  # [B] in 0 .. l_b: accepted drafts
 
-    def as_chain_result(self) -> ChainVerifyResult:
-        """The first three fields, for the chain bookkeeping of :mod:`spec_utils`."""
-        return ChainVerifyResult(self.accept_len, self.accepted_tokens, self.next_seed)
-
 
 def _check_block(draft_tokens: torch.Tensor, verify_lens: torch.Tensor) -> None:
     if draft_tokens.dim() != 2 or draft_tokens.is_floating_point():

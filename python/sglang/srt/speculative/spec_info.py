@@ -43,10 +43,6 @@ class SpeculativeAlgorithm(IntEnum):
         """The MTP chain drafter."""
         return self == SpeculativeAlgorithm.NEXTN
 
-    def is_dspark(self) -> bool:
-        """The DSpark block drafter."""
-        return self == SpeculativeAlgorithm.DSPARK
-
 
 @dataclass
 class SpecMetricsOutput:
