@@ -73,10 +73,23 @@ def fresh_warnings(monkeypatch, caplog):
 
     monkeypatch.setattr(server_args_module, "_NO_OP_LOGGED", set())
     monkeypatch.setattr(environ, "_COMPAT_WARNED", set())
+    monkeypatch.setattr(environ, "_UNKNOWN_WARNED", set())
     for f in environ.compat_env_fields():
         monkeypatch.delenv(f.name, raising=False)
     caplog.set_level(logging.INFO)
     return caplog
+
+
+def test_misspelt_sglang_variable_is_named_with_the_closest_one(fresh_warnings, monkeypatch):
+    from sglang.srt import environ
+
+    monkeypatch.setenv("SGLANG_TRITON_RMSNROM", "0")  # SGLANG_TRITON_RMSNORM misspelt
+    monkeypatch.setenv("SGLANG_TRITON_RMSNORM", "1")
+    prepare_server_args([])
+    prepare_server_args([])
+    lines = [r.getMessage() for r in fresh_warnings.records if "RMSNROM" in r.getMessage()]
+    assert len(lines) == 1 and "did you mean SGLANG_TRITON_RMSNORM?" in lines[0]
+    assert environ.set_env_values()["SGLANG_TRITON_RMSNORM"] in ("1", True)
 
 
 def _no_op_records(caplog, flag):

@@ -15,6 +15,7 @@ default, the process logs one warning naming it: on its first read, or from
 from __future__ import annotations
 
 import contextlib
+import difflib
 import logging
 import os
 from dataclasses import dataclass
@@ -387,6 +388,32 @@ def unknown_sglang_env_vars(environ: Optional[Dict[str, str]] = None) -> List[st
     environ = os.environ if environ is None else environ
     known = {f.name for f in list_env_fields()}
     return sorted(k for k in environ if k.startswith("SGLANG_") and k not in known)
+
+
+_UNKNOWN_WARNED: Set[str] = set()
+
+
+def warn_unknown_sglang_env_vars(environ: Optional[Dict[str, str]] = None) -> List[str]:
+    """Warn once per process about each ``SGLANG_*`` variable no flag declares (a misspelt one
+    would otherwise be ignored in silence), naming the closest declared variable; return the
+    unknown names."""
+    unknown = unknown_sglang_env_vars(environ)
+    known = [f.name for f in list_env_fields()]
+    for name in unknown:
+        if name in _UNKNOWN_WARNED:
+            continue
+        _UNKNOWN_WARNED.add(name)
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"; did you mean {close[0]}?" if close else ""
+        logger.warning("environment variable %s is not a variable of this engine and is "
+                       "ignored%s", name, hint)
+    return unknown
+
+
+def set_env_values() -> Dict[str, Any]:
+    """The declared ``SGLANG_*`` variables set in this process's environment, with their
+    resolved values (for the start-up log)."""
+    return {f.name: f.get() for f in list_env_fields() if f.is_set()}
 
 
 def describe_envs() -> str:

@@ -52,7 +52,8 @@ from sglang.srt.configs.engine_defaults import (  # re-exported: scripts and tes
     torch_dtype,
 )
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, parse_override_args, resolve_model_path
-from sglang.srt.environ import require_triton_runtime, warn_compat_envs
+from sglang.srt.environ import (require_triton_runtime, warn_compat_envs,
+                                warn_unknown_sglang_env_vars)
 from sglang.srt.managers.template_manager import check_chat_template
 from sglang.srt.port_args import PortArgs  # noqa: F401  (re-exported: upstream's import path)
 from sglang.srt.server_args_cli import NO_OP_FLAGS, ServerArgumentParser, register_server_flags
@@ -458,8 +459,10 @@ add_cli_args = ServerArgs.add_cli_args
 
 def warn_compat_flags(server_args: ServerArgs) -> List[str]:
     """Warn once per process, for each flag of ``NO_OP_FLAGS`` that is set, what it does here,
-    and about compatibility-only ``SGLANG_*`` variables that are set
-    (``environ.warn_compat_envs``). Returns those flags and variable names. A warning, not an
+    about compatibility-only ``SGLANG_*`` variables that are set (``environ.warn_compat_envs``)
+    and about ``SGLANG_*`` names no variable declares (``environ.
+    warn_unknown_sglang_env_vars``: a misspelling is named with the closest variable). Returns
+    the no-op flags and compatibility variables. A warning, not an
     info line: the CLI parses its flags before logging is configured, when only warnings show."""
     defaults = {f.name: f.default for f in dataclasses.fields(ServerArgs)}
     flags = []
@@ -471,6 +474,7 @@ def warn_compat_flags(server_args: ServerArgs) -> List[str]:
         if flag not in _NO_OP_LOGGED:
             _NO_OP_LOGGED.add(flag)
             logger.warning("%s: %s.", flag, what)
+    warn_unknown_sglang_env_vars()
     return flags + warn_compat_envs()
 
 

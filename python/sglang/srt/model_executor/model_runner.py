@@ -42,7 +42,7 @@ from sglang.srt.configs.engine_defaults import (
 )
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import parallel_state as ps
-from sglang.srt.environ import envs
+from sglang.srt.environ import envs, set_env_values
 from sglang.srt.layers.attention.attention_registry import create_attn_backend
 from sglang.srt.layers.layernorm import set_norm_backend
 from sglang.srt.layers.linear import set_linear_backend
@@ -312,6 +312,10 @@ class ModelRunner:
             attention_backend, kda_prefill_impl=kda_prefill_impl,
             linear_attn_decode_backend=linear_attn_decode_backend)
         self._grow_rope_tables()
+        set_vars = set_env_values()
+        if set_vars and tp_rank == 0:  # what a set SGLANG_* variable resolved to, once
+            logger.info("SGLANG_* variables set: %s",
+                        ", ".join(f"{k}={v!r}" for k, v in set_vars.items()))
 
     # ------------------------------------------------------------------ init steps
     def _init_pdl(self) -> bool:
