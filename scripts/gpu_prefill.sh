@@ -17,6 +17,8 @@
 #   STAGE=conc      12-layer bf16 server (default flags), random-ids 1024 / 128 at concurrency
 #                   CONCS (default "1 4 16 64"); $OUT/conc.jsonl
 #   STAGE=gates     the gpu-marked graph gates (test/srt/test_cuda_graph_runner.py; GATES: others)
+# Wheels: `bash scripts/gpu_wheels.sh` stages what the host lacks (opentelemetry-api included,
+# which fastapi imports at start-up: a server from wheels without it exits at once).
 set -uo pipefail
 source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names
 FLASH12="--model-path ling-3.0-flash --load-format dummy --json-model-override-args {\"num_hidden_layers\":12}"
@@ -40,7 +42,10 @@ census() {
   grep "^|" "$OUT/census_${label}_$len.log" | sed "s/^/$label $len: /"
 }
 
-serve() {  # serve PORT LOG ARGS...: start a server in its own process group, wait until ready
+# serve PORT LOG ARGS...: start a server in its own process group (SERVER = its pid), wait until
+# ready. Call it directly, never inside $(...): a subshell would lose SERVER, and its EXIT trap
+# would kill the server as soon as the subshell returns.
+serve() {
   local port=$1 log=$2; shift 2
   setsid python3 -m sglang.launch_server "$@" --port $port > "$log" 2>&1 &
   SERVER=$!
@@ -53,7 +58,7 @@ serve() {  # serve PORT LOG ARGS...: start a server in its own process group, wa
   return 1
 }
 
-stop_server() { kill -9 -- -$SERVER 2>/dev/null; sleep 3; }
+stop_server() { [ -n "${SERVER:-}" ] && kill -9 -- -"$SERVER" 2>/dev/null; sleep 3; }
 
 case "${STAGE:-kernels}" in
 kernels)
@@ -94,7 +99,8 @@ prefill42)
 served)
   for steps in ${SPECS:-0 3}; do
     spec=""; [ "$steps" != 0 ] && spec="--speculative-algorithm NEXTN --speculative-num-steps $steps"
-    echo "== fp8 42 layers, spec=$steps: $(serve 30710 "$OUT/server_fp8_$steps.log" $FLASH42 --cuda-graph-max-bs 4 $spec)"
+    echo "== fp8 42 layers, spec=$steps"
+    serve 30710 "$OUT/server_fp8_$steps.log" $FLASH42 --cuda-graph-max-bs 4 $spec || continue
     timeout 200 python3 -m sglang.bench_serving --backend sglang --port 30710 \
       --dataset-name random-ids --random-input-len 8192 --random-output-len 1024 \
       --random-range-ratio 1.0 --num-prompts ${PROMPTS:-4} --max-concurrency 1 --disable-tqdm \
@@ -105,7 +111,8 @@ served)
   done
   ;;
 conc)
-  echo "== 12-layer bf16: $(serve 30711 "$OUT/server_conc.log" $FLASH12)"
+  echo "== 12-layer bf16"
+  serve 30711 "$OUT/server_conc.log" $FLASH12 || exit 1
   grep -E "request slots|pools:" "$OUT/server_conc.log" | head -2
   for c in ${CONCS:-1 4 16 64}; do
     n=$(( c * 4 < 16 ? 16 : c * 4 ))
