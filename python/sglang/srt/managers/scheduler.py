@@ -104,10 +104,31 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
         self.last_gen_throughput = 0.0
         self._tput_tokens, self._tput_time, self._decode_steps = 0, time.perf_counter(), 0
 
+        if self.tp_rank == 0:
+            self._log_startup_choices()
+
         self.parent_pid = os.getppid()
         self.inbox: List[Any] = []  # in-process mode
         self.outbox: List[Any] = []
         self._init_ipc(port_args)
+
+    def _log_startup_choices(self) -> None:
+        """One info line with what the flags and the checkpoint resolved to (``auto`` choices
+        made, the checkpoint's own quantization found), so a log says what actually ran."""
+        runner = self.tp_worker.model_runner
+        quant = getattr(runner.model, "quant_config", None)
+        attn = getattr(runner.attn_backend, "full_attn_backend", runner.attn_backend)
+        kda = getattr(runner.attn_backend, "linear_attn_backend", None)
+        kda_desc = ("none" if kda is None else
+                    f"prefill {getattr(kda, 'kda_prefill_impl', '?')}, "
+                    f"decode {getattr(kda, 'recurrent_impl', '?')}")
+        logger.info(
+            "Model %s: device %s, dtype %s, quantization %s, attention backend %s (%s), "
+            "MoE runner backend %s, KDA backend %s, speculative algorithm %s",
+            self.server_args.model_path, self.device, str(runner.dtype).replace("torch.", ""),
+            "none" if quant is None else quant.get_name(), self.server_args.attention_backend,
+            type(attn).__name__, runner.moe_runner_backend, kda_desc,
+            self.server_args.speculative_algorithm or "none")
 
     def _init_ipc(self, port_args: Any) -> None:
         self.recv_from_tokenizer = self.send_to_detok = self.send_to_tokenizer_sock = None
@@ -353,6 +374,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
         """Prefill (or a chunk) of ``batch`` on the round worker: forward, sampling of the rows
         whose prompt completes, and the worker's prompt work (its future map, a draft)."""
         self.forward_ct += 1
+        self._log_prefill_stats(batch)
         forward_batch = batch.prepare_for_extend()
         if any(r.return_hidden_states for r in batch.reqs):  # the LM head's input: no extra work
             forward_batch.capture_hidden_mode = CaptureHiddenMode.FULL
@@ -370,6 +392,20 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
             return_logprob=any(r.return_logprob for r in sampled),
             top_logprobs_nums=[r.top_logprobs_num for r in sampled],
             next_prompt_tokens=next_prompt_tokens)
+
+    def _log_prefill_stats(self, batch: ScheduleBatch) -> None:
+        """Upstream's prefill log line, once per prefill batch (or chunk). There is no prefix
+        cache, so ``#cached-token`` is always 0; ``#running-req`` counts the requests decoding
+        before this batch joins them."""
+        if self.tp_rank != 0:
+            return
+        used = self.max_total_num_tokens - self.token_to_kv_pool_allocator.available_size()
+        running = 0 if self.running_batch is None else self.running_batch.batch_size()
+        logger.info(
+            "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d", len(batch.reqs),
+            sum(r.extend_input_len for r in batch.reqs), used / self.max_total_num_tokens,
+            running, len(self.waiting_queue))
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         """Apply a prefill's result (decode rounds go through ``process_round``)."""

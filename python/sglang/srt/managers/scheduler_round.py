@@ -182,7 +182,8 @@ class SchedulerRoundMixin:
             self.running_batch.filter_batch()
             if self.running_batch.is_empty():
                 self.running_batch = None
-        self._log_decode_stats()
+        if active:  # a round launched past every request's finish decoded nothing: not a step
+            self._log_decode_stats()
 
     def _count_spec_round(self, r: Req, accept_len: int, committed: int,
                           cap: Optional[int]) -> None:
@@ -223,15 +224,17 @@ class SchedulerRoundMixin:
         return len(out.tokens[b])
 
     def _log_decode_stats(self) -> None:
-        """Every ``--decode-log-interval`` rounds: the decode log line (as upstream's), with
-        the accept length and rate under speculation."""
+        """Every ``--decode-log-interval`` rounds that decoded for some request: the decode
+        log line (as upstream's), with the accept length and rate under speculation. Skipped
+        when no request is left running (the round finished them all): a line saying
+        ``#running-req: 0`` would only be noise."""
         self._decode_steps += 1
         if self._decode_steps % self.server_args.decode_log_interval != 0:
             return
         self._update_throughput()
-        if self.tp_rank == 0:
+        running = 0 if self.running_batch is None else self.running_batch.batch_size()
+        if self.tp_rank == 0 and running > 0:
             used = self.max_total_num_tokens - self.token_to_kv_pool_allocator.available_size()
-            running = 0 if self.running_batch is None else self.running_batch.batch_size()
             spec = ""
             if self.spec_enabled:
                 drafts = self.spec_num_verify_reqs * self.round_worker.proposed_per_round
