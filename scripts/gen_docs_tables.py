@@ -64,7 +64,9 @@ def env_vars_markdown() -> str:
         "Every `SGLANG_*` variable the engine reads, declared once in "
         "`python/sglang/srt/environ.py`. Values are parsed when read; a malformed value "
         "(`SGLANG_X=ture` for a boolean) fails with an error naming the variable. Booleans take "
-        "`1`/`true`/`yes` or `0`/`false`/`no`. Variables marked *compatibility only* are "
+        "`1`/`true`/`yes`/`on` or `0`/`false`/`no`/`off` (one parser, "
+        "`engine_defaults.parse_switch`), switches also `auto`. Variables marked "
+        "*compatibility only* are "
         "accepted so that upstream commands run unchanged and have no effect here; setting one "
         "logs a warning saying why.",
         "",

@@ -21,23 +21,15 @@ import os
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Set, Type
 
-logger = logging.getLogger(__name__)
+from sglang.srt.configs.engine_defaults import parse_switch
 
-_TRUE = ("1", "true", "yes")
-_FALSE = ("0", "false", "no")
+logger = logging.getLogger(__name__)
 
 
 def parse_bool(name: str, raw: str) -> bool:
-    """Parse a boolean flag value (1/true/yes, 0/false/no; case-insensitive)."""
-    value = raw.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise ValueError(
-        f"environment variable {name}={raw!r} is not a boolean; "
-        f"use one of {', '.join(_TRUE + _FALSE)}"
-    )
+    """Parse a boolean variable's value (``engine_defaults.parse_switch``: 1/true/yes/on,
+    0/false/no/off, case-insensitive)."""
+    return parse_switch(name, raw)
 
 
 @dataclass(frozen=True)

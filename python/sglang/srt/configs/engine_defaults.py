@@ -9,7 +9,7 @@ including a layer, can import it without a cycle and without slowing ``--help`` 
 from __future__ import annotations
 
 import os
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 __all__ = [
     "DEFAULT_MEM_FRACTION_STATIC",
@@ -33,6 +33,7 @@ __all__ = [
     "LOG_LEVEL_CHOICES",
     "KERNEL_BACKEND_CHOICES",
     "resolve_kernel_backend",
+    "parse_switch",
     "KDA_PREFILL_IMPL_CHOICES",
     "ATTENTION_BACKEND_CHOICES",
     "SUBSTITUTED_ATTENTION_BACKENDS",
@@ -197,19 +198,33 @@ def resolve_kernel_backend(choice: str, device_type: str) -> str:
     if choice != "auto":
         return choice
     return "triton" if device_type == "cuda" else "torch_native"
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def parse_switch(name: str, raw: str, allow_auto: bool = False) -> Optional[bool]:
+    """The one parser of boolean (and ``auto``) values of ``SGLANG_*`` variables: True / False
+    for :data:`TRUE_WORDS` / :data:`FALSE_WORDS` (case-insensitive), None for ``auto`` when
+    ``allow_auto``; else ``ValueError`` naming the variable and the accepted words."""
+    value = raw.strip().lower()
+    if allow_auto and value == "auto":
+        return None
+    if value in TRUE_WORDS:
+        return True
+    if value in FALSE_WORDS:
+        return False
+    words = ("auto",) * allow_auto + TRUE_WORDS + FALSE_WORDS
+    raise ValueError(f"environment variable {name}={raw!r} is not a "
+                     f"{'switch' if allow_auto else 'boolean'}; use one of {', '.join(words)}")
+
+
 def resolve_fused_kernel_flag(name: str, raw: str, device_type: str) -> bool:
     """``SGLANG_TRITON_RMSNORM`` / ``SGLANG_TRITON_ROUTER``: ``auto`` is on for CUDA (inside
     CUDA graphs the one-launch norms and routers cut the 12-layer Flash decode step from 3.35
     to 2.42 ms and pass the graph == eager gates, docs/performance.md) and off elsewhere (the
     kernels would run in Triton's interpreter); otherwise a boolean."""
-    value = raw.strip().lower()
-    if value == "auto":
-        return device_type == "cuda"
-    if value in ("1", "true", "yes", "on"):
-        return True
-    if value in ("0", "false", "no", "off"):
-        return False
-    raise ValueError(f"environment variable {name}={raw!r}: use auto, 1 or 0")
+    value = parse_switch(name, raw, allow_auto=True)
+    return device_type == "cuda" if value is None else value
 
 
 def resolve_small_m_gemm_flag(raw: str, device_type: str, quantized: bool) -> bool:
