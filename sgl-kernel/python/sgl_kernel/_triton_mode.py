@@ -91,3 +91,15 @@ def sm_count(device: Union[torch.device, str, None] = None) -> int:
 def _cuda_sm_count(index: int) -> int:
     # Cached per device index: the property query costs microseconds on every launch otherwise.
     return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+_PLACEHOLDERS: dict = {}
+
+
+def placeholder(device: torch.device) -> torch.Tensor:
+    """A one-element fp32 ``[1, 1, 1]`` tensor on ``device`` to pass for a pointer argument the
+    launch never reads (a kernel's scale when the weight is not block fp8); one per device."""
+    key = str(device)
+    if key not in _PLACEHOLDERS:
+        _PLACEHOLDERS[key] = torch.zeros(1, 1, 1, dtype=torch.float32, device=device)
+    return _PLACEHOLDERS[key]

@@ -24,7 +24,7 @@ import triton.language as tl
 
 from sgl_kernel import pdl
 from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
-from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options
+from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options, placeholder
 
 __all__ = ["grouped_gemv", "grouped_gemv_reference", "launch_config", "LaunchConfig"]
 
@@ -195,7 +195,7 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                          f"(block_n dividing {QBLOCK}), got block_n={block_n}")
     opts = compiler_options(num_warps or cfg.num_warps, num_stages or cfg.num_stages)
     ew = extra_w if extra_w is not None else w  # placeholders when absent: never read
-    ws = w_scale if fp8 else _placeholder(x.device)
+    ws = w_scale if fp8 else placeholder(x.device)
     ews = extra_w_scale if fp8 and extra_w is not None else ws
     limit = float(swiglu_limit or 0.0)
     pdl_on = pdl.use_pdl(p)
@@ -207,17 +207,6 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
         SWIGLU=swiglu, HAS_LIMIT=limit > 0 or extra_limit > 0, HAS_SCALE=fp8, QB=QBLOCK,
         USE_PDL=pdl_on, BLOCK_N=block_n, BLOCK_K=block_k, **opts, **pdl.launch_options(pdl_on))
     return out
-
-
-_PLACEHOLDERS: dict = {}
-
-
-def _placeholder(device: torch.device) -> torch.Tensor:
-    """An fp32 tensor to pass where a scale pointer is never read."""
-    key = str(device)
-    if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = torch.zeros(1, dtype=torch.float32, device=device)
-    return _PLACEHOLDERS[key]
 
 
 def _silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:

@@ -59,14 +59,14 @@ import functools
 import json
 import math
 import os
-from typing import Dict, NamedTuple, Optional, Sequence
+from typing import Dict, NamedTuple, Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options
-from sgl_kernel.fp8_blocks import QBLOCK, check_block_scale
+from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options, placeholder
+from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
 
 __all__ = ["MoEAlignment", "moe_align", "max_padded_pairs", "moe_grouped_gemm",
            "moe_grouped_gemm_reference", "launch_config", "fallback_config", "config_key",
@@ -363,7 +363,7 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
     max_blocks = align.block_expert.shape[0]
     if p == 0 or n_out == 0 or max_blocks == 0:
         return out
-    scale = w_scale if fp8 else _placeholder(x.device)
+    scale = w_scale if fp8 else placeholder(x.device)
     limit = float(swiglu_limit)
     # fp32 operands: full-precision products (Triton's default on CUDA would be TF32).
     prec = "ieee" if x.dtype == torch.float32 else None
@@ -380,26 +380,6 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
     return out
 
 
-_PLACEHOLDERS: dict = {}
-
-
-def _placeholder(device: torch.device) -> torch.Tensor:
-    """An fp32 tensor to pass where the scale pointer is never read."""
-    key = str(device)
-    if key not in _PLACEHOLDERS:
-        _PLACEHOLDERS[key] = torch.zeros(1, 1, 1, dtype=torch.float32, device=device)
-    return _PLACEHOLDERS[key]
-
-
-def _dequantize_fp32(q: torch.Tensor, scale: torch.Tensor, pieces: Sequence[int]) -> torch.Tensor:
-    """``q * scale`` in fp32 for ``q [.., N, K]`` whose rows are ``pieces`` each on its own
-    128 x 128 grid (the layout of :mod:`sgl_kernel.fp8_blocks`)."""
-    rows = torch.cat([torch.arange(size, device=q.device) // QBLOCK + sum(
-        -(-prev // QBLOCK) for prev in pieces[:i]) for i, size in enumerate(pieces)])
-    cols = torch.arange(q.shape[-1], device=q.device) // QBLOCK
-    return q.float() * scale[..., rows, :][..., cols]
-
-
 def moe_grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, *,
                                rows_per_x: int, swiglu: bool, swiglu_limit: float = 0.0,
                                w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -412,7 +392,8 @@ def moe_grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, topk_ids: torch
     weights = w[ids]
     if w_scale is not None:
         n = w.shape[1]
-        weights = _dequantize_fp32(weights, w_scale[ids], [n // 2, n // 2] if swiglu else [n])
+        weights = block_dequantize(weights, w_scale[ids], torch.float32,
+                                   n // 2 if swiglu else None)
     rows = x.repeat_interleave(rows_per_x, dim=0) if rows_per_x > 1 else x
     h = torch.einsum("pnk,pk->pn", weights.float(), rows.float()).to(x.dtype)
     if not swiglu:
