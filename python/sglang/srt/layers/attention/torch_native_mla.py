@@ -107,18 +107,21 @@ class TorchNativeMLABackend(AttentionBackend):
         return extend_layout(forward_batch)
 
     @staticmethod
-    def _check(q, k, layer, forward_batch):
+    def _check(q, k, layer, forward_batch, q_dim: Optional[int] = None):
+        """``q`` as ``[T, H, q_dim]`` (default: the absorbed width, the cache row's) after
+        checking it, the new cache rows ``k [T, head_dim]`` and the pools."""
         t = q.shape[0]
         dk = layer.head_dim
-        if q.numel() != t * layer.tp_q_head_num * dk:
-            raise ValueError(f"MLA layer {layer.layer_id}: q must be [T, {layer.tp_q_head_num}, {dk}], "
+        dq = dk if q_dim is None else q_dim
+        if q.numel() != t * layer.tp_q_head_num * dq:
+            raise ValueError(f"MLA layer {layer.layer_id}: q must be [T, {layer.tp_q_head_num}, {dq}], "
                              f"got {tuple(q.shape)}")
         if k is None or tuple(k.shape) != (t, dk):
             raise ValueError(f"MLA layer {layer.layer_id}: k must be [{t}, {dk}], "
                              f"got {None if k is None else tuple(k.shape)}")
         if forward_batch.token_to_kv_pool is None or forward_batch.req_to_token_pool is None:
             raise ValueError("MLA attention needs forward_batch.token_to_kv_pool and req_to_token_pool")
-        return q.view(t, layer.tp_q_head_num, dk)
+        return q.view(t, layer.tp_q_head_num, dq)
 
     @staticmethod
     def _extend_rows(k, layer, forward_batch, save_kv_cache: bool):
@@ -178,15 +181,7 @@ class TorchNativeMLABackend(AttentionBackend):
                              f"{layer.kv_lora_rank}] and w_vc [{h}, {layer.kv_lora_rank}, d_v], "
                              f"got {tuple(w_kc.shape)} and {tuple(w_vc.shape)}")
         dqk, dv = w_kc.shape[1] + layer.qk_rope_head_dim, w_vc.shape[2]
-        if tuple(q.shape) != (t, h, dqk):
-            raise ValueError(f"MLA layer {layer.layer_id}: normal-form q must be [T, {h}, {dqk}], "
-                             f"got {tuple(q.shape)}")
-        if k is None or tuple(k.shape) != (t, layer.head_dim):
-            raise ValueError(f"MLA layer {layer.layer_id}: k must be [{t}, {layer.head_dim}], "
-                             f"got {None if k is None else tuple(k.shape)}")
-        if forward_batch.token_to_kv_pool is None or forward_batch.req_to_token_pool is None:
-            raise ValueError("MLA attention needs forward_batch.token_to_kv_pool and "
-                             "req_to_token_pool")
+        q = self._check(q, k, layer, forward_batch, q_dim=dqk)
         lay = self._cache.get(forward_batch, self._build)
         if not isinstance(lay, ExtendLayout):
             raise ValueError(f"MLA layer {layer.layer_id}: the normal form runs EXTEND batches "
@@ -233,15 +228,12 @@ class TorchNativeMLABackend(AttentionBackend):
         h, dk = layer.tp_q_head_num, q.shape[-1]
         if b == 0:
             return q.new_empty(0, h, layer.v_head_dim)
-        pool = forward_batch.token_to_kv_pool
-        if save_kv_cache:
-            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k)
-        buf = pool.get_kv_buffer(layer.layer_id)
-        req_to_token = forward_batch.req_to_token_pool.req_to_token
+        buf, req_to_token, new_rows = TorchNativeMLABackend._extend_rows(k, layer, forward_batch,
+                                                                         save_kv_cache)
         slots = req_to_token[forward_batch.req_pool_indices, :meta.width]
         kv = buf[slots.long()]  # [B, width, Dk]
         pos = forward_batch.positions.view(b, n)
-        kv[torch.arange(b, device=kv.device).unsqueeze(1), pos] = k.to(buf.dtype).view(b, n, dk)
+        kv[torch.arange(b, device=kv.device).unsqueeze(1), pos] = new_rows.view(b, n, dk)
         # Query row (token i, head j) of request b sees keys 0 .. pos[b, i].
         lens = (pos + 1).repeat_interleave(h, dim=1)  # [B, N * H]
         out = mla_decode_attention(q.reshape(b, n * h, dk), kv, lens, layer.v_head_dim,
