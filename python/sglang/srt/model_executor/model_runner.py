@@ -150,6 +150,31 @@ def request_slots_from_memory(*, total_bytes: int, fraction: float, used_bytes: 
     return int(max(1, min(cap, by_share, by_kv)))
 
 
+def _sizes_from_memory(runner: Any, mem_fraction_static, max_total_tokens) -> bool:
+    """Whether ``runner``'s pools are sized from device memory: on CUDA, unless
+    ``max_total_tokens`` alone (no ``mem_fraction_static``) sizes them."""
+    return runner.device.type == "cuda" and not (mem_fraction_static is None
+                                                 and max_total_tokens)
+
+
+def _slot_state_bytes(runner: Any, kda_ids, local_heads) -> int:
+    """KDA state of one request slot; the spec scratch holds one more copy of it per chain
+    position."""
+    return (1 + runner.spec_num_draft_tokens) * kda_bytes_per_slot(
+        runner.hf_config, len(kda_ids), local_heads, runner.dtype)
+
+
+def _token_bytes(runner: Any, mla_ids) -> int:
+    """Bytes of one KV slot: the MLA latent rows plus a draft's own per-slot store."""
+    return (kv_bytes_per_token(runner.hf_config, len(mla_ids), runner.dtype)
+            + runner.draft_bytes_per_kv_slot)
+
+
+def _used_bytes(runner: Any) -> int:
+    """Weights (+ any earlier runner), and weights still to come (the NEXTN draft's)."""
+    return torch.cuda.memory_allocated(runner.device) + runner.reserved_weight_bytes
+
+
 def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
@@ -419,21 +444,16 @@ class ModelRunner:
     def _plan_request_slots(self, mla_ids, kda_ids, local_heads, mem_fraction_static,
                             max_total_tokens) -> int:
         """Request slots without ``--max-running-requests``: :data:`DEFAULT_MAX_RUNNING_REQUESTS`
-        off CUDA (or when ``max_total_tokens`` alone sizes the pools), else
-        :func:`request_slots_from_memory`."""
-        if self.device.type != "cuda" or (mem_fraction_static is None and max_total_tokens):
+        unless the pools are sized from memory, then :func:`request_slots_from_memory`."""
+        if not _sizes_from_memory(self, mem_fraction_static, max_total_tokens):
             return DEFAULT_MAX_RUNNING_REQUESTS
-        cfg = self.hf_config
         span = self.context_len + self.position_headroom
-        slot_bytes = (span * 4 + (1 + self.spec_num_draft_tokens)
-                      * kda_bytes_per_slot(cfg, len(kda_ids), local_heads, self.dtype))
-        per_token = (kv_bytes_per_token(cfg, len(mla_ids), self.dtype)
-                     + self.draft_bytes_per_kv_slot)
         _, total = torch.cuda.mem_get_info(self.device)
         slots = request_slots_from_memory(
             total_bytes=total, fraction=mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC,
-            used_bytes=torch.cuda.memory_allocated(self.device) + self.reserved_weight_bytes,
-            slot_bytes=slot_bytes, bytes_per_token=per_token,
+            used_bytes=_used_bytes(self),
+            slot_bytes=span * 4 + _slot_state_bytes(self, kda_ids, local_heads),
+            bytes_per_token=_token_bytes(self, mla_ids),
             min_kv_tokens=min(span, int(max_total_tokens or span)))
         logger.info("request slots sized from memory: %d (--max-running-requests sets them)",
                     slots)
@@ -442,32 +462,25 @@ class ModelRunner:
     def _plan_kv_tokens(self, mla_ids, kda_ids, local_heads, max_total_tokens,
                         mem_fraction_static) -> int:
         """Number of KV slots (see the class docstring for the rule)."""
-        cfg = self.hf_config
-        if self.device.type != "cuda" or (mem_fraction_static is None and max_total_tokens):
+        if not _sizes_from_memory(self, mem_fraction_static, max_total_tokens):
             if max_total_tokens is not None:
                 return int(max_total_tokens)
             return min(self.context_len * self.max_running_requests, CPU_DEFAULT_MAX_TOTAL_TOKENS)
 
         fraction = mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC
+        span = self.context_len + self.position_headroom
         # An explicit max_total_tokens is the user's size (if it fits). By default, more slots
         # than every request slot filled to the context length can never be used; without this
         # cap a tiny model would take nearly the whole GPU for its KV cache.
-        if max_total_tokens is not None:
-            cap = int(max_total_tokens)
-        else:
-            cap = self.max_running_requests * (self.context_len + self.position_headroom)
+        cap = (int(max_total_tokens) if max_total_tokens is not None
+               else self.max_running_requests * span)
         free, total = torch.cuda.mem_get_info(self.device)
         tokens = kv_slots_from_memory(
-            total_bytes=total, fraction=fraction,
-            # Weights (+ any earlier runner), and weights still to come (the NEXTN draft's).
-            used_bytes=torch.cuda.memory_allocated(self.device) + self.reserved_weight_bytes,
-            req_map_bytes=(self.max_running_requests + 1)
-            * (self.context_len + self.position_headroom) * 4,
-            # The spec scratch holds one more copy of the slot's state per chain position.
-            state_bytes=(self.max_running_requests + 1) * (1 + self.spec_num_draft_tokens)
-            * kda_bytes_per_slot(cfg, len(kda_ids), local_heads, self.dtype),
-            bytes_per_token=kv_bytes_per_token(cfg, len(mla_ids), self.dtype)
-            + self.draft_bytes_per_kv_slot,
+            total_bytes=total, fraction=fraction, used_bytes=_used_bytes(self),
+            req_map_bytes=(self.max_running_requests + 1) * span * 4,
+            state_bytes=(self.max_running_requests + 1)
+            * _slot_state_bytes(self, kda_ids, local_heads),
+            bytes_per_token=_token_bytes(self, mla_ids),
             free_bytes=free - self.reserved_weight_bytes, max_total_tokens=cap)
         if tokens < self.context_len:
             logger.warning("only %d KV slots fit; fewer than context_len %d", tokens,
