@@ -25,7 +25,6 @@ from typing import Any, Dict, List, Optional
 import torch
 import zmq
 
-from sglang.srt.configs.engine_defaults import DEFAULT_MAX_PREFILL_TOKENS
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import broadcast_pyobj
 from sglang.srt.environ import envs
@@ -84,8 +83,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
         self.eos_token_ids = get_eos_token_ids(self.model_config, self.tokenizer)
         cps = server_args.chunked_prefill_size
         self.chunked_prefill_size = cps if cps is not None and cps > 0 else None
-        self.max_prefill_tokens = getattr(server_args, "max_prefill_tokens",
-                                          DEFAULT_MAX_PREFILL_TOKENS)
+        self.max_prefill_tokens = server_args.max_prefill_tokens
         # Token cap of a prefill batch that returns prompt logprobs (fp32 logits for every row).
         self.input_logprob_max_tokens = max(
             1, envs.SGLANG_INPUT_LOGPROB_LOGITS_BYTES.get() // (4 * self.vocab_size))
@@ -399,13 +397,20 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
         before this batch joins them."""
         if self.tp_rank != 0:
             return
-        used = self.max_total_num_tokens - self.token_to_kv_pool_allocator.available_size()
-        running = 0 if self.running_batch is None else self.running_batch.batch_size()
         logger.info(
             "Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: 0, token usage: %.2f, "
             "#running-req: %d, #queue-req: %d", len(batch.reqs),
-            sum(r.extend_input_len for r in batch.reqs), used / self.max_total_num_tokens,
-            running, len(self.waiting_queue))
+            sum(r.extend_input_len for r in batch.reqs),
+            self.kv_tokens_used() / self.max_total_num_tokens, self.num_running(),
+            len(self.waiting_queue))
+
+    def kv_tokens_used(self) -> int:
+        """KV slots allocated now (the log lines' ``#token`` and ``token usage``)."""
+        return self.max_total_num_tokens - self.token_to_kv_pool_allocator.available_size()
+
+    def num_running(self) -> int:
+        """Requests in the running (decoding) batch."""
+        return 0 if self.running_batch is None else self.running_batch.batch_size()
 
     def process_batch_result(self, batch: ScheduleBatch, result: GenerationBatchResult) -> None:
         """Apply a prefill's result (decode rounds go through ``process_round``)."""
@@ -471,9 +476,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
     def flush_cache(self) -> FlushCacheReqOutput:
         """Reset the pools (and the forward counter); refused unless idle."""
         if self.has_work():
-            running = 0 if self.running_batch is None else self.running_batch.batch_size()
             return FlushCacheReqOutput(False, f"cannot flush the cache while requests are in "
-                                              f"flight ({running} running, "
+                                              f"flight ({self.num_running()} running, "
                                               f"{len(self.waiting_queue)} waiting)")
         self.req_to_token_pool.clear()
         self.token_to_kv_pool_allocator.clear()
@@ -490,8 +494,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
         kv_free = self.token_to_kv_pool_allocator.available_size()
         return {
             "last_gen_throughput": self.last_gen_throughput,
-            "num_running_reqs": 0 if self.running_batch is None
-            else self.running_batch.batch_size(),
+            "num_running_reqs": self.num_running(),
             "num_waiting_reqs": len(self.waiting_queue),
             "num_generated_tokens": self.num_generated_tokens,
             "forward_ct": self.forward_ct,

@@ -232,9 +232,9 @@ class SchedulerRoundMixin:
         if self._decode_steps % self.server_args.decode_log_interval != 0:
             return
         self._update_throughput()
-        running = 0 if self.running_batch is None else self.running_batch.batch_size()
+        running = self.num_running()
         if self.tp_rank == 0 and running > 0:
-            used = self.max_total_num_tokens - self.token_to_kv_pool_allocator.available_size()
+            used = self.kv_tokens_used()
             spec = ""
             if self.spec_enabled:
                 drafts = self.spec_num_verify_reqs * self.round_worker.proposed_per_round
