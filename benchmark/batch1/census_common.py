@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import subprocess
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
 
 from torch import nn
 from torch.autograd import DeviceType
@@ -32,6 +32,21 @@ def range_hooks(module: nn.Module, range_name: str) -> List[Any]:
 
     return [module.register_forward_pre_hook(enter),
             module.register_forward_hook(leave, always_call=True)]
+
+
+def install_range_hooks(modules: Iterable[Tuple[nn.Module, str]],
+                        prefix: str) -> Callable[[], None]:
+    """Wrap the forward of every ``(module, category)`` in a profiler range named
+    ``prefix + category``; returns the function that removes the hooks again."""
+    handles: List[Any] = []
+    for module, category in modules:
+        handles += range_hooks(module, prefix + category)
+
+    def remove() -> None:
+        for handle in handles:
+            handle.remove()
+
+    return remove
 
 
 def innermost_range(event: Any, prefix: str) -> Optional[str]:

@@ -92,11 +92,11 @@ from sglang.srt.server_args import ServerArgs
 
 try:  # run as a script, benchmark/batch1 is on sys.path; imported by file path it may not be
     from census_common import (activities, device_events, git_commit, innermost_range,
-                               is_top_level_op, range_hooks)
+                               install_range_hooks, is_top_level_op)
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from census_common import (activities, device_events, git_commit, innermost_range,
-                               is_top_level_op, range_hooks)
+                               install_range_hooks, is_top_level_op)
 
 CATEGORY_PREFIX = "prefill-category::"  # category ranges (hooks)
 PREFILL_RANGE = "prefill-census::prefill"  # around the profiled worker.prefill call
@@ -170,16 +170,9 @@ def prefill_categorised_modules(model: nn.Module) -> List[Tuple[str, nn.Module, 
 def install_prefill_hooks(models: Iterable[nn.Module]) -> Callable[[], None]:
     """Wrap the forward of every categorised module of ``models`` in a profiler range named
     ``CATEGORY_PREFIX + category``; returns the function that removes the hooks again."""
-    handles: List[Any] = []
-    for model in models:
-        for _, module, category in prefill_categorised_modules(model):
-            handles += range_hooks(module, CATEGORY_PREFIX + category)
-
-    def remove() -> None:
-        for handle in handles:
-            handle.remove()
-
-    return remove
+    return install_range_hooks(((module, category) for model in models
+                                for _, module, category in prefill_categorised_modules(model)),
+                               CATEGORY_PREFIX)
 
 
 def category_by_name(name: str) -> str:

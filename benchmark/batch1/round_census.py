@@ -54,14 +54,14 @@ from sglang.srt.server_args import ServerArgs
 try:  # run as a script, benchmark/batch1 is on sys.path; imported by file path it may not be
     from census_common import activities as _activities
     from census_common import device_events, innermost_range as _innermost
-    from census_common import is_top_level_op as _is_top_level_op, range_hooks as _range_hooks
+    from census_common import install_range_hooks, is_top_level_op as _is_top_level_op
     from graph_ab import start_request
     from weight_floor import decode_step_bytes
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from census_common import activities as _activities
     from census_common import device_events, innermost_range as _innermost
-    from census_common import is_top_level_op as _is_top_level_op, range_hooks as _range_hooks
+    from census_common import install_range_hooks, is_top_level_op as _is_top_level_op
     from graph_ab import start_request
     from weight_floor import decode_step_bytes
 
@@ -126,16 +126,9 @@ def categorised_modules(model: nn.Module) -> List[Tuple[str, nn.Module, str]]:
 def install_category_hooks(models: Iterable[nn.Module]) -> Callable[[], None]:
     """Wrap the forward of every categorised module of ``models`` in a profiler range named
     ``CATEGORY_PREFIX + category``; returns the function that removes the hooks again."""
-    handles: List[Any] = []
-    for model in models:
-        for _, module, category in categorised_modules(model):
-            handles += _range_hooks(module, CATEGORY_PREFIX + category)
-
-    def remove() -> None:
-        for handle in handles:
-            handle.remove()
-
-    return remove
+    return install_range_hooks(((module, category) for model in models
+                                for _, module, category in categorised_modules(model)),
+                               CATEGORY_PREFIX)
 
 
 def _device_events(events: Sequence[Any]) -> List[Any]:
