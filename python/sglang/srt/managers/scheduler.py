@@ -123,7 +123,8 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
         logger.info(
             "Model %s: device %s, dtype %s, quantization %s, attention backend %s (%s), "
             "MoE runner backend %s, KDA backend %s, speculative algorithm %s",
-            self.server_args.model_path, self.device, str(runner.dtype).replace("torch.", ""),
+            self.server_args.resolved_model_path(), self.device,
+            str(runner.dtype).replace("torch.", ""),
             "none" if quant is None else quant.get_name(), self.server_args.attention_backend,
             type(attn).__name__, runner.moe_runner_backend, kda_desc,
             self.server_args.speculative_algorithm or "none")
