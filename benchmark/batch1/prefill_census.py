@@ -86,7 +86,7 @@ from sglang.srt.layers.linear import LinearBase
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.moe.moe_layer import BailingMLP, BailingMoE, FusedMoE
 from sglang.srt.layers.moe.topk import MoEGate
-from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.rounds.plain import TpModelWorker
 from sglang.srt.models.bailing_moe_v3 import BailingKDA, BailingMLA
 from sglang.srt.server_args import ServerArgs
 

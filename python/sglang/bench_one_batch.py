@@ -24,7 +24,7 @@ import torch
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch, release_kv_cache
-from sglang.srt.managers.tp_worker import TpModelWorker
+from sglang.srt.rounds.plain import TpModelWorker
 from sglang.srt.model_executor.cuda_graph_runner import capture_batch_sizes
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo

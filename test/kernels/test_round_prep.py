@@ -54,7 +54,7 @@ def test_bad_shapes_are_refused():
 
 
 def test_future_map_assign_round_uses_either_path_alike(monkeypatch):
-    from sglang.srt.managers.overlap_utils import FutureMap
+    from sglang.srt.rounds.relay import FutureMap
 
     r2t, seq_lens, tokens = _state(7)
     maps = []

@@ -236,7 +236,7 @@ def test_chain_verify_batched_equals_per_request(bound):
     masked attention over a padded gather of width ``seq_lens_upper_bound`` (None: read from the
     device) equals each request's causal attention over its prefix and its N chain tokens."""
     from sglang.srt.model_executor.forward_batch_info import ForwardMode
-    from sglang.srt.speculative.spec_utils import build_verify_forward_batch
+    from sglang.srt.rounds.chain import build_verify_forward_batch
 
     n, prefixes = 3, (1, 9, 4)  # longest sequence 9 + 3 = 12
     seqs = [sequence(p + n, seed=60 + p) for p in prefixes]

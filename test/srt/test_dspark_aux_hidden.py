@@ -16,7 +16,7 @@ import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
 from sglang.srt.model_executor.model_runner import ModelRunner
-from sglang.srt.speculative.spec_utils import build_verify_forward_batch
+from sglang.srt.rounds.chain import build_verify_forward_batch
 from sglang.test.random_checkpoint import tiny_config, write_random_checkpoint
 from sglang.train.reference import ReferenceBailingMoeV3
 

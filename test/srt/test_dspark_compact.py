@@ -16,7 +16,7 @@ import pytest
 
 from engine_test_utils import make_scheduler, refuse_host_reads
 from sglang.srt.environ import envs
-from sglang.srt.speculative.dspark_planner import tier_for_budget, verify_tiers
+from sglang.srt.rounds.dspark.planner import tier_for_budget, verify_tiers
 from test_cuda_graph_runner import _requests, _run
 from test_dspark_worker import (GAMMA, GRAPH_KW, KW, MODEL, check_lossless, ckpts,  # noqa: F401
                                 greedy, install_oracle, plain, prompts, ref, run)

@@ -1,5 +1,5 @@
-"""The DSpark confidence scheduler (dspark_planner.py), its SPS table (dspark_sps.py) and the
-STS calibration (dspark_sts.py).
+"""The DSpark confidence scheduler (rounds/dspark/planner.py), its SPS table (rounds/dspark/sps.py) and the
+STS calibration (rounds/dspark/sts.py).
 
 Planner: the device form equals the host reference exactly on random jagged cases; hand-made
 batch-1, tie, flat-table and capacity cases; prefix-order / top-K properties; and the paper's
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from engine_test_utils import refuse_host_reads
-from sglang.srt.speculative import dspark_planner
-from sglang.srt.speculative.dspark_planner import (
+from sglang.srt.rounds.dspark import planner as dspark_planner
+from sglang.srt.rounds.dspark.planner import (
     DSparkPlanner,
     lagged_capacity,
     lagged_capacity_reference,
@@ -28,8 +28,8 @@ from sglang.srt.speculative.dspark_planner import (
     top_k_verify_lens,
     top_k_verify_lens_reference,
 )
-from sglang.srt.speculative.dspark_sps import SPSTable, SPSTableError
-from sglang.srt.speculative.dspark_sts import (
+from sglang.srt.rounds.dspark.sps import SPSTable, SPSTableError
+from sglang.srt.rounds.dspark.sts import (
     STSError,
     expected_calibration_error,
     fit_sts,
@@ -38,7 +38,7 @@ from sglang.srt.speculative.dspark_sts import (
     prefix_survival,
     save_sts_temperatures,
 )
-from sglang.srt.speculative.dspark_verify import rejection_verify_block
+from sglang.srt.rounds.dspark.verify import rejection_verify_block
 
 
 def table(values, max_tokens=None) -> SPSTable:

@@ -20,9 +20,9 @@ import pytest
 import torch
 
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
-from sglang.srt.speculative.dspark_sps import SPSTable
-from sglang.srt.speculative.dspark_sts import load_sts_temperatures
-from sglang.srt.speculative.dspark_setup import load_dspark_tables
+from sglang.srt.rounds.dspark.sps import SPSTable
+from sglang.srt.rounds.dspark.sts import load_sts_temperatures
+from sglang.srt.rounds.dspark.setup import load_dspark_tables
 
 pytestmark = pytest.mark.usefixtures("two_torch_threads")
 

@@ -1,4 +1,4 @@
-"""DSpark block acceptance with per-request verify lengths (speculative/dspark_verify.py).
+"""DSpark block acceptance with per-request verify lengths (rounds/dspark/verify.py).
 
 Greedy: hand-written cases and equality with greedy decoding under a cap. Sampling: token-for-
 token agreement with the plain reference, compact verifies (rows past the cap zeroed) give the
@@ -17,15 +17,15 @@ import torch
 import torch.nn.functional as F
 
 from engine_test_utils import refuse_host_reads
-from sglang.srt.speculative import dspark_verify
-from sglang.srt.speculative.dspark_verify import (
+from sglang.srt.rounds.dspark import verify as dspark_verify
+from sglang.srt.rounds.dspark.verify import (
     cap_chain_result,
     greedy_verify_block,
     reference_verify_block,
     rejection_verify_block,
     verify_block,
 )
-from sglang.srt.speculative.spec_utils import greedy_verify_chain, sample_from_probs
+from sglang.srt.rounds.chain import greedy_verify_chain, sample_from_probs
 from sglang.test.test_utils import chi_square_pvalue
 
 ALPHA = 1e-3

@@ -33,9 +33,9 @@ from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.server_args import ServerArgs, prepare_server_args
-from sglang.srt.speculative.dspark_setup import dspark_setup
-from sglang.srt.speculative.dspark_worker import DSparkWorker
-from sglang.srt.speculative.registry import get_spec_worker_class
+from sglang.srt.rounds.dspark.setup import dspark_setup
+from sglang.srt.rounds.dspark.worker import DSparkWorker
+from sglang.srt.rounds.registry import get_spec_worker_class
 from sglang.srt.speculative.spec_info import SpecMetricsOutput
 from sglang.test.random_dspark_checkpoint import tiny_dspark_config, write_random_dspark_checkpoint
 from test_cuda_graph_runner import _requests, _run

@@ -16,7 +16,7 @@ from sglang.srt.layers.attention.kda_ops import kda_gate
 from sglang.srt.layers.radix_attention import RadixLinearAttention
 from sglang.srt.mem_cache.memory_pool import KDAStatePool, ReqToTokenPool
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from sglang.srt.speculative.spec_utils import build_verify_forward_batch, last_accepted_index
+from sglang.srt.rounds.chain import build_verify_forward_batch, last_accepted_index
 
 H, D, KERNEL = 2, 8, 4
 C = H * D

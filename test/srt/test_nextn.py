@@ -36,9 +36,9 @@ from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
-from sglang.srt.managers.overlap_utils import AsyncHostCopy
+from sglang.srt.rounds.relay import AsyncHostCopy
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm, SpecMetricsOutput
-from sglang.srt.speculative.spec_sampling import expand_for_chain
+from sglang.srt.rounds.chain_sampling import expand_for_chain
 from sglang.train.data import HELD_OUT_FILES, stdlib_root
 
 MODEL = str(BUNDLED_MODEL_DIR)

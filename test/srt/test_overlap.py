@@ -16,9 +16,9 @@ import torch
 from engine_test_utils import make_scheduler, refuse_host_reads, sampling, submit_staggered
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
 from sglang.srt.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
-from sglang.srt.managers.overlap_utils import FutureMap, PendingRound, host_to_device
-from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
-from sglang.srt.speculative.registry import SPEC_WORKERS, get_spec_worker_class
+from sglang.srt.rounds.relay import FutureMap, PendingRound, host_to_device
+from sglang.srt.rounds.contract import BaseSpecWorker
+from sglang.srt.rounds.registry import SPEC_WORKERS, get_spec_worker_class
 
 MODEL = str(BUNDLED_MODEL_DIR)
 VOCAB = ModelConfig.from_path(MODEL).vocab_size

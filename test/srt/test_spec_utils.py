@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardMode
-from sglang.srt.speculative.spec_utils import (
+from sglang.srt.rounds.chain import (
     assign_chain_req_to_token,
     build_verify_forward_batch,
     chain_commit_layout,

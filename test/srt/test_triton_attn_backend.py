@@ -18,7 +18,7 @@ from sglang.srt.mem_cache.memory_pool import (
     TokenToKVPoolAllocator,
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
-from sglang.srt.speculative.spec_utils import assign_chain_req_to_token, build_verify_forward_batch
+from sglang.srt.rounds.chain import assign_chain_req_to_token, build_verify_forward_batch
 
 ON_CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if ON_CUDA else "cpu"

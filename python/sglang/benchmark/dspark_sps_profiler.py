@@ -25,7 +25,7 @@ is its inverse, not tokens per second). The ``B`` tokens are laid out as the ver
 ``R`` requests with a window of ``N`` tokens each, ``R * N = B``, where ``N`` is the largest
 divisor of ``B`` not above ``gamma + 1`` (so the fewest requests; every multiple of ``gamma + 1``
 is the layout the DSPARK worker runs, ``gamma + 1`` tokens per request). The forward batch is
-built by :func:`~sglang.srt.speculative.spec_utils.build_verify_forward_batch` as in the worker;
+built by :func:`~sglang.srt.rounds.chain.build_verify_forward_batch` as in the worker;
 each request first holds ``--prefix-len`` committed tokens (a prefill of random token ids, so
 attention reads a real cache), and the verifies never advance it (KDA stages its states, the
 chain's KV slots are rewritten in place), so every repeat sees the same context. Each probe runs
@@ -39,7 +39,7 @@ in ``timed_in_cuda_graph``.
 for DSPARK), plus that maximum, which is also the table's ``max_batch_tokens`` (the largest
 batch the deployment runs; the last probe when a larger one is given).
 
-**Output** (what :class:`~sglang.srt.speculative.dspark_sps.SPSTable` loads, which ignores the
+**Output** (what :class:`~sglang.srt.rounds.dspark.sps.SPSTable` loads, which ignores the
 descriptive fields)::
 
     {"sample_batch_tokens": [1, 2, 4, ...], "sample_steps_per_sec": [...],
@@ -132,7 +132,7 @@ class VerifyProfiler:
     """
 
     def __init__(self, runner: Any, window: int, requests: int, prefix_len: int, seed: int = 0):
-        from sglang.srt.speculative.spec_utils import assign_chain_req_to_token
+        from sglang.srt.rounds.chain import assign_chain_req_to_token
 
         if window < 1 or requests < 1 or prefix_len < 0:
             raise ValueError(f"need window >= 1, requests >= 1, prefix_len >= 0; got {window}, "
@@ -189,7 +189,7 @@ class VerifyProfiler:
         """The verify forward of ``batch_tokens`` tokens (layout :func:`verify_layout`) on the
         first ``R`` requests, with random window tokens."""
         from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
-        from sglang.srt.speculative.spec_utils import build_verify_forward_batch
+        from sglang.srt.rounds.chain import build_verify_forward_batch
 
         r, n = verify_layout(batch_tokens, self.window)
         if r > self.slots.shape[0]:
@@ -300,9 +300,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.model_runner import ModelRunner, runner_kwargs_from_server_args
     from sglang.srt.server_args import ServerArgs
-    from sglang.srt.speculative.dspark_sps import SPSTable
-    from sglang.srt.speculative.dspark_setup import dspark_setup
-    from sglang.srt.speculative.dspark_worker import DSparkWorker
+    from sglang.srt.rounds.dspark.sps import SPSTable
+    from sglang.srt.rounds.dspark.setup import dspark_setup
+    from sglang.srt.rounds.dspark.worker import DSparkWorker
 
     ap = build_argparser()
     ns = ap.parse_args(argv)

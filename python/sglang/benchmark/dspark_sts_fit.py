@@ -14,7 +14,7 @@ Usage::
 ``--draft-path`` to the target's ``dspark/`` folder (the rule of
 :func:`sglang.srt.configs.dspark.find_dspark_draft`, as the server applies it). The output is the
 JSON list of ``gamma`` temperatures that ``--speculative-dspark-confidence-sts-path`` loads
-(:mod:`sglang.srt.speculative.dspark_sts`); ``--block-size`` must then equal the server's
+(:mod:`sglang.srt.rounds.dspark.sts`); ``--block-size`` must then equal the server's
 ``--speculative-dspark-block-size`` when that flag is used.
 
 Steps (every one seeded by ``--seed``):
@@ -32,7 +32,7 @@ Steps (every one seeded by ``--seed``):
    (:func:`sglang.train.dspark_eval.confidence_rounds`): the round at anchor ``p`` accepts draft
    ``k`` while drafts ``1 .. k`` equal the target's argmax; slots past the sequence end are not
    verified.
-4. **Fit**: :func:`sglang.srt.speculative.dspark_sts.fit_sts`, position after position, each
+4. **Fit**: :func:`sglang.srt.rounds.dspark.sts.fit_sts`, position after position, each
    temperature minimising the ECE (``--num-bins`` equal-width bins) of the prefix survival
    ``a_k = prod_{i<=k} sigmoid(z_i / T_i)`` against the observed event "drafts ``1 .. k`` were
    all accepted".
@@ -170,7 +170,7 @@ def calibration_report(confidence_logits: torch.Tensor, accepted: torch.Tensor,
     drafts ``1 .. k`` were all accepted), ``predicted`` (mean ``a_k``) and ``ece`` of ``a_k``
     under ``temperatures`` (``None``: all 1), with the ECE the fit minimises; NaN where a
     position was never verified."""
-    from sglang.srt.speculative.dspark_sts import (expected_calibration_error,
+    from sglang.srt.rounds.dspark.sts import (expected_calibration_error,
                                                    observed_prefix_acceptance, prefix_survival)
 
     g = confidence_logits.shape[1]
@@ -215,7 +215,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     from sglang.srt.configs.dspark import DSparkDraftConfig, find_dspark_draft
     from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
     from sglang.srt.models.dspark import load_dspark_draft
-    from sglang.srt.speculative.dspark_sts import fit_sts, save_sts_temperatures
+    from sglang.srt.rounds.dspark.sts import fit_sts, save_sts_temperatures
     from sglang.train.dspark_eval import confidence_rounds
     from sglang.train.eval import engine_dtype, resolve_device
 

@@ -432,7 +432,7 @@ class ServerArgs:
                     "--speculative-draft-model-path is required for --speculative-algorithm "
                     f"DSPARK unless the target checkpoint has a 'dspark/' draft subfolder "
                     f"(none in {target!r})")
-        from sglang.srt.speculative.dspark_setup import check_nextn_only_flags, load_dspark_tables
+        from sglang.srt.rounds.dspark.setup import check_nextn_only_flags, load_dspark_tables
 
         check_nextn_only_flags(self)
         if self.speculative_dspark_block_size is not None:

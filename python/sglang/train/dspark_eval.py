@@ -104,7 +104,7 @@ def draft_sequence(model: Any, seq: FeatureSequence, head: torch.Tensor, chunk: 
 def confidence_rounds(model: Any, seqs: Sequence[FeatureSequence], head: torch.Tensor,
                       chunk: int = 128) -> ConfidenceRounds:
     """The greedy rounds of every anchor of ``seqs`` with the confidence head's raw logits, in
-    the form :func:`sglang.srt.speculative.dspark_sts.fit_sts` takes (``verify_lens``: slot
+    the form :func:`sglang.srt.rounds.dspark.sts.fit_sts` takes (``verify_lens``: slot
     ``k`` counts as verified when the sequence has a label for it). The draft needs a
     confidence head."""
     if not model.has_confidence_head:

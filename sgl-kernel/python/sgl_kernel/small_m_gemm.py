@@ -163,7 +163,7 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
 # Per device: one arrival count per output tile of a K split, zero between launches (each
 # launch's last range resets its tiles), so split launches on a device must not run
 # concurrently: the engine launches its kernels on one stream (the side stream of
-# sglang.srt.managers.overlap_utils only copies). Sized for the largest split grid
+# sglang.srt.rounds.relay only copies). Sized for the largest split grid
 # launch_config makes on the H200 (under 512 row blocks, SMALL_M_MAX_ROWS rows); a larger grid
 # (a swept config, a GPU of more SMs) gets a larger buffer; a replaced one stays allocated,
 # since a captured graph may still point at it.

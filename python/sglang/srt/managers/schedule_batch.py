@@ -20,7 +20,7 @@ from typing import Any, Dict, List, Optional, Set, Tuple
 import torch
 
 from sglang.srt.mem_cache.memory_pool import PoolExhausted, ReqToTokenPool, TokenToKVPoolAllocator
-from sglang.srt.managers.overlap_utils import host_to_device
+from sglang.srt.rounds.relay import host_to_device
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 

@@ -36,7 +36,7 @@ from sglang.srt.managers.scheduler_output_processor import SchedulerOutputProces
 from sglang.srt.managers.scheduler_profiler_mixin import SchedulerProfilerMixin
 from sglang.srt.managers.scheduler_round import SchedulerRoundMixin
 from sglang.srt.managers.scheduler_watchdog import SchedulerWatchdog
-from sglang.srt.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from sglang.srt.rounds.plain import GenerationBatchResult, TpModelWorker
 from sglang.srt.managers.utils import (
     configure_child_logging,
     exit_if_parent_died,

@@ -21,7 +21,7 @@ from sglang.srt.managers.schedule_batch import (
 )
 
 if TYPE_CHECKING:
-    from sglang.srt.managers.tp_worker import GenerationBatchResult
+    from sglang.srt.rounds.plain import GenerationBatchResult
 
 
 class SchedulerOutputProcessorMixin:

@@ -2,7 +2,7 @@
 
 Every decode step is a *round* of the round worker: the target :class:`TpModelWorker` (plain
 decoding, one token per request) or a speculative worker looked up by ``--speculative-algorithm``
-in :mod:`sglang.srt.speculative.registry` (a chain of ``N`` tokens per request). The loop
+in :mod:`sglang.srt.rounds.registry` (a chain of ``N`` tokens per request). The loop
 (:meth:`SchedulerRoundMixin.round_step`) launches round ``k + 1`` of the running batch before it
 consumes round ``k`` (overlap schedule): the host never waits for the device to finish a round
 before enqueueing the next one, and learns the tokens only through the round's copy-done event.
@@ -36,14 +36,14 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 
-from sglang.srt.managers.overlap_utils import PendingRound
+from sglang.srt.rounds.relay import PendingRound
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.model_executor.cuda_graph_runner import capture_batch_sizes
-from sglang.srt.speculative.registry import get_spec_worker_class
+from sglang.srt.rounds.registry import get_spec_worker_class
 from sglang.srt.speculative.spec_info import SpecMetricsOutput
 
 if TYPE_CHECKING:
-    from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+    from sglang.srt.rounds.contract import BaseSpecWorker
 
 # The scheduler's logger: the decode log line keeps the name it has upstream.
 logger = logging.getLogger("sglang.srt.managers.scheduler")

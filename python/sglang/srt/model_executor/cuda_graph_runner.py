@@ -1,6 +1,6 @@
 """CUDA graphs of whole decode rounds: capture once per batch-size bucket, replay every step.
 
-A round worker (plain decode in :class:`~sglang.srt.managers.tp_worker.TpModelWorker`, a
+A round worker (plain decode in :class:`~sglang.srt.rounds.plain.TpModelWorker`, a
 speculative worker) exposes its round as a *body*: ``body(slots, loc, sampling_info, bound,
 return_logprob) -> {name: tensor}``, fixed-shape device work over its arguments that never reads
 a device value on the host (inputs come from the worker's future map by slot). The runner
@@ -408,7 +408,7 @@ class GraphedRoundMixin:
         """Launch one round for the requests in ``req_pool_indices [B]`` (device), writing KV
         into ``round_cache_loc [B, round_tokens]`` (allocated by the caller, which frees the
         unkept slots once it has the accept lengths); the returned
-        :class:`~sglang.srt.managers.overlap_utils.PendingRound` gives the tokens a round later.
+        :class:`~sglang.srt.rounds.relay.PendingRound` gives the tokens a round later.
         ``seq_lens_bound``: a host integer no sequence of the round exceeds (the scheduler's,
         ``ScheduleBatch.prepare_for_round``); attention backends size padded gathers with it
         instead of reading device lengths. ``None`` (tests) reads it from the device, a sync."""
@@ -466,7 +466,7 @@ class GraphedRoundMixin:
 
     def run_round(self, slots: torch.Tensor, loc: torch.Tensor, info: SamplingBatchInfo,
                   bound: int, return_logprob: bool, top_logprobs_num: int):
-        """The round's :class:`~sglang.srt.managers.overlap_utils.PendingRound`: replayed when
+        """The round's :class:`~sglang.srt.rounds.relay.PendingRound`: replayed when
         a graph fits the batch (its static outputs are copied to the host on the current
         stream, ahead of the next replay), else run eagerly."""
         out = None

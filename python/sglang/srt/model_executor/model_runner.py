@@ -222,7 +222,7 @@ class ModelRunner:
     MTP layer.
 
     Speculative target (sized from the worker's
-    :class:`~sglang.srt.speculative.base_spec_worker.SpecRequirements`): with
+    :class:`~sglang.srt.rounds.contract.SpecRequirements`): with
     ``spec_num_draft_tokens = N > 0`` the KDA pool gets the stage-then-commit scratch for ``N``
     chain positions (counted in the CUDA memory plan, as are the weights of
     ``draft_model_config``'s draft, which loads after the pools, or ``draft_weight_elems`` weight

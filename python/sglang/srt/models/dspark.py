@@ -57,7 +57,7 @@ from sglang.srt.model_loader.dummy import init_dummy_weights
 from sglang.srt.model_loader.loader import load_safetensors_weights
 from sglang.srt.model_loader.weight_utils import LazyWeight
 from sglang.srt.models.weight_slots import Slots, WeightSlot, load_into_slots, tag_parameter_names
-from sglang.srt.speculative.spec_utils import sample_from_probs
+from sglang.srt.rounds.chain import sample_from_probs
 
 __all__ = [
     "DSparkContextCache",

@@ -2,11 +2,11 @@
 
 Each of ``R`` requests drafted ``gamma`` tokens with confidences ``c_{r,1..gamma}`` (the head's
 probability that draft ``j`` survives given the earlier ones did, STS-calibrated, see
-:mod:`~sglang.srt.speculative.dspark_sts`). The prefix survival ``a_{r,j} = c_{r,1} ... c_{r,j}``
+:mod:`~sglang.srt.rounds.dspark.sts`). The prefix survival ``a_{r,j} = c_{r,1} ... c_{r,j}``
 is the chance that verifying draft ``j`` commits it. With verify lengths ``l_r`` in
 ``0 .. gamma`` the target forward holds ``B = sum_r (1 + l_r)`` tokens (anchor + drafts) and the
 expected committed tokens are ``tau = sum_r (1 + a_{r,1} + ... + a_{r,l_r})``; the scheduler
-maximises the expected throughput ``Theta = tau * SPS(B)`` (:mod:`dspark_sps`).
+maximises the expected throughput ``Theta = tau * SPS(B)`` (:mod:`.sps`).
 
 **Greedy with early stop** (:func:`plan_verify_lens`). Because ``a_{r,j}`` does not increase
 with ``j``, the gain of extending request ``r`` from ``j - 1`` to ``j`` drafts is exactly
@@ -17,7 +17,7 @@ every request's drafts in prefix order. Starting from ``l = 0`` each candidate a
 speculative sampling lossless: ``a_{r,j+1}`` depends on the sampled draft ``x_{r,j}`` (through
 the Markov feature), so a search that looked past the stop point could let the value of
 ``x_{r,j}`` decide whether ``x_{r,j}`` itself gets verified, which biases the output. (Our
-verification, :mod:`dspark_verify`, draws the token at the cap by a rejection step on the next
+verification, :mod:`.verify`, draws the token at the cap by a rejection step on the next
 draft, which makes one such step of look-ahead harmless but not two; the tests work through
 both cases.) The early stop decides ``l_r`` from ``a_{r,j}``, ``j <= l_r + 1``, only.
 
@@ -44,8 +44,8 @@ from typing import List, Optional, Sequence, Union
 import numpy as np
 import torch
 
-from sglang.srt.speculative.dspark_sps import SPSTable
-from sglang.srt.speculative.dspark_sts import prefix_survival
+from sglang.srt.rounds.dspark.sps import SPSTable
+from sglang.srt.rounds.dspark.sts import prefix_survival
 
 __all__ = [
     "TAU_FIXED_POINT_BITS",

@@ -1,6 +1,6 @@
 """The SPS table of the DSpark scheduler: target steps per second at a forward of B tokens.
 
-The confidence scheduler (:mod:`sglang.srt.speculative.dspark_planner`) maximises the expected
+The confidence scheduler (:mod:`sglang.srt.rounds.dspark.planner`) maximises the expected
 token throughput ``tau * SPS(B)``, so it needs the target's verify speed as a function of the
 number of tokens in the batch. The curve is profiled once per deployment and stored as JSON
 (``--speculative-dspark-sps-table-path``)::

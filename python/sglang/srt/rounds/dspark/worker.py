@@ -11,7 +11,7 @@ KV not written yet) sits at position ``P``, a round is:
    through the request's sampling transform at each chain position (penalties, bias, temperature,
    top-k/p, min-p: the distribution plain decoding would use there, under which verification is
    exact), and, when a planner is configured, the confidence head.
-2. **Plan.** Verify lengths ``l`` in ``0 .. g`` per request (:mod:`dspark_planner`). Without
+2. **Plan.** Verify lengths ``l`` in ``0 .. g`` per request (:mod:`.planner`). Without
    ``--speculative-dspark-sps-table-path`` every draft is verified (``l = g``). With a table and
    ``--disable-overlap-schedule``: greedy admission with early stop on this round's confidences.
    With the overlap schedule: a token budget from the request's confidences *two rounds old*
@@ -20,18 +20,18 @@ KV not written yet) sits at position ``P``, a round is:
 3. **Verify.** One ``TARGET_VERIFY`` target forward over the fixed window
    ``[anchor, d_1 .. d_g]`` (``g + 1`` tokens, KDA states staged) that also returns the target's
    hidden states after the draft's ``target_layer_ids``; acceptance by
-   :func:`~sglang.srt.speculative.dspark_verify.verify_block` capped at ``l`` (greedy rows by
+   :func:`~sglang.srt.rounds.dspark.verify.verify_block` capped at ``l`` (greedy rows by
    argmax match, sampled rows by exact rejection sampling against the Markov-corrected draft
    distribution); the KDA commit of window index ``accept_len - 1``; the next anchor (the bonus /
    residual token) and the committed length into the relay; the committed tokens into the
    sampling history.
 4. **Context.** The context K/V of the committed window positions (anchor + accepted drafts,
    ``accept_len`` rows) from the verify's hidden states: all ``g + 1`` rows are written, the
-   rejected ones into the padding slot (:mod:`dspark_paged_context`).
+   rejected ones into the padding slot (:mod:`.paged_context`).
 
 After a prefill (or each prefill chunk) the prompt tokens' hidden states become context.
 
-What the plan buys (``SGLANG_RAGGED_VERIFY_MODE``, upstream's names; :mod:`dspark_setup`):
+What the plan buys (``SGLANG_RAGGED_VERIFY_MODE``, upstream's names; :mod:`.setup`):
 with ``cap-accept`` (the default with a table) the verify window keeps the block's width, so a
 round is one fixed-shape device program (capturable in a CUDA graph, no host reads): ``l`` caps
 acceptance but does not shrink the target forward, so the table changes which tokens a round
@@ -39,7 +39,7 @@ commits (never their distribution), not its cost. ``compact`` shrinks the forwar
 round's width must be known on the host before it is enqueued, and under overlap the host knows
 the lagged planner's budget for round ``k + 1`` when it launches it (the budget comes from
 round ``k - 1``'s confidences, and round ``k - 1`` has been consumed), so each round verifies
-the smallest tier of :func:`~dspark_planner.verify_tiers` that holds it — one CUDA graph per
+the smallest tier of :func:`~.planner.verify_tiers` that holds it — one CUDA graph per
 tier — with every verify length capped at the tier (a constant of the round, so admission stays
 exact). ``static`` (the default without a table) verifies every draft.
 
@@ -63,8 +63,8 @@ import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.environ import envs
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
-from sglang.srt.managers.overlap_utils import FutureMap, PendingRound, RoundOutput, host_to_device
-from sglang.srt.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from sglang.srt.rounds.relay import FutureMap, PendingRound, RoundOutput, host_to_device
+from sglang.srt.rounds.plain import GenerationBatchResult, TpModelWorker
 from sglang.srt.model_executor.cuda_graph_runner import GraphedRoundMixin
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
@@ -74,12 +74,12 @@ from sglang.srt.model_executor.forward_batch_info import (
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.models.dspark import DSparkDraftModel, MarkovDraft, load_dspark_draft
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-from sglang.srt.speculative.base_spec_worker import BaseSpecWorker, SpecRequirements
-from sglang.srt.speculative.dspark_paged_context import PagedDSparkContext
-from sglang.srt.speculative.dspark_planner import DSparkPlanner, tier_for_budget, verify_tiers
-from sglang.srt.speculative.dspark_setup import dspark_setup, ragged_verify_mode
-from sglang.srt.speculative.dspark_verify import DSparkVerifyResult, verify_block
-from sglang.srt.speculative.spec_sampling import (
+from sglang.srt.rounds.contract import BaseSpecWorker, SpecRequirements
+from sglang.srt.rounds.dspark.paged_context import PagedDSparkContext
+from sglang.srt.rounds.dspark.planner import DSparkPlanner, tier_for_budget, verify_tiers
+from sglang.srt.rounds.dspark.setup import dspark_setup, ragged_verify_mode
+from sglang.srt.rounds.dspark.verify import DSparkVerifyResult, verify_block
+from sglang.srt.rounds.chain_sampling import (
     chain_uniforms,
     draft_lane,
     expand_for_chain,
@@ -87,7 +87,7 @@ from sglang.srt.speculative.spec_sampling import (
     transformed_probs,
     verify_lanes,
 )
-from sglang.srt.speculative.spec_utils import (
+from sglang.srt.rounds.chain import (
     build_verify_forward_batch,
     chain_commit_layout,
     sample_from_probs,

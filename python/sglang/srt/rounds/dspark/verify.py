@@ -18,7 +18,7 @@ all ``l`` are accepted, the token at index ``l`` is drawn from ``p[l]``: for ``l
 usual bonus, for ``l < g`` by one more rejection step on ``d_{l+1}`` (commit ``d_{l+1}`` when
 its coin passes, the residual draw otherwise) — that step's output is distributed exactly as
 ``p[l]``, and it lets a capped verdict be the uncapped chain verdict cut at ``l``
-(:func:`cap_chain_result`), so the chain code of :mod:`spec_utils` does all the sampling.
+(:func:`cap_chain_result`), so the chain code of :mod:`~sglang.srt.rounds.chain` does all the sampling.
 Committed tokens: ``num_accepted + 1`` (drafts, then the final token); the final token is the
 next round's anchor. Greedy rows reduce to "accept while ``d_k`` equals the target's argmax, then
 append the argmax".
@@ -44,7 +44,7 @@ from typing import NamedTuple, Optional
 
 import torch
 
-from sglang.srt.speculative.spec_utils import (
+from sglang.srt.rounds.chain import (
     ChainVerifyResult,
     greedy_verify_chain,
     rejection_sample_chain,
@@ -81,7 +81,7 @@ def _check_block(draft_tokens: torch.Tensor, verify_lens: torch.Tensor) -> None:
 
 
 def _chain(draft_tokens: torch.Tensor) -> torch.Tensor:
-    """``[B, g]`` drafts -> the ``[B, g + 1]`` chain layout of spec_utils (index 0 = anchor,
+    """``[B, g]`` drafts -> the ``[B, g + 1]`` chain layout of rounds.chain (index 0 = anchor,
     which acceptance never reads, so a zero column stands in for it)."""
     drafts = draft_tokens.to(torch.int64)
     return torch.cat([torch.zeros_like(drafts[:, :1]), drafts], dim=1)

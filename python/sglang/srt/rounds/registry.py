@@ -11,13 +11,13 @@ from typing import TYPE_CHECKING, Dict, Optional, Type
 from sglang.srt.speculative.spec_info import SpeculativeAlgorithm
 
 if TYPE_CHECKING:
-    from sglang.srt.speculative.base_spec_worker import BaseSpecWorker
+    from sglang.srt.rounds.contract import BaseSpecWorker
 
 __all__ = ["SPEC_WORKERS", "get_spec_worker_class"]
 
 SPEC_WORKERS: Dict[str, str] = {
-    "NEXTN": "sglang.srt.speculative.nextn_worker:NEXTNWorker",
-    "DSPARK": "sglang.srt.speculative.dspark_worker:DSparkWorker",
+    "NEXTN": "sglang.srt.rounds.nextn.worker:NEXTNWorker",
+    "DSPARK": "sglang.srt.rounds.dspark.worker:DSparkWorker",
 }
 
 

@@ -21,7 +21,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
-from sglang.srt.speculative.dspark_sps import read_json_file
+from sglang.srt.rounds.dspark.sps import read_json_file
 
 __all__ = [
     "STSError",

@@ -1,6 +1,6 @@
 """NEXTN (MTP) speculative decoding: the draft -> verify -> draft-extend relay of one round.
 
-Chain layout and acceptance are in :mod:`sglang.srt.speculative.spec_utils`. With
+Chain layout and acceptance are in :mod:`sglang.srt.rounds.chain`. With
 ``N = --speculative-num-draft-tokens`` (``= num_steps + 1``) and ``P`` committed tokens, a round
 over a batch of requests:
 
@@ -23,11 +23,11 @@ over a batch of requests:
 
 Every accept-dependent value (lengths, seeds, the KDA commit index, positions, req->token writes)
 stays a device tensor, relayed from round to round by the worker's
-:class:`~sglang.srt.managers.overlap_utils.FutureMap` (``tokens`` = the seed, ``seq_lens`` = the
+:class:`~sglang.srt.rounds.relay.FutureMap` (``tokens`` = the seed, ``seq_lens`` = the
 committed length, and the payload ``draft_token`` / ``hidden`` / ``draft_probs``: the first draft
 of the next chain, the draft hidden state that continues it, and the distribution that draft was
 sampled from). The host gets the accept lengths, committed tokens and the round's KV slots through
-a :class:`~sglang.srt.managers.overlap_utils.PendingRound` that it waits on one round later.
+a :class:`~sglang.srt.rounds.relay.PendingRound` that it waits on one round later.
 
 The round itself (:meth:`NEXTNWorker.round_phases`: draft, verify, draft extend) is fixed-shape
 device work over its inputs, so a CUDA graph can capture it whole (or one graph per phase).
@@ -47,8 +47,8 @@ import torch
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.environ import envs
 from sglang.srt.layers.logits_processor import last_token_indices
-from sglang.srt.managers.overlap_utils import FutureMap, PendingRound, host_to_device
-from sglang.srt.managers.tp_worker import GenerationBatchResult, TpModelWorker
+from sglang.srt.rounds.relay import FutureMap, PendingRound, host_to_device
+from sglang.srt.rounds.plain import GenerationBatchResult, TpModelWorker
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
     ForwardBatch,
@@ -57,8 +57,8 @@ from sglang.srt.model_executor.forward_batch_info import (
 from sglang.srt.model_executor.cuda_graph_runner import GraphedRoundMixin
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-from sglang.srt.speculative.base_spec_worker import BaseSpecWorker, SpecRequirements
-from sglang.srt.speculative.spec_sampling import (
+from sglang.srt.rounds.contract import BaseSpecWorker, SpecRequirements
+from sglang.srt.rounds.chain_sampling import (
     chain_uniforms,
     draft_lane,
     expand_for_chain,
@@ -66,7 +66,7 @@ from sglang.srt.speculative.spec_sampling import (
     transformed_probs,
     verify_lanes,
 )
-from sglang.srt.speculative.spec_utils import (
+from sglang.srt.rounds.chain import (
     ChainVerifyResult,
     build_verify_forward_batch,
     chain_commit_layout,

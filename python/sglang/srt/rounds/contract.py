@@ -2,19 +2,19 @@
 know of a speculative algorithm.
 
 A worker class is registered under its ``--speculative-algorithm`` name
-(:mod:`sglang.srt.speculative.registry`). The scheduler uses it in three steps:
+(:mod:`sglang.srt.rounds.registry`). The scheduler uses it in three steps:
 
 1. **Before the target loads** — :meth:`BaseSpecWorker.requirements` validates the draft
    checkpoint and says what the target's model runner must provide
    (:class:`SpecRequirements`: draft-layer caches, KDA stage-then-commit depth, position and
    KV-slot headroom, weights that load after the pools).
 2. **After the target loads** — the worker is built over the target's
-   :class:`~sglang.srt.managers.tp_worker.TpModelWorker` (it shares the target's pools).
+   :class:`~sglang.srt.rounds.plain.TpModelWorker` (it shares the target's pools).
 3. **Serving** — the same two calls as the target worker's plain decode, so the scheduler's loop
    is one loop for every mode: :meth:`prefill` (target prefill + sampling, then whatever the
    drafter needs from the prompt) and :meth:`forward_round` (one speculative round for the
    running batch, launched without any host read of device values; its
-   :class:`~sglang.srt.managers.overlap_utils.PendingRound` is consumed one round later).
+   :class:`~sglang.srt.rounds.relay.PendingRound` is consumed one round later).
 """
 from __future__ import annotations
 
@@ -26,8 +26,8 @@ import torch
 
 if TYPE_CHECKING:
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.managers.overlap_utils import PendingRound
-    from sglang.srt.managers.tp_worker import GenerationBatchResult, TpModelWorker
+    from sglang.srt.rounds.relay import PendingRound
+    from sglang.srt.rounds.plain import GenerationBatchResult, TpModelWorker
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 

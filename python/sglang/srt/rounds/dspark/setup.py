@@ -13,8 +13,8 @@ from sglang.srt.configs.dspark import DSparkDraftConfig, find_dspark_draft
 from sglang.srt.configs.engine_defaults import RAGGED_VERIFY_MODES
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.environ import envs
-from sglang.srt.speculative.dspark_sps import SPSTable
-from sglang.srt.speculative.dspark_sts import load_sts_temperatures
+from sglang.srt.rounds.dspark.sps import SPSTable
+from sglang.srt.rounds.dspark.sts import load_sts_temperatures
 
 __all__ = ["DSparkSetup", "check_nextn_only_flags", "dspark_setup", "load_dspark_tables",
            "ragged_verify_mode"]
