@@ -234,7 +234,7 @@ class Scheduler(SchedulerOutputProcessorMixin, SchedulerRoundMixin, SchedulerPro
         sp = req.sampling_params
         if n == 0:
             return "the prompt is empty"
-        if req.return_hidden_states and self.spec_enabled:  # verify rounds do not hand them out
+        if req.return_hidden_states and not self.round_worker.returns_hidden_states:
             return ("'return_hidden_states' is not supported with speculative decoding "
                     f"(--speculative-algorithm {self.server_args.speculative_algorithm})")
         bad = [t for t in req.origin_input_ids if not 0 <= t < self.vocab_size]

@@ -137,14 +137,14 @@ class SchedulerRoundMixin:
         slots, round_cache_loc, bound = batch.prepare_for_round(
             worker.round_tokens, worker.round_cache_loc_buffer(len(batch.reqs)))
         want_lp = [r for r in batch.reqs if r.return_logprob]
-        # Rows whose hidden states the round returns: only the plain worker takes them (a
-        # speculative server refuses such requests at admission).
+        # Rows whose hidden states the round returns (admission refuses such requests unless
+        # the worker's rounds return them).
         hidden = [b for b, r in enumerate(batch.reqs) if r.return_hidden_states]
         result = worker.forward_round(
             slots, round_cache_loc, batch.sampling_info, seq_lens_bound=bound,
             return_logprob=bool(want_lp),
             top_logprobs_num=max([r.top_logprobs_num for r in want_lp], default=0),
-            **({"hidden_state_rows": hidden} if hidden else {}))
+            hidden_state_rows=hidden or None)
         return LaunchedRound(list(batch.reqs), result)
 
     def _consume_pending_round(self) -> None:

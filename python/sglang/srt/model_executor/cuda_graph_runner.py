@@ -42,7 +42,6 @@ from typing import Callable, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
 
-from sglang.srt.environ import envs
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sglang.srt.model_executor.graph_refill import GraphRefill
 from sglang.srt.sampling.sampling_batch_info import ROW_FIELDS, SamplingBatchInfo
@@ -88,7 +87,7 @@ class GraphKey(NamedTuple):
     width: Optional[int]  # gather-width bucket (None: the backend does not depend on it)
     variant: str  # "greedy" or "sampled"
     return_logprob: bool
-    # The worker's round shape (e.g. a verify-width tier: GraphedRoundMixin.next_round_shape);
+    # The worker's round shape (e.g. a verify-width tier: RoundWorker.next_round_shape);
     # None for a worker whose rounds have one shape.
     round_shape: Optional[int] = None
 
@@ -167,7 +166,7 @@ class CudaGraphRunner:
     must then run the same phases (A/B of the two layouts). Every output is batch-major.
     ``refill_mode``: how the static inputs are refilled (:class:`GraphRefill`).
     ``set_round_shape``: called with a key's ``round_shape`` before its body runs for a capture
-    (a worker whose rounds come in several shapes, :meth:`GraphedRoundMixin.apply_round_shape`).
+    (a worker whose rounds come in several shapes, :meth:`~sglang.srt.rounds.contract.RoundWorker.apply_round_shape`).
     """
 
     def __init__(self, body: RoundBody, *, device: torch.device, vocab_size: int,
@@ -357,134 +356,3 @@ def capture_batch_sizes(server_args: object, max_running_requests: int) -> List[
     (no batch can hold more requests than it has slots)."""
     sizes = server_args.cuda_graph_batch_sizes()
     return [b for b in sizes if b <= max_running_requests] or [max_running_requests]
-
-
-class GraphedRoundMixin:
-    """``forward_round`` of round workers: checks, then the round through the worker's
-    :class:`CudaGraphRunner` when its batch has a graph, else eagerly. The worker provides
-    ``device``, ``round_tokens``, ``future_map`` (its ``seq_lens`` are the committed lengths),
-    :meth:`round_phases`, ``pending_round(out, loc, return_logprob, top_logprobs_num,
-    on_current_stream)`` and :meth:`graph_setup`."""
-
-    graph_runner: Optional[CudaGraphRunner] = None
-
-    def round_phases(self) -> List[RoundPhase]:
-        """The round's phases in order (see :data:`RoundPhase`)."""
-        raise NotImplementedError
-
-    def round_cache_loc_buffer(self, bs: int) -> Optional[torch.Tensor]:
-        """Where a round of ``bs`` requests should allocate its KV slots (``[bs, N]``): the
-        graph runner's static input, so that a replay needs no copy of them; None (allocate a
-        new tensor) without graphs. The buffer is overwritten by the next round, so the round's
-        host copies run on the current stream (:meth:`run_round`)."""
-        runner = self.graph_runner
-        if runner is None or runner.refill is None:
-            return None
-        return runner.refill.loc_buffer(bs)
-
-    def next_round_shape(self) -> Optional[int]:
-        """The shape of the round being launched, known on the host before it is enqueued (e.g.
-        a verify-width tier chosen from rounds already consumed), or None for a worker whose
-        rounds have one shape. Graphs are keyed by it (:attr:`GraphKey.round_shape`)."""
-        return None
-
-    def apply_round_shape(self, shape: Optional[int]) -> None:
-        """Make :meth:`round_phases` run rounds of ``shape`` (a :meth:`next_round_shape`
-        value); nothing for a worker with one shape."""
-
-    def round_needs_eager(self) -> bool:
-        """True when the round being launched asks for an output no graph holds (it then runs
-        eagerly and no graph is captured for it); False by default."""
-        return False
-
-    def round_body(self, slots: torch.Tensor, loc: torch.Tensor, info: SamplingBatchInfo,
-                   bound: int, return_logprob: bool = False) -> Dict[str, torch.Tensor]:
-        """The device work of one round: its phases in order (fixed shapes, no host reads)."""
-        return run_phases(self.round_phases(), slots, loc, info, bound, return_logprob)
-
-    def forward_round(self, req_pool_indices: torch.Tensor, round_cache_loc: torch.Tensor,
-                      sampling_info: SamplingBatchInfo, seq_lens_bound: Optional[int] = None,
-                      return_logprob: bool = False, top_logprobs_num: int = 0):
-        """Launch one round for the requests in ``req_pool_indices [B]`` (device), writing KV
-        into ``round_cache_loc [B, round_tokens]`` (allocated by the caller, which frees the
-        unkept slots once it has the accept lengths); the returned
-        :class:`~sglang.srt.rounds.relay.PendingRound` gives the tokens a round later.
-        ``seq_lens_bound``: a host integer no sequence of the round exceeds (the scheduler's,
-        ``ScheduleBatch.prepare_for_round``); attention backends size padded gathers with it
-        instead of reading device lengths. ``None`` (tests) reads it from the device, a sync."""
-        n = self.round_tokens
-        b = int(req_pool_indices.shape[0])
-        if b < 1 or tuple(round_cache_loc.shape) != (b, n):
-            raise ValueError(f"forward_round: round_cache_loc must be [B={b}, N={n}] with B >= 1, "
-                             f"got {tuple(round_cache_loc.shape)}")
-        if sampling_info.batch_size != b:
-            raise ValueError(f"forward_round: sampling_info has {sampling_info.batch_size} rows "
-                             f"for {b} requests")
-        slots = req_pool_indices.to(device=self.device, dtype=torch.int64)
-        loc = round_cache_loc.to(device=self.device, dtype=torch.int64)
-        if seq_lens_bound is None:
-            seq_lens_bound = int(self.future_map.seq_lens[slots].max()) + n
-        return self.run_round(slots, loc, sampling_info, seq_lens_bound, return_logprob,
-                              top_logprobs_num)
-
-    def graph_setup(self) -> dict:
-        """Keyword arguments of :class:`CudaGraphRunner` particular to this worker's body:
-        ``tokens_per_request``, ``backends``, ``runners`` (model runners whose capture limits
-        and width dependence apply)."""
-        raise NotImplementedError
-
-    def init_cuda_graphs(self, batch_sizes: Sequence[int], emulate: Optional[bool] = None,
-                         capture_now: bool = True,
-                         per_phase: Optional[bool] = None) -> CudaGraphRunner:
-        """Build the graph runner for ``batch_sizes`` (capturing the start-up graphs now); a
-        round of several phases is one graph, or one graph per phase with ``per_phase``
-        (default: ``SGLANG_ROUND_GRAPH_PER_PHASE``)."""
-        if per_phase is None:
-            per_phase = envs.SGLANG_ROUND_GRAPH_PER_PHASE.get()
-        refill_mode = "full" if envs.SGLANG_GRAPH_FULL_REFILL.get() else "changed"
-        if envs.SGLANG_ENABLE_METADATA_GLUE_GRAPH.get():
-            if getattr(self, "host_planned_attention", False):
-                logger.warning("SGLANG_ENABLE_METADATA_GLUE_GRAPH is ignored: %s rebuilds its "
-                               "attention plan on the host every round", type(self).__name__)
-            else:
-                refill_mode = "glue"
-        phases = self.round_phases()
-        setup = self.graph_setup()
-        runners = setup.pop("runners")
-        limits = [r.max_cuda_graph_tokens() for r in runners]
-        limits = [x for x in limits if x is not None]
-        first = runners[0]
-        self.graph_runner = CudaGraphRunner(
-            self.round_body, device=first.device, vocab_size=first.model_config.vocab_size,
-            batch_sizes=batch_sizes, max_width=first.req_to_token_pool.req_to_token.shape[1],
-            max_graph_tokens=min(limits) if limits else None,
-            width_independent=all(b.width_independent for b in setup["backends"]),
-            round_tokens=self.round_tokens, emulate=emulate, capture_now=capture_now, phases=phases,
-            per_phase=per_phase and len(phases) > 1, refill_mode=refill_mode,
-            set_round_shape=self.apply_round_shape, **setup)
-        return self.graph_runner
-
-    def run_round(self, slots: torch.Tensor, loc: torch.Tensor, info: SamplingBatchInfo,
-                  bound: int, return_logprob: bool, top_logprobs_num: int):
-        """The round's :class:`~sglang.srt.rounds.relay.PendingRound`: replayed when
-        a graph fits the batch (its static outputs are copied to the host on the current
-        stream, ahead of the next replay), else run eagerly."""
-        out = None
-        runner = self.graph_runner
-        shape = self.next_round_shape()
-        self.apply_round_shape(shape)
-        if runner is not None and not self.round_needs_eager():
-            key = runner.key(int(slots.shape[0]), info, return_logprob, bound, shape)
-            if key is not None:
-                out = runner.replay(key, slots, loc, info)
-        if out is not None:
-            return self.pending_round(out, loc, return_logprob, top_logprobs_num,
-                                      on_current_stream=True)
-        out = self.round_body(slots, loc, info, bound, return_logprob)
-        in_place = runner is not None and runner.refill is not None
-        if in_place:
-            runner.refill.forget()  # the eager body advanced the live step counters itself
-        # ``loc`` may be the runner's static buffer, which the next round's allocation
-        # overwrites: its copy must then be ordered before it on the current stream.
-        return self.pending_round(out, loc, return_logprob, top_logprobs_num,
-                                  on_current_stream=in_place)

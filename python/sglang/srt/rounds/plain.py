@@ -19,21 +19,18 @@ that output, and a round nobody asked for keeps its graph and gains no copy or h
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.layers.logits_processor import LogitsProcessorOutput, last_token_indices
 from sglang.srt.layers.sampler import Sampler, SamplerOutput
-from sglang.srt.rounds.relay import FutureMap, PendingRound, RoundOutput, host_to_device
-from sglang.srt.model_executor.cuda_graph_runner import GraphedRoundMixin
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
 from sglang.srt.model_executor.model_runner import ModelRunner, runner_kwargs_from_server_args
+from sglang.srt.rounds.contract import RoundWorker, SpecRequirements
+from sglang.srt.rounds.relay import FutureMap, PendingRound, RoundOutput, host_to_device
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-
-if TYPE_CHECKING:
-    from sglang.srt.rounds.contract import SpecRequirements
 
 
 @dataclass
@@ -72,7 +69,7 @@ class HiddenStatesPendingRound(PendingRound):
         return out
 
 
-class TpModelWorker(GraphedRoundMixin):
+class TpModelWorker(RoundWorker):
     """Owns the :class:`ModelRunner` of one TP rank (built from the server args).
 
     ``spec_requirements`` (from a speculative worker class) sizes the runner's pools for the
@@ -80,13 +77,13 @@ class TpModelWorker(GraphedRoundMixin):
     """
 
     # Plain decoding: one KV slot and one token per request per round, no proposals.
-    is_speculative = False
     round_tokens = 1
+    returns_hidden_states = True
     proposed_per_round = 0
 
     def __init__(self, server_args: Any, tp_rank: int = 0, nccl_port: Any = None,
                  model_config: Optional[ModelConfig] = None,
-                 spec_requirements: Optional["SpecRequirements"] = None):
+                 spec_requirements: Optional[SpecRequirements] = None):
         self.server_args = server_args
         self.tp_rank = tp_rank
         self.model_config = model_config or ModelConfig.from_path(
@@ -207,7 +204,7 @@ class TpModelWorker(GraphedRoundMixin):
                       sampling_info: SamplingBatchInfo, seq_lens_bound: Optional[int] = None,
                       return_logprob: bool = False, top_logprobs_num: int = 0,
                       hidden_state_rows: Optional[Sequence[int]] = None) -> PendingRound:
-        """:meth:`GraphedRoundMixin.forward_round`; with ``hidden_state_rows`` (indices into
+        """:meth:`RoundWorker.forward_round`; with ``hidden_state_rows`` (indices into
         the round's requests) the round runs eagerly and its :meth:`PendingRound.wait` gives a
         :attr:`RoundOutput.hidden_states` with those rows' hidden states."""
         rows = sorted(set(hidden_state_rows or ()))

@@ -65,7 +65,6 @@ from sglang.srt.environ import envs
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 from sglang.srt.rounds.relay import FutureMap, PendingRound, RoundOutput, host_to_device
 from sglang.srt.rounds.plain import GenerationBatchResult, TpModelWorker
-from sglang.srt.model_executor.cuda_graph_runner import GraphedRoundMixin
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
     ForwardBatch,
@@ -140,7 +139,7 @@ class _DSparkPendingRound(PendingRound):
         return out
 
 
-class DSparkWorker(GraphedRoundMixin, BaseSpecWorker):
+class DSparkWorker(BaseSpecWorker):
     """Owns the DSpark draft (beside the target's pools) and runs DSpark rounds."""
 
     @classmethod

@@ -54,7 +54,6 @@ from sglang.srt.model_executor.forward_batch_info import (
     ForwardBatch,
     ForwardMode,
 )
-from sglang.srt.model_executor.cuda_graph_runner import GraphedRoundMixin
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.rounds.contract import BaseSpecWorker, SpecRequirements
@@ -115,7 +114,7 @@ def nextn_draft_model_config(server_args: Any, target_config: ModelConfig) -> Mo
     return cfg
 
 
-class NEXTNWorker(GraphedRoundMixin, BaseSpecWorker):
+class NEXTNWorker(BaseSpecWorker):
     """Owns the draft runner (the MTP layer over the target's pools) and runs NEXTN rounds."""
 
     @classmethod
