@@ -207,15 +207,14 @@ ab)
 served)
   # CONFIGS: "model:graphs:steps[:overlap]" (model flash12|bundled, graphs 1|0, NEXTN steps with
   # 0 = none or "dspark" (DSPARK with the model's dspark/ draft; "dspark-cap" / "dspark-compact":
-  # with the confidence scheduler on an SPS table profiled here first, SGLANG_RAGGED_VERIFY_MODE
-  # cap-accept / compact), overlap 1|0, 1 the default).
+  # with the confidence scheduler on an SPS table profiled here first,
+  # --speculative-dspark-verify-mode cap-accept / compact), overlap 1|0, 1 the default).
   port=30600
   for cfg in ${CONFIGS:-flash12:1:0 flash12:1:3 flash12:0:0 bundled:1:0 bundled:1:3}; do
     IFS=: read -r model graphs steps overlap <<< "$cfg"
     oargs=$([ "${overlap:-1}" = 1 ] && echo "" || echo "--disable-overlap-schedule")
     margs=$([ $model = flash12 ] && echo "$FLASH12" || echo "")
     gargs=$([ $graphs = 1 ] && echo "" || echo "--disable-cuda-graph")
-    unset SGLANG_RAGGED_VERIFY_MODE
     case $steps in
       0) spec="" ;;
       dspark) spec="--speculative-algorithm DSPARK" ;;  # the model's dspark/ draft
@@ -223,8 +222,8 @@ served)
         [ -f "$OUT/sps_$model.json" ] || timeout 150 python3 -m sglang.benchmark.dspark_sps_profiler \
           $margs $KARGS --device cuda --dtype bfloat16 --cuda-graph --max-running-requests 1 \
           --output "$OUT/sps_$model.json" > "$OUT/sps_profiler_$model.log" 2>&1
-        spec="--speculative-algorithm DSPARK --speculative-dspark-sps-table-path $OUT/sps_$model.json"
-        export SGLANG_RAGGED_VERIFY_MODE=$([ $steps = dspark-compact ] && echo compact || echo cap-accept) ;;
+        mode=$([ $steps = dspark-compact ] && echo compact || echo cap-accept)
+        spec="--speculative-algorithm DSPARK --speculative-dspark-sps-table-path $OUT/sps_$model.json --speculative-dspark-verify-mode $mode" ;;
       *) spec="--speculative-algorithm NEXTN --speculative-num-steps $steps" ;;
     esac
     port=$((port + 1))

@@ -43,7 +43,7 @@ EXPECTED_GROUPS: Dict[str, set] = {
         "--speculative-draft-model-quantization", "--speculative-num-steps",
         "--speculative-eagle-topk", "--speculative-num-draft-tokens",
         "--speculative-dspark-block-size", "--speculative-dspark-sps-table-path",
-        "--speculative-dspark-confidence-sts-path"},
+        "--speculative-dspark-confidence-sts-path", "--speculative-dspark-verify-mode"},
     "kernels and CUDA graphs": {
         "--attention-backend", "--kda-prefill-impl", "--moe-runner-backend",
         "--linear-attn-decode-backend", "--disable-cuda-graph", "--cuda-graph-max-bs",

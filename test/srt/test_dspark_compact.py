@@ -1,4 +1,4 @@
-"""DSpark's compact verify (``SGLANG_RAGGED_VERIFY_MODE=compact``): each round's target forward
+"""DSpark's compact verify (``--speculative-dspark-verify-mode compact``): each round's target forward
 holds the anchor and a tier of drafts (:func:`verify_tiers`) that the host picks from the lagged
 planner's budget before the round is enqueued.
 
@@ -15,7 +15,6 @@ from typing import Any, List, Optional
 import pytest
 
 from engine_test_utils import make_scheduler, refuse_host_reads
-from sglang.srt.environ import envs
 from sglang.srt.rounds.dspark.planner import tier_for_budget, verify_tiers
 from test_cuda_graph_runner import _requests, _run
 from test_dspark_worker import (GAMMA, GRAPH_KW, KW, MODEL, check_lossless, ckpts,  # noqa: F401
@@ -29,10 +28,10 @@ def compact(ckpts, draft: str = "random", **kw: Any):
     table at the checkpoints' own block size."""
     if "speculative_dspark_block_size" not in kw:
         kw["speculative_dspark_confidence_sts_path"] = ckpts["sts"]
-    with envs.SGLANG_RAGGED_VERIFY_MODE.override("compact"):
-        return make_scheduler(MODEL, speculative_algorithm="DSPARK",
-                              speculative_draft_model_path=ckpts[draft],
-                              speculative_dspark_sps_table_path=ckpts["sps"], **kw)
+    return make_scheduler(MODEL, speculative_algorithm="DSPARK",
+                          speculative_draft_model_path=ckpts[draft],
+                          speculative_dspark_sps_table_path=ckpts["sps"],
+                          speculative_dspark_verify_mode="compact", **kw)
 
 
 def test_tiers_and_the_budget_they_hold():
@@ -98,21 +97,21 @@ def test_compact_round_never_reads_device_values_on_the_host(ckpts, prompts, ref
     ("compact", dict(disable_overlap_schedule=True), "needs the overlap|runs with the overlap"),
     ("compact", dict(sps=False), "needs --speculative-dspark-sps-table-path"),
     ("cap-accept", dict(sps=False), "needs --speculative-dspark-sps-table-path"),
-    ("ragged", {}, "SGLANG_RAGGED_VERIFY_MODE='ragged': choose one of auto, static"),
+    ("ragged", {}, "--speculative-dspark-verify-mode must be one of auto, static"),
 ])
 def test_mode_requirements_are_named(ckpts, mode, kw, message):
     args = dict(KW, speculative_algorithm="DSPARK", speculative_draft_model_path=ckpts["random"])
     if kw.pop("sps", True):
         args["speculative_dspark_sps_table_path"] = ckpts["sps"]
-    with envs.SGLANG_RAGGED_VERIFY_MODE.override(mode), pytest.raises(ValueError, match=message):
-        make_scheduler(MODEL, **args, **kw)
+    with pytest.raises(ValueError, match=message):
+        make_scheduler(MODEL, **args, **kw, speculative_dspark_verify_mode=mode)
 
 
 def test_static_mode_verifies_every_draft_despite_a_table(ckpts, prompts, ref):
-    with envs.SGLANG_RAGGED_VERIFY_MODE.override("static"):
-        sched = make_scheduler(MODEL, speculative_algorithm="DSPARK",
-                               speculative_draft_model_path=ckpts["random"],
-                               speculative_dspark_sps_table_path=ckpts["sps"], **KW)
+    sched = make_scheduler(MODEL, speculative_algorithm="DSPARK",
+                           speculative_draft_model_path=ckpts["random"],
+                           speculative_dspark_sps_table_path=ckpts["sps"],
+                           speculative_dspark_verify_mode="static", **KW)
     assert sched.draft_worker.internal_state()["dspark_planner"] == "verify-all"
     ids, _ = run(sched, [greedy("s0", prompts[0], 8)])
     assert ids["s0"] == ref[0][:8]

@@ -71,7 +71,7 @@ def test_graphs_equal_eager_on_cuda(ckpts, planner, monkeypatch):
     penalised sampled requests through the same graphs and the greedy batch again, unchanged
     (state pollution). While the rounds are launched the CUDA sync debug mode warns on any
     host-device synchronisation (a device-to-host read); a replayed round must cause none.
-    ``compact``: the SPS planner with ``SGLANG_RAGGED_VERIFY_MODE=compact`` (one graph per
+    ``compact``: the SPS planner with ``--speculative-dspark-verify-mode compact`` (one graph per
     verify-width tier)."""
     from test_cuda_graph_runner import _gpu_prompts
 
@@ -79,7 +79,7 @@ def test_graphs_equal_eager_on_cuda(ckpts, planner, monkeypatch):
     if planner != "none":
         kw["speculative_dspark_sps_table_path"] = ckpts["sps"]
     if planner == "compact":
-        monkeypatch.setenv("SGLANG_RAGGED_VERIFY_MODE", "compact")
+        kw["speculative_dspark_verify_mode"] = "compact"
     # Eager keeps the overlap schedule: with a planner, overlap picks the lagged-budget mode,
     # whose verify lengths (so the seeded samples, not their distribution) differ from the
     # early-stop mode's; overlap on == off is proven where the modes agree (CPU tests).

@@ -329,9 +329,9 @@ def test_cli_nextn_chain_mismatch_exits_2(capsys):
 def test_defaults_and_choices_come_from_engine_defaults():
     # Re-exported under their old names, as the very same objects.
     for name in ("DTYPE_CHOICES", "KERNEL_BACKEND_CHOICES", "KDA_PREFILL_IMPL_CHOICES",
-                 "DEFAULT_MEM_FRACTION_STATIC", "DEFAULT_CHUNKED_PREFILL_SIZE", "NEXTN_DEFAULT_SPEC",
+                 "DEFAULT_MEM_FRACTION_STATIC", "DEFAULT_CHUNKED_PREFILL_SIZE",
                  "SPECULATIVE_MAX_RUNNING_REQUESTS", "SUBSTITUTED_ATTENTION_BACKENDS",
-                 "KNOWN_UPSTREAM_ATTENTION_BACKENDS", "SPECULATIVE_ALGORITHMS"):
+                 "KNOWN_UPSTREAM_ATTENTION_BACKENDS"):
         assert getattr(server_args_module, name) is getattr(engine_defaults, name), name
     assert server_args_module.SUPPORTED_ATTENTION_BACKENDS == ("torch_native", "triton")
     assert engine_defaults.ATTENTION_BACKEND_CHOICES == ("torch_native", "triton")

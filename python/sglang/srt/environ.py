@@ -143,16 +143,6 @@ class Envs:
         "replayed back to back) instead of one graph for the whole round; for A/B measurement "
         "(docs/performance.md).",
     )
-    SGLANG_RAGGED_VERIFY_MODE = EnvField(
-        "SGLANG_RAGGED_VERIFY_MODE",
-        str,
-        "auto",
-        "DSpark verify lengths (configs/engine_defaults.RAGGED_VERIFY_MODES): static = every "
-        "draft verified; cap-accept = the whole block forwarded, acceptance capped at the "
-        "planned length; compact = the target forwards a verify-width tier chosen on the host "
-        "from the lagged planner's budget (overlap schedule and an SPS table), one CUDA graph "
-        "per tier; auto = cap-accept with an SPS table, else static.",
-    )
     SGLANG_OPT_FUSED_KDA_VERIFY = EnvField(
         "SGLANG_OPT_FUSED_KDA_VERIFY",
         bool,

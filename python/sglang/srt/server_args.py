@@ -22,6 +22,7 @@ import random
 from dataclasses import dataclass
 from typing import Any, List, Optional, Sequence, Set
 
+from sglang.srt.arg_checks import int_at_least, is_int, is_number, one_of
 from sglang.srt.configs.engine_defaults import (  # re-exported: scripts and tests import them here
     ATTENTION_BACKEND_CHOICES,
     DEFAULT_CHUNKED_PREFILL_SIZE,
@@ -39,10 +40,7 @@ from sglang.srt.configs.engine_defaults import (  # re-exported: scripts and tes
     LOAD_FORMAT_CHOICES,
     LOG_LEVEL_CHOICES,
     LOG_REQUESTS_LEVEL_CHOICES,
-    NEXTN_DEFAULT_SPEC,
     QUANTIZATION_CHOICES,
-    SPECULATIVE_ALGORITHMS,
-    SPECULATIVE_ALIASES,
     SPECULATIVE_CUDA_GRAPH_MAX_BS,
     SPECULATIVE_MAX_RUNNING_REQUESTS,
     SUBSTITUTED_ATTENTION_BACKENDS,
@@ -55,6 +53,8 @@ from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, parse_override_ar
 from sglang.srt.environ import (require_triton_runtime, warn_compat_envs,
                                 warn_unknown_sglang_env_vars)
 from sglang.srt.managers.template_manager import check_chat_template
+from sglang.srt.rounds.registry import (arg_classes, canonical_name, check_algorithm_args,
+                                        resolve_algorithm_args)
 from sglang.srt.port_args import PortArgs  # noqa: F401  (re-exported: upstream's import path)
 from sglang.srt.server_args_cli import NO_OP_FLAGS, ServerArgumentParser, register_server_flags
 from sglang.srt.server_args_config_parser import ConfigArgumentMerger
@@ -75,8 +75,10 @@ def _cuda_available() -> bool:
 
 
 @dataclass
-class ServerArgs:
-    """All launch options of the server/engine (field = flag name with ``-`` -> ``_``)."""
+class ServerArgs(*arg_classes()):
+    """All launch options of the server/engine (field = flag name with ``-`` -> ``_``). Each
+    speculative algorithm's own fields come from its ``ARGS`` dataclass (keyword-only), joined
+    here through :func:`sglang.srt.rounds.registry.arg_classes`."""
 
     # Model and tokenizer
     model_path: Optional[str] = None  # None: the bundled tiny model
@@ -120,12 +122,7 @@ class ServerArgs:
     speculative_algorithm: Optional[str] = None
     speculative_draft_model_path: Optional[str] = None
     speculative_draft_model_quantization: Optional[str] = None  # None: same as --quantization
-    speculative_num_steps: Optional[int] = None
-    speculative_eagle_topk: Optional[int] = None
-    speculative_num_draft_tokens: Optional[int] = None
-    speculative_dspark_block_size: Optional[int] = None
-    speculative_dspark_sps_table_path: Optional[str] = None
-    speculative_dspark_confidence_sts_path: Optional[str] = None
+    # (each algorithm's own fields come from its rounds/<name>/args.py, through the registry)
     # Logging and metrics
     log_level: str = "info"
     stream_interval: int = 1
@@ -192,9 +189,7 @@ class ServerArgs:
         """Fill defaults that depend on other fields or on the machine. Never raises on bad
         values: those are left for ``check`` so that its messages name the flag."""
         if isinstance(self.speculative_algorithm, str):
-            name = self.speculative_algorithm.strip().upper()
-            name = SPECULATIVE_ALIASES.get(name, name)
-            self.speculative_algorithm = None if name in ("", "NONE") else name
+            self.speculative_algorithm = canonical_name(self.speculative_algorithm)
         if isinstance(self.attention_backend, str):
             self.attention_backend = self.attention_backend.strip().lower()
         if self.device not in DEVICE_CHOICES:
@@ -217,8 +212,7 @@ class ServerArgs:
             self.random_seed = random.randint(0, (1 << 30) - 1)
         if self.served_model_name is None:
             self.served_model_name = self.model_path or BUNDLED_MODEL_DIR.name
-        if self.speculative_algorithm == "NEXTN":
-            self._resolve_nextn()
+        resolve_algorithm_args(self)
         if self.is_speculative() and self.max_running_requests is None:
             self.max_running_requests = SPECULATIVE_MAX_RUNNING_REQUESTS
         if self.cuda_graph_max_bs is None:
@@ -228,39 +222,26 @@ class ServerArgs:
         """As upstream, the largest of ``--cuda-graph-bs`` when given; otherwise a small cap
         (batch 1 first), never above ``--max-running-requests``."""
         bs = self.cuda_graph_bs
-        if isinstance(bs, (list, tuple)) and bs and all(_is_int(b) for b in bs):
+        if isinstance(bs, (list, tuple)) and bs and all(is_int(b) for b in bs):
             return max(bs)
         cap = SPECULATIVE_CUDA_GRAPH_MAX_BS if self.is_speculative() else DEFAULT_CUDA_GRAPH_MAX_BS
-        if _is_int(self.max_running_requests) and self.max_running_requests > 0:
+        if is_int(self.max_running_requests) and self.max_running_requests > 0:
             cap = min(cap, self.max_running_requests)
         return cap
-
-    def _resolve_nextn(self) -> None:
-        """Chain defaults: steps/topk/draft = 3/1/4 when unset; a chain of ``s`` draft steps
-        verifies ``s + 1`` tokens, so a missing one of the pair follows from the other."""
-        steps, topk, draft = NEXTN_DEFAULT_SPEC
-        if self.speculative_eagle_topk is None:
-            self.speculative_eagle_topk = topk
-        if self.speculative_num_steps is None and self.speculative_num_draft_tokens is None:
-            self.speculative_num_steps, self.speculative_num_draft_tokens = steps, draft
-        elif self.speculative_num_steps is None and isinstance(self.speculative_num_draft_tokens, int):
-            self.speculative_num_steps = self.speculative_num_draft_tokens - 1
-        elif self.speculative_num_draft_tokens is None and isinstance(self.speculative_num_steps, int):
-            self.speculative_num_draft_tokens = self.speculative_num_steps + 1
 
     # ------------------------------------------------------------------ validation
     def check(self) -> None:
         """Raise ``ValueError`` (message starts with the offending flag) on any bad value."""
-        _choice("--dtype", self.dtype, DTYPE_CHOICES)
-        _choice("--device", self.device, DEVICE_CHOICES)
-        _choice("--load-format", self.load_format, LOAD_FORMAT_CHOICES)
+        one_of("--dtype", self.dtype, DTYPE_CHOICES)
+        one_of("--device", self.device, DEVICE_CHOICES)
+        one_of("--load-format", self.load_format, LOAD_FORMAT_CHOICES)
         for flag, value in (("--quantization", self.quantization),
                             ("--speculative-draft-model-quantization",
                              self.speculative_draft_model_quantization)):
             if value is not None:
-                _choice(flag, value, QUANTIZATION_CHOICES)
-        _choice("--log-level", self.log_level, LOG_LEVEL_CHOICES)
-        _choice("--kda-prefill-impl", self.kda_prefill_impl, KDA_PREFILL_IMPL_CHOICES)
+                one_of(flag, value, QUANTIZATION_CHOICES)
+        one_of("--log-level", self.log_level, LOG_LEVEL_CHOICES)
+        one_of("--kda-prefill-impl", self.kda_prefill_impl, KDA_PREFILL_IMPL_CHOICES)
         self._check_allreduce_fusion()
         if self.log_requests_level not in LOG_REQUESTS_LEVEL_CHOICES or \
                 isinstance(self.log_requests_level, bool):
@@ -274,7 +255,7 @@ class ServerArgs:
                              "(pip install prometheus_client)")
         if self.device == "cuda" and not _cuda_available():
             raise ValueError("--device cuda: CUDA is not available on this machine")
-        _int_at_least("--tp-size", self.tp_size, 1)
+        int_at_least("--tp-size", self.tp_size, 1)
         if self.resolved_device() == "cuda":
             import torch
 
@@ -284,7 +265,7 @@ class ServerArgs:
         # Before the integer checks below: cuda_graph_max_bs defaults to the largest size, so a
         # bad --cuda-graph-bs would otherwise be reported as a bad --cuda-graph-max-bs.
         self._check_cuda_graph_bs()
-        _int_at_least("--port", self.port, 1)
+        int_at_least("--port", self.port, 1)
         if self.port > 65535:
             raise ValueError(f"--port must be <= 65535, got {self.port}")
         if not isinstance(self.host, str) or not self.host:
@@ -296,28 +277,28 @@ class ServerArgs:
             ("--cuda-graph-max-bs", self.cuda_graph_max_bs),
         ):
             if value is not None:
-                _int_at_least(flag, value, 1)
+                int_at_least(flag, value, 1)
         if self.cpu_num_threads is not None:
-            _int_at_least("--cpu-num-threads", self.cpu_num_threads, 1)
-        _int_at_least("--stream-interval", self.stream_interval, 1)
-        _int_at_least("--decode-log-interval", self.decode_log_interval, 1)
+            int_at_least("--cpu-num-threads", self.cpu_num_threads, 1)
+        int_at_least("--stream-interval", self.stream_interval, 1)
+        int_at_least("--decode-log-interval", self.decode_log_interval, 1)
         cps = self.chunked_prefill_size
-        if cps is not None and (not _is_int(cps) or (cps != -1 and cps <= 0)):
+        if cps is not None and (not is_int(cps) or (cps != -1 and cps <= 0)):
             raise ValueError(f"--chunked-prefill-size must be -1 or > 0, got {cps!r}")
-        _int_at_least("--max-prefill-tokens", self.max_prefill_tokens, 1)
+        int_at_least("--max-prefill-tokens", self.max_prefill_tokens, 1)
         mfs = self.mem_fraction_static
-        if mfs is not None and (not _is_number(mfs) or not 0.0 < mfs < 1.0):
+        if mfs is not None and (not is_number(mfs) or not 0.0 < mfs < 1.0):
             raise ValueError(f"--mem-fraction-static must be in (0, 1), got {mfs!r}")
-        if not _is_number(self.watchdog_timeout) or self.watchdog_timeout <= 0:
+        if not is_number(self.watchdog_timeout) or self.watchdog_timeout <= 0:
             raise ValueError(f"--watchdog-timeout must be > 0 seconds, got {self.watchdog_timeout!r}")
-        if self.random_seed is not None and not _is_int(self.random_seed):
+        if self.random_seed is not None and not is_int(self.random_seed):
             raise ValueError(f"--random-seed must be an integer, got {self.random_seed!r}")
         parse_override_args(self.json_model_override_args)  # names the flag on bad JSON
         self._check_attention_backend()
         self._check_kda_prefill_impl()
         for flag, value in (("--moe-runner-backend", self.moe_runner_backend),
                             ("--linear-attn-decode-backend", self.linear_attn_decode_backend)):
-            _choice(flag, value, KERNEL_BACKEND_CHOICES)
+            one_of(flag, value, KERNEL_BACKEND_CHOICES)
             if value == "triton":
                 require_triton_runtime(f"{flag} triton", self.resolved_device())
         self._check_speculative()
@@ -326,7 +307,7 @@ class ServerArgs:
         value = self.flashinfer_allreduce_fusion_backend
         if value is None:
             return
-        _choice("--flashinfer-allreduce-fusion-backend", value,
+        one_of("--flashinfer-allreduce-fusion-backend", value,
                 FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES)
         if value != "auto":
             raise ValueError(
@@ -338,9 +319,9 @@ class ServerArgs:
         bs = self.cuda_graph_bs
         if bs is None:
             return
-        if not isinstance(bs, (list, tuple)) or not bs or not all(_is_int(b) and b >= 1 for b in bs):
+        if not isinstance(bs, (list, tuple)) or not bs or not all(is_int(b) and b >= 1 for b in bs):
             raise ValueError(f"--cuda-graph-bs must be a non-empty list of integers >= 1, got {bs!r}")
-        if not _is_int(self.cuda_graph_max_bs) or self.cuda_graph_max_bs < 1:
+        if not is_int(self.cuda_graph_max_bs) or self.cuda_graph_max_bs < 1:
             return  # check() reports --cuda-graph-max-bs itself
         too_big = [b for b in bs if b > self.cuda_graph_max_bs]
         if too_big:
@@ -370,76 +351,15 @@ class ServerArgs:
             raise ValueError("--kda-prefill-impl fla needs the fla-core package (pip install fla-core)")
 
     def _check_speculative(self) -> None:
-        algo = self.speculative_algorithm
-        if algo is None:
+        if self.speculative_algorithm is None:
             for flag, value in (
                 ("--speculative-draft-model-path", self.speculative_draft_model_path),
                 ("--speculative-draft-model-quantization",
                  self.speculative_draft_model_quantization),
-                ("--speculative-num-steps", self.speculative_num_steps),
-                ("--speculative-eagle-topk", self.speculative_eagle_topk),
-                ("--speculative-num-draft-tokens", self.speculative_num_draft_tokens),
-                ("--speculative-dspark-block-size", self.speculative_dspark_block_size),
-                ("--speculative-dspark-sps-table-path", self.speculative_dspark_sps_table_path),
-                ("--speculative-dspark-confidence-sts-path",
-                 self.speculative_dspark_confidence_sts_path),
             ):
                 if value is not None:
-                    raise ValueError(f"{flag} needs --speculative-algorithm (NEXTN or DSPARK)")
-            return
-        if algo not in SPECULATIVE_ALGORITHMS:
-            raise ValueError(
-                f"--speculative-algorithm {algo!r} is not supported; supported: "
-                f"{', '.join(SPECULATIVE_ALGORITHMS)} (EAGLE is accepted as NEXTN)"
-            )
-        if algo == "NEXTN":
-            self._check_nextn()
-        else:
-            self._check_dspark()
-
-    def _check_nextn(self) -> None:
-        _int_at_least("--speculative-num-steps", self.speculative_num_steps, 1)
-        _int_at_least("--speculative-eagle-topk", self.speculative_eagle_topk, 1)
-        _int_at_least("--speculative-num-draft-tokens", self.speculative_num_draft_tokens, 2)
-        if self.speculative_eagle_topk > 1:
-            # The KDA recurrent state cannot branch: verify stages one state per chain position.
-            raise ValueError(
-                f"--speculative-eagle-topk {self.speculative_eagle_topk}: hybrid KDA models "
-                "support chain drafts only (topk 1)"
-            )
-        if self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
-            raise ValueError(
-                f"--speculative-num-draft-tokens must equal --speculative-num-steps + 1 for a "
-                f"chain (topk 1): got {self.speculative_num_draft_tokens} draft tokens for "
-                f"{self.speculative_num_steps} steps"
-            )
-        for flag, value in (
-            ("--speculative-dspark-block-size", self.speculative_dspark_block_size),
-            ("--speculative-dspark-sps-table-path", self.speculative_dspark_sps_table_path),
-            ("--speculative-dspark-confidence-sts-path",
-             self.speculative_dspark_confidence_sts_path),
-        ):
-            if value is not None:
-                raise ValueError(f"{flag} is DSPARK-only")
-
-    def _check_dspark(self) -> None:
-        if not self.speculative_draft_model_path:
-            # Else the draft is the target checkpoint's dspark/ subfolder (configs/dspark.py
-            # find_dspark_draft, which the worker runs with the full checks).
-            target = resolve_model_path(self.model_path)
-            if not os.path.isdir(os.path.join(target, "dspark")):
-                raise ValueError(
-                    "--speculative-draft-model-path is required for --speculative-algorithm "
-                    f"DSPARK unless the target checkpoint has a 'dspark/' draft subfolder "
-                    f"(none in {target!r})")
-        from sglang.srt.rounds.dspark.setup import check_nextn_only_flags, load_dspark_tables
-
-        check_nextn_only_flags(self)
-        if self.speculative_dspark_block_size is not None:
-            _int_at_least("--speculative-dspark-block-size", self.speculative_dspark_block_size, 2)
-        # The planner's files exist and parse (their fit to the draft is checked by the worker).
-        load_dspark_tables(self.speculative_dspark_sps_table_path,
-                           self.speculative_dspark_confidence_sts_path)
+                    raise ValueError(f"{flag} needs --speculative-algorithm")
+        check_algorithm_args(self)  # the algorithm's name and its own flags
 
     # ------------------------------------------------------------------ CLI
     @staticmethod
@@ -503,20 +423,3 @@ def prepare_server_args(argv: Sequence[str]) -> ServerArgs:
         parser.error(str(e))  # exits with status 2
         raise  # unreachable; keeps type checkers happy
 
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _is_number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _int_at_least(flag: str, value: Any, low: int) -> None:
-    if not _is_int(value) or value < low:
-        raise ValueError(f"{flag} must be an integer >= {low}, got {value!r}")
-
-
-def _choice(flag: str, value: Any, choices: Sequence[str]) -> None:
-    if value not in choices:
-        raise ValueError(f"{flag} must be one of {', '.join(choices)}; got {value!r}")

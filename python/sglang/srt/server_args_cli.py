@@ -35,7 +35,6 @@ from sglang.srt.configs.engine_defaults import (
     LOAD_FORMAT_CHOICES,
     LOG_LEVEL_CHOICES,
     LOG_REQUESTS_LEVEL_CHOICES,
-    NEXTN_DEFAULT_SPEC,
     QUANTIZATION_CHOICES,
     SPECULATIVE_CUDA_GRAPH_MAX_BS,
     SPECULATIVE_MAX_RUNNING_REQUESTS,
@@ -43,6 +42,7 @@ from sglang.srt.configs.engine_defaults import (
 )
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR
 from sglang.srt.managers.template_manager import BUILTIN_CHAT_TEMPLATES
+from sglang.srt.rounds.registry import add_algorithm_flags, describe_algorithms
 
 __all__ = [
     "NO_OP_FLAGS",
@@ -79,8 +79,8 @@ FLAG_GROUPS: Dict[str, str] = {
     "model and tokenizer": "Which checkpoint to serve and how to load and tokenize it.",
     "HTTP server": "Where the OpenAI-compatible and native HTTP API listens.",
     "runtime, memory and scheduling": "Device, parallelism, memory plan and batching.",
-    "speculative decoding": "Draft-and-verify decoding (NEXTN / EAGLE multi-token prediction, "
-                            "DSPARK).",
+    "speculative decoding": "Draft-and-verify decoding: each algorithm's flags are named "
+                            "after it.",
     "kernels and CUDA graphs": "Which kernels run each part of the model, and CUDA graph "
                                "capture.",
     "logging and metrics": "Log lines, request logs and Prometheus metrics.",
@@ -210,40 +210,17 @@ def _runtime_flags(g: Any, d: Dict[str, Any]) -> None:
 
 
 def _speculative_flags(g: Any, d: Dict[str, Any]) -> None:
-    steps, topk, draft_tokens = NEXTN_DEFAULT_SPEC
     _flag(g, "--speculative-algorithm", type=str, default=d["speculative_algorithm"],
-          words="none: speculative decoding off", help="NEXTN (alias EAGLE) or DSPARK.")
+          words="none: speculative decoding off",
+          help=f"One of {describe_algorithms()}.")
     _flag(g, "--speculative-draft-model-path", "--speculative-draft-model", type=str,
           default=d["speculative_draft_model_path"],
-          words="NEXTN: the target checkpoint's MTP layer; DSPARK: its dspark/ subfolder",
+          words="the algorithm's draft inside the target checkpoint",
           help="Checkpoint of the draft model.")
     _flag(g, "--speculative-draft-model-quantization", choices=QUANTIZATION_CHOICES,
           default=d["speculative_draft_model_quantization"], words="the same as --quantization",
-          help="The draft's weights (NEXTN's MTP layer): unquant keeps them in the model dtype.")
-    _flag(g, "--speculative-num-steps", type=int, default=d["speculative_num_steps"],
-          words=f"NEXTN: {steps}, or --speculative-num-draft-tokens - 1 when that is given",
-          help="NEXTN: draft steps per round (the chain's length).")
-    _flag(g, "--speculative-eagle-topk", type=int, default=d["speculative_eagle_topk"],
-          words=f"NEXTN: {topk}",
-          help="NEXTN: draft branches per step; only 1 (a chain) is supported by hybrid KDA "
-               "models.")
-    _flag(g, "--speculative-num-draft-tokens", type=int,
-          default=d["speculative_num_draft_tokens"],
-          words=f"NEXTN: {draft_tokens}, or --speculative-num-steps + 1 when that is given",
-          help="NEXTN: tokens verified per round (--speculative-num-steps + 1 for a chain).")
-    _flag(g, "--speculative-dspark-block-size", type=int,
-          default=d["speculative_dspark_block_size"],
-          words="the draft checkpoint's block_size, else 7",
-          help="DSPARK: draft tokens per round (gamma; the verify window is gamma + 1).")
-    _flag(g, "--speculative-dspark-sps-table-path", type=str,
-          default=d["speculative_dspark_sps_table_path"],
-          words="none: every draft is verified in full",
-          help="DSPARK: JSON table of target steps/s per verify batch size; turns on the "
-               "confidence scheduler (per-request verify lengths).")
-    _flag(g, "--speculative-dspark-confidence-sts-path", type=str,
-          default=d["speculative_dspark_confidence_sts_path"], words="none: uncalibrated",
-          help="DSPARK: JSON list of gamma per-position temperatures calibrating the confidence "
-               "head for the scheduler (needs --speculative-dspark-sps-table-path).")
+          help="The draft's weights: unquant keeps them in the model dtype.")
+    add_algorithm_flags(g, d, _flag)  # each algorithm's own flags (rounds/<name>/args.py)
 
 
 def _kernel_flags(g: Any, d: Dict[str, Any]) -> None:

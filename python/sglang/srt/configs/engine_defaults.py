@@ -20,7 +20,6 @@ __all__ = [
     "DEFAULT_CHUNKED_PREFILL_SIZE",
     "DEFAULT_MAX_PREFILL_TOKENS",
     "CPU_DEFAULT_MAX_TOTAL_TOKENS",
-    "NEXTN_DEFAULT_SPEC",
     "DEFAULT_CUDA_GRAPH_MAX_BS",
     "SPECULATIVE_CUDA_GRAPH_MAX_BS",
     "default_cuda_graph_batch_sizes",
@@ -39,8 +38,6 @@ __all__ = [
     "SUBSTITUTED_ATTENTION_BACKENDS",
     "KNOWN_UPSTREAM_ATTENTION_BACKENDS",
     "UPSTREAM_ONLY_FLAGS",
-    "SPECULATIVE_ALGORITHMS",
-    "SPECULATIVE_ALIASES",
     "FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES",
     "LOG_REQUESTS_LEVEL_CHOICES",
     "DEFAULT_LOG_REQUESTS_LEVEL",
@@ -70,17 +67,6 @@ DEFAULT_CHUNKED_PREFILL_SIZE = 8192
 DEFAULT_MAX_PREFILL_TOKENS = 16384
 # Token slots on CPU without --max-total-tokens: enough for tests and demos, small for host memory.
 CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
-
-# ---------------------------------------------------------------------------- speculative decoding
-# Speculative algorithms; EAGLE is accepted as another spelling of NEXTN (upstream maps NEXTN to
-# its EAGLE worker: the MTP layer drafts a chain exactly like an EAGLE head).
-SPECULATIVE_ALGORITHMS = ("NEXTN", "DSPARK")
-SPECULATIVE_ALIASES: Dict[str, str] = {"EAGLE": "NEXTN"}
-# (num_steps, eagle_topk, num_draft_tokens) upstream auto-chooses for Bailing MTP.
-NEXTN_DEFAULT_SPEC: Tuple[int, int, int] = (3, 1, 4)
-# SGLANG_RAGGED_VERIFY_MODE, upstream's names: how a DSpark round's planned verify lengths shape
-# its target forward. "auto" is cap-accept with an SPS table and static without.
-RAGGED_VERIFY_MODES = ("auto", "static", "cap-accept", "compact")
 
 # ---------------------------------------------------------------------------- CUDA graphs
 # Largest captured batch when --cuda-graph-max-bs is not given: batched serving (request slots

@@ -74,7 +74,7 @@ def mla_pool_layer_ids(config: "BailingMoeV3Config", is_draft: bool,
                        draft_extra_mla_layers: bool) -> List[int]:
     """Layer ids that get an MLA latent cache.
 
-    A NEXTN draft has one layer, the MTP layer (id ``num_hidden_layers``). A target that will
+    An MTP draft has one layer, the MTP layer (id ``num_hidden_layers``). A target that will
     share its pools with such a draft (``draft_extra_mla_layers``) also reserves that layer id,
     even when its own config has no MTP layer (the draft may come from another checkpoint).
     """
@@ -171,7 +171,7 @@ def _token_bytes(runner: Any, mla_ids) -> int:
 
 
 def _used_bytes(runner: Any) -> int:
-    """Weights (+ any earlier runner), and weights still to come (the NEXTN draft's)."""
+    """Weights (+ any earlier runner), and weights still to come (an MTP draft's)."""
     return torch.cuda.memory_allocated(runner.device) + runner.reserved_weight_bytes
 
 
@@ -294,14 +294,15 @@ class ModelRunner:
         self._init_distributed(nccl_port)
         torch.manual_seed(random_seed)
 
-        # Weights loaded after this runner's pools (a NEXTN draft's own layers, ~6 GB for
+        # Weights loaded after this runner's pools (an MTP draft's own layers, ~6 GB for
         # Ling-3.0-flash's MTP layer), counted per TP rank, so after the TP group exists.
         elem = torch.empty((), dtype=self.dtype).element_size()
         self.reserved_weight_bytes = draft_weight_elems * elem + (
             0 if draft_model_config is None
             else model_weight_bytes(draft_model_config, dtype=self.dtype, is_draft=True,
                                     quantization=draft_quantization or quantization))
-        # A draft's own per-KV-slot store (DSpark's context K/V), allocated after the pools.
+        # A draft's own per-KV-slot store (a block drafter's context K/V), allocated after
+        # the pools.
         self.draft_bytes_per_kv_slot = draft_elems_per_kv_slot * elem
         # --quantization (a draft runner gets the draft's choice as its ``quantization``).
         self.model = get_model(model_config, load_format=load_format, dtype=self.dtype,
@@ -426,7 +427,7 @@ class ModelRunner:
                     self.max_total_num_tokens, mla_ids, self.max_running_requests, len(kda_ids))
 
     def _adopt_pools(self, shared, kda_state_pool, mla_ids: List[int]) -> None:
-        """Reuse pools built by another runner (the target's, for a NEXTN draft)."""
+        """Reuse pools built by another runner (the target's, for an MTP draft)."""
         if any(p is None for p in shared):
             raise ValueError("share all of req_to_token_pool, token_to_kv_pool_allocator and "
                              "token_to_kv_pool, or none")
@@ -508,7 +509,7 @@ class ModelRunner:
     def forward(self, forward_batch: ForwardBatch, **model_kwargs: Any) -> "LogitsProcessorOutput":
         """Run one eager forward; fills the batch's pool/backend handles first.
 
-        ``model_kwargs`` go to ``model.forward``. A NEXTN draft needs ``hidden_states`` (the
+        ``model_kwargs`` go to ``model.forward``. An MTP draft needs ``hidden_states`` (the
         target's final-normed hidden states, row-aligned with the tokens); when not given it is
         taken from ``forward_batch.spec_info.hidden_states``.
         """

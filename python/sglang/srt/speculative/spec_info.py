@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from enum import IntEnum, auto
 from typing import List, Optional
 
-from sglang.srt.configs.engine_defaults import SPECULATIVE_ALIASES
+from sglang.srt.rounds.registry import canonical_name
 
 __all__ = ["SpeculativeAlgorithm", "SpecMetricsOutput"]
 
@@ -26,10 +26,7 @@ class SpeculativeAlgorithm(IntEnum):
     @classmethod
     def from_string(cls, name: Optional[str]) -> "SpeculativeAlgorithm":
         """Case-insensitive; ``None`` / ``""`` / ``"NONE"`` is ``NONE``; ``EAGLE`` means NEXTN."""
-        if name is None:
-            return cls.NONE
-        key = name.strip().upper()
-        key = {"": "NONE", **SPECULATIVE_ALIASES}.get(key, key)
+        key = canonical_name(name) or "NONE"
         if key not in cls.__members__:
             raise ValueError(f"--speculative-algorithm {name!r} is unknown; choose one of "
                              f"{', '.join(m for m in cls.__members__ if m != 'NONE')}")

@@ -322,7 +322,7 @@ class DSparkPlanner:
 
 
 # ============================================================================================
-# Verify-width tiers (SGLANG_RAGGED_VERIFY_MODE=compact)
+# Verify-width tiers (--speculative-dspark-verify-mode compact)
 # ============================================================================================
 def verify_tiers(gamma: int) -> List[int]:
     """Drafts per request a compact round may verify: a quarter, half and all of the block

@@ -31,7 +31,7 @@ KV not written yet) sits at position ``P``, a round is:
 
 After a prefill (or each prefill chunk) the prompt tokens' hidden states become context.
 
-What the plan buys (``SGLANG_RAGGED_VERIFY_MODE``, upstream's names; :mod:`.setup`):
+What the plan buys (``--speculative-dspark-verify-mode``, :mod:`.args`):
 with ``cap-accept`` (the default with a table) the verify window keeps the block's width, so a
 round is one fixed-shape device program (capturable in a CUDA graph, no host reads): ``l`` caps
 acceptance but does not shrink the target forward, so the table changes which tokens a round
@@ -76,7 +76,8 @@ from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.rounds.contract import BaseSpecWorker, SpecRequirements
 from sglang.srt.rounds.dspark.paged_context import PagedDSparkContext
 from sglang.srt.rounds.dspark.planner import DSparkPlanner, tier_for_budget, verify_tiers
-from sglang.srt.rounds.dspark.setup import dspark_setup, ragged_verify_mode
+from sglang.srt.rounds.dspark.args import resolve_verify_mode
+from sglang.srt.rounds.dspark.setup import dspark_setup
 from sglang.srt.rounds.dspark.verify import DSparkVerifyResult, verify_block
 from sglang.srt.rounds.chain_sampling import (
     chain_uniforms,
@@ -189,7 +190,9 @@ class DSparkWorker(BaseSpecWorker):
             pool.req_to_token, t.token_to_kv_pool.size, cfg.num_hidden_layers,
             cfg.num_key_value_heads, cfg.head_dim, t.dtype, self.device)
         self.overlap = not getattr(server_args, "disable_overlap_schedule", False)
-        self.ragged_mode = ragged_verify_mode(setup.sps_table is not None, self.overlap)
+        self.ragged_mode = resolve_verify_mode(
+            getattr(server_args, "speculative_dspark_verify_mode", None),
+            setup.sps_table is not None, self.overlap)
         self.planner = None if self.ragged_mode == "static" else DSparkPlanner(
             self.gamma, setup.sps_table, setup.sts_temperatures, self.device)
         # compact: drafts verified per request this round (a tier, host-chosen from the budget
