@@ -20,7 +20,7 @@ import logging
 import os
 import random
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Set
+from typing import List, Optional, Sequence, Set
 
 from sglang.srt.arg_checks import int_at_least, is_int, is_number, one_of
 from sglang.srt.configs.engine_defaults import (  # re-exported: scripts and tests import them here
@@ -53,9 +53,9 @@ from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, parse_override_ar
 from sglang.srt.environ import (require_triton_runtime, warn_compat_envs,
                                 warn_unknown_sglang_env_vars)
 from sglang.srt.managers.template_manager import check_chat_template
+from sglang.srt.port_args import PortArgs  # noqa: F401  (re-exported: upstream's import path)
 from sglang.srt.rounds.registry import (arg_classes, canonical_name, check_algorithm_args,
                                         resolve_algorithm_args)
-from sglang.srt.port_args import PortArgs  # noqa: F401  (re-exported: upstream's import path)
 from sglang.srt.server_args_cli import NO_OP_FLAGS, ServerArgumentParser, register_server_flags
 from sglang.srt.server_args_config_parser import ConfigArgumentMerger
 

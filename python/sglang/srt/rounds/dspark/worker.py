@@ -61,10 +61,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.environ import envs
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding
-from sglang.srt.rounds.relay import FutureMap, PendingRound, RoundOutput, host_to_device
-from sglang.srt.rounds.plain import GenerationBatchResult, TpModelWorker
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
     ForwardBatch,
@@ -72,13 +69,7 @@ from sglang.srt.model_executor.forward_batch_info import (
 )
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.models.dspark import DSparkDraftModel, MarkovDraft, load_dspark_draft
-from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-from sglang.srt.rounds.contract import BaseSpecWorker, SpecRequirements
-from sglang.srt.rounds.dspark.paged_context import PagedDSparkContext
-from sglang.srt.rounds.dspark.planner import DSparkPlanner, tier_for_budget, verify_tiers
-from sglang.srt.rounds.dspark.args import resolve_verify_mode
-from sglang.srt.rounds.dspark.setup import dspark_setup
-from sglang.srt.rounds.dspark.verify import DSparkVerifyResult, verify_block
+from sglang.srt.rounds.chain import build_verify_forward_batch, sample_from_probs
 from sglang.srt.rounds.chain_sampling import (
     chain_uniforms,
     draft_lane,
@@ -87,11 +78,16 @@ from sglang.srt.rounds.chain_sampling import (
     transformed_probs,
     verify_lanes,
 )
-from sglang.srt.rounds.chain import (
-    build_verify_forward_batch,
-    chain_commit_layout,
-    sample_from_probs,
-)
+from sglang.srt.rounds.chain_verify import chain_round_copies, commit_chain, logprob_source
+from sglang.srt.rounds.contract import BaseSpecWorker, SpecRequirements
+from sglang.srt.rounds.dspark.args import resolve_verify_mode
+from sglang.srt.rounds.dspark.paged_context import PagedDSparkContext
+from sglang.srt.rounds.dspark.planner import DSparkPlanner, tier_for_budget, verify_tiers
+from sglang.srt.rounds.dspark.setup import dspark_setup
+from sglang.srt.rounds.dspark.verify import DSparkVerifyResult, verify_block
+from sglang.srt.rounds.plain import GenerationBatchResult, TpModelWorker
+from sglang.srt.rounds.relay import FutureMap, PendingRound, RoundOutput, host_to_device
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 logger = logging.getLogger(__name__)
 
@@ -352,25 +348,15 @@ class DSparkWorker(BaseSpecWorker):
         verdict, processed, rows_info = self._verify(
             target_out.next_token_logits, drafts, info,
             None if draft_probs is None else draft_probs[:, :d], prev["verify_len"])
-        layout = chain_commit_layout(prefix, verdict.accept_len, loc)
-        kda_pool = self.target_runner.kda_state_pool
-        if kda_pool is not None and kda_pool.layer_ids:
-            kda_pool.commit_after_verify(slots, layout.last_accepted_index)
-        self.future_map.scatter(slots, seq_lens=layout.new_seq_lens, tokens=verdict.next_seed)
-        info.append_tokens(verdict.accepted_tokens.clamp(min=0), valid=layout.keep_mask)
+        commit_chain(self.target_runner, self.future_map, verdict, prefix, slots, loc, info)
         pad = self.gamma - d  # compact tiers only: no copy for a full-width window
         tokens = verdict.accepted_tokens
         out = {"accept_len": verdict.accept_len,
                "tokens": torch.nn.functional.pad(tokens, (0, pad), value=-1) if pad else tokens,
                "target_aux": target_out.aux_hidden_states.view(b, n, -1)}
         if return_logprob:
-            # As the sampler: the penalised logits over the temperature at each position (raw
-            # logits with SGLANG_RETURN_ORIGINAL_LOGPROB).
-            if envs.SGLANG_RETURN_ORIGINAL_LOGPROB.get():
-                source = target_out.next_token_logits[:, :self.vocab_size].float()
-            else:
-                source = processed / rows_info.temperatures.unsqueeze(1)
-            source = source.view(b, n, -1)
+            source = logprob_source(target_out.next_token_logits, processed, rows_info,
+                                    self.vocab_size, b, n)
             out["lp_source"] = torch.nn.functional.pad(source, (0, 0, 0, pad)) if pad else source
         return out
 
@@ -394,17 +380,10 @@ class DSparkWorker(BaseSpecWorker):
                       return_logprob: bool, top_logprobs_num: int,
                       on_current_stream: bool = False) -> PendingRound:
         """Start the host copies of a round's outputs (logprobs computed here, after the body)."""
-        copies = {"accept_len": out["accept_len"], "tokens": out["tokens"], "loc": loc,
-                  "verify_len": out["verify_len"]}
+        copies = chain_round_copies(out, loc, return_logprob, top_logprobs_num, self.vocab_size)
+        copies["verify_len"] = out["verify_len"]
         if "budget_hint" in out:
             copies["budget_hint"] = out["budget_hint"]
-        if return_logprob:
-            lp = torch.log_softmax(out["lp_source"], dim=-1)  # [B, g + 1, V]
-            committed = out["tokens"].clamp(min=0)
-            copies["logprobs"] = lp.gather(2, committed.unsqueeze(-1)).squeeze(-1)
-            if top_logprobs_num > 0:
-                k = min(top_logprobs_num, self.vocab_size)
-                copies["top_val"], copies["top_idx"] = lp.topk(k, -1)
         return _DSparkPendingRound(copies, self.stats, on_current_stream=on_current_stream,
                                    on_budget_hint=self._set_budget_hint)
 

@@ -1,6 +1,7 @@
 """NEXTN (MTP) speculative decoding: the draft -> verify -> draft-extend relay of one round.
 
-Chain layout and acceptance are in :mod:`sglang.srt.rounds.chain`. With
+Chain layout and acceptance are in :mod:`sglang.srt.rounds.chain`; the verify step is
+:mod:`sglang.srt.rounds.chain_verify`'s. With
 ``N = --speculative-num-draft-tokens`` (``= num_steps + 1``) and ``P`` committed tokens, a round
 over a batch of requests:
 
@@ -45,34 +46,26 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.environ import envs
 from sglang.srt.layers.logits_processor import last_token_indices
-from sglang.srt.rounds.relay import FutureMap, PendingRound, host_to_device
-from sglang.srt.rounds.plain import GenerationBatchResult, TpModelWorker
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
     ForwardBatch,
     ForwardMode,
 )
 from sglang.srt.model_executor.model_runner import ModelRunner
-from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
-from sglang.srt.rounds.contract import BaseSpecWorker, SpecRequirements
+from sglang.srt.rounds.chain import build_verify_forward_batch, sample_from_probs
 from sglang.srt.rounds.chain_sampling import (
     chain_uniforms,
     draft_lane,
     expand_for_chain,
     processed_logits,
     transformed_probs,
-    verify_lanes,
 )
-from sglang.srt.rounds.chain import (
-    ChainVerifyResult,
-    build_verify_forward_batch,
-    chain_commit_layout,
-    greedy_verify_chain,
-    rejection_sample_chain,
-    sample_from_probs,
-)
+from sglang.srt.rounds.chain_verify import chain_pending_round, verify_chain
+from sglang.srt.rounds.contract import BaseSpecWorker, SpecRequirements
+from sglang.srt.rounds.plain import GenerationBatchResult, TpModelWorker
+from sglang.srt.rounds.relay import FutureMap, PendingRound, host_to_device
+from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 logger = logging.getLogger(__name__)
 
@@ -274,33 +267,15 @@ class NEXTNWorker(BaseSpecWorker):
     def _verify_phase(self, prev: Dict[str, torch.Tensor], slots: torch.Tensor,
                       loc: torch.Tensor, info: SamplingBatchInfo, seq_lens_bound: int,
                       return_logprob: bool) -> Dict[str, torch.Tensor]:
-        """Target verify of the chain, acceptance, KDA commit, the relay's new lengths and
-        seeds, the committed tokens into the sampling history."""
-        chain, prefix = prev["chain"], prev["prefix"]
-        b, n = chain.shape
-        verify_batch = build_verify_forward_batch(chain, slots, prefix, loc,
-                                                  seq_lens_upper_bound=seq_lens_bound)
-        target_out = self.target_runner.forward(verify_batch)
-        verdict, processed, rows_info = self._verify(target_out.next_token_logits, chain, info,
-                                                     prev.get("draft_probs"))
-        layout = chain_commit_layout(prefix, verdict.accept_len, loc)
-        kda_pool = self.target_runner.kda_state_pool
-        if kda_pool is not None and kda_pool.layer_ids:
-            kda_pool.commit_after_verify(slots, layout.last_accepted_index)
-        self.future_map.scatter(slots, seq_lens=layout.new_seq_lens, tokens=verdict.next_seed)
-        committed = verdict.accepted_tokens.clamp(min=0)  # pad (-1) -> a valid id
-        info.append_tokens(committed, valid=layout.keep_mask)
-        out = {"accept_len": verdict.accept_len, "tokens": verdict.accepted_tokens,
-               "committed": committed, "last_index": layout.last_accepted_index,
-               "target_hidden": target_out.hidden_states.view(b, n, -1)}
-        if return_logprob:
-            # As the sampler: the penalised logits over the temperature at each position (raw
-            # logits with SGLANG_RETURN_ORIGINAL_LOGPROB).
-            if envs.SGLANG_RETURN_ORIGINAL_LOGPROB.get():
-                source = target_out.next_token_logits[:, :self.vocab_size].float()
-            else:
-                source = processed / rows_info.temperatures.unsqueeze(1)
-            out["lp_source"] = source.view(b, n, -1)
+        """Target verify of the chain with acceptance and commit (:func:`verify_chain`)."""
+        v = verify_chain(self.target_runner, self.future_map, prev["chain"], prev["prefix"],
+                         slots, loc, info, seq_lens_bound, return_logprob,
+                         prev.get("draft_probs"))
+        out = {"accept_len": v.verdict.accept_len, "tokens": v.verdict.accepted_tokens,
+               "committed": v.committed, "last_index": v.layout.last_accepted_index,
+               "target_hidden": v.target_hidden}
+        if v.lp_source is not None:
+            out["lp_source"] = v.lp_source
         return out
 
     def _extend_phase(self, prev: Dict[str, torch.Tensor], slots: torch.Tensor,
@@ -320,17 +295,9 @@ class NEXTNWorker(BaseSpecWorker):
     def pending_round(self, out: Dict[str, torch.Tensor], loc: torch.Tensor,
                       return_logprob: bool, top_logprobs_num: int,
                       on_current_stream: bool = False) -> PendingRound:
-        """Start the host copies of a round's outputs (logprobs computed here, after the body)."""
-        b, n = loc.shape
-        copies = {"accept_len": out["accept_len"], "tokens": out["tokens"], "loc": loc}
-        if return_logprob:
-            lp = torch.log_softmax(out["lp_source"], dim=-1)  # [B, N, V]
-            committed = out["tokens"].clamp(min=0)
-            copies["logprobs"] = lp.gather(2, committed.unsqueeze(-1)).squeeze(-1)
-            if top_logprobs_num > 0:
-                k = min(top_logprobs_num, self.vocab_size)
-                copies["top_val"], copies["top_idx"] = lp.topk(k, -1)
-        return PendingRound(copies, on_current_stream=on_current_stream)
+        """Start the host copies of a round's outputs (:func:`chain_pending_round`)."""
+        return chain_pending_round(out, loc, return_logprob, top_logprobs_num, self.vocab_size,
+                                   on_current_stream)
 
     def _draft(self, slots: torch.Tensor, loc: torch.Tensor, prefix: torch.Tensor,
                seed: torch.Tensor, first_draft: torch.Tensor, hidden: torch.Tensor,
@@ -387,28 +354,3 @@ class NEXTNWorker(BaseSpecWorker):
         probs = transformed_probs(processed, rows_info)
         u = chain_uniforms(info, draft_lane(self.num_draft_tokens, pos + 1))[:, 0]
         return torch.where(info.greedy_mask, greedy, sample_from_probs(probs, u)), probs
-
-    def _verify(self, logits: torch.Tensor, tokens: torch.Tensor, info: SamplingBatchInfo,
-                draft_probs: Optional[torch.Tensor]
-                ) -> Tuple[ChainVerifyResult, torch.Tensor, SamplingBatchInfo]:
-        """Acceptance per row: greedy rows against the target argmax, sampled rows by exact
-        rejection sampling against ``draft_probs [B, N - 1, V]`` (what drafts 1..N-1 were drawn
-        from; sampled batches only); both under the per-position sampling transform. Also returns
-        the penalised logits ``[B * N, V]`` and the per-position sampling rows."""
-        b, n = tokens.shape
-        rows_info = expand_for_chain(info, tokens[:, 1:], n)
-        processed = processed_logits(logits, rows_info)
-        greedy = greedy_verify_chain(tokens, processed.argmax(dim=-1).view(b, n))
-        if info.is_all_greedy:
-            return greedy, processed, rows_info
-        p = transformed_probs(processed, rows_info).view(b, n, -1)
-        q = draft_probs
-        u = chain_uniforms(info, verify_lanes(n))
-        sampled = rejection_sample_chain(tokens, q, p, uniforms=u)
-        g = info.greedy_mask
-        verdict = ChainVerifyResult(
-            accept_len=torch.where(g, greedy.accept_len, sampled.accept_len),
-            accepted_tokens=torch.where(g.unsqueeze(1), greedy.accepted_tokens,
-                                        sampled.accepted_tokens),
-            next_seed=torch.where(g, greedy.next_seed, sampled.next_seed))
-        return verdict, processed, rows_info
