@@ -1,8 +1,9 @@
 """Cold-L2 kernel-vs-reference timings of the sgl_kernel kernels that had no cold-L2
 microbenchmark of their own: ``kda_conv``, ``kda_prefill_conv``, ``mla_rope``, ``moe_combine``,
 ``moe_router``, ``rmsnorm``, ``round_prep`` and ``moe_grouped_gemm`` (whose tuning sweep times
-CUDA-graph replays without the L2 flush), at Ling-3.0-flash's shapes (read from the shipped
-preset), decode / verify sizes (1..16 tokens) and, where a kernel runs there, prefill sizes.
+CUDA-graph replays without the L2 flush), and ``kda_recurrent`` (whose tile sweep times no
+reference), at Ling-3.0-flash's shapes (read from the shipped preset), decode / verify sizes
+(1..16 tokens) and, where a kernel runs there, prefill sizes.
 
     python benchmark/kernels/bench_cold_l2_kernels.py [--kernels rmsnorm mla_rope ...] \\
         [--decode-rows 1 4 16] [--prefill-rows 1024 8192] [--iters 50] \\
@@ -62,6 +63,7 @@ class Dims:
     eps: float
     rope_theta: float
     rope_interleave: bool
+    lower_bound: float  # KDA's safe gate
     context: int  # positions and request->token map width
     verify_chain: int  # tokens of a NEXTN verify
 
@@ -80,7 +82,7 @@ def flash_dims() -> Dims:
                 topk_group=c["topk_group"], routed_scale=c["routed_scaling_factor"],
                 expert_limit=max(c["expert_swiglu_limit_list"]), eps=c["rms_norm_eps"],
                 rope_theta=c["rope_theta"], rope_interleave=c["rope_interleave"],
-                context=min(8192, c["max_position_embeddings"]),
+                lower_bound=c["kda_lower_bound"], context=min(8192, c["max_position_embeddings"]),
                 verify_chain=NEXTN_DEFAULT_SPEC[2])
 
 
@@ -88,7 +90,7 @@ def flash_dims() -> Dims:
 TINY = Dims(hidden=192, heads=2, head_dim=16, conv_kernel=4, qk_nope=16, qk_rope=8,
             kv_lora_rank=24, experts=16, topk=4, moe_inter=32, groups=4, topk_group=2,
             routed_scale=2.5, expert_limit=4.0, eps=1e-6, rope_theta=6e6,
-            rope_interleave=True, context=64, verify_chain=3)
+            rope_interleave=True, lower_bound=-5.0, context=64, verify_chain=3)
 
 
 @dataclass(frozen=True)
@@ -313,6 +315,49 @@ def bench_kda_conv(env: Env) -> Iterator[Case]:
                    "kda_ops.causal_conv1d_chain + staging write + split", moved)
 
 
+def bench_kda_recurrent(env: Env) -> Iterator[Case]:
+    """The gated delta rule at batch 1 as the backend calls it (fp32 q, k, v; the raw gate and
+    beta projections as model-dtype views with the layer's gate parameters): the decode (state
+    in place) and verify chains (states staged), against :func:`kda_recurrent_reference` (the
+    torch step per position). ``tune_kda_recurrent.py`` sweeps the tiles but times no
+    reference."""
+    from sgl_kernel.kda_recurrent import kda_recurrent_reference, kda_recurrent_update
+    from sglang.srt.layers.attention.kda_ops import l2norm
+
+    d = env.dims
+    h, dk, slots_n = d.heads, d.head_dim, 4
+    hk = h * dk
+    params = (torch.log(1.0 + 15.0 * env.rand(h)), 0.2 * env.rand(hk) - 0.1, d.lower_bound)
+    slots = torch.tensor([1], device=env.device)
+    for n in sorted({1, d.verify_chain, max(env.decode_rows)}):
+        q, k = (l2norm(env.randn(1, n, h, dk, dtype=torch.float32)) for _ in "qk")
+        v = env.randn(1, n, h, dk, dtype=torch.float32)
+        fused = env.randn(n, hk + h)  # the [f | b] columns of the fused projection output
+        f, beta = fused[:, :hk].view(1, n, h, dk), fused[:, hk:].view(1, n, h)
+        pool = env.randn(slots_n, h, dk, dk, scale=0.5, dtype=torch.float32)
+        state = h * dk * dk * 4
+        # inputs read; the state read once and written once (decode) or per position
+        # (verify); the output written in the model dtype
+        moved = nbytes(q, k, v, f, beta) + state * (1 + n) \
+            + n * hk * torch.empty(0, dtype=env.dtype).element_size()
+
+        def make(fn: Callable, n: int = n, q=q, k=k, v=v, f=f, beta=beta, pool=pool
+                 ) -> Callable[[], Outputs]:
+            p = pool.clone()
+            staged = None if n == 1 else torch.zeros(slots_n, n, h, dk, dk, device=env.device)
+            out = torch.empty(1, n, h, dk, dtype=env.dtype, device=env.device)
+
+            def run() -> Outputs:
+                fn(q, k, v, f, beta, dk ** -0.5, p, slots, out, staged=staged,
+                   gate_params=params)
+                return out, (p if staged is None else staged)
+            return run
+
+        yield Case("kda_recurrent", "decode" if n == 1 else "verify chain", n,
+                   make(kda_recurrent_update), make(kda_recurrent_reference),
+                   "kda_recurrent.kda_recurrent_reference", moved)
+
+
 def bench_kda_prefill_conv(env: Env) -> Iterator[Case]:
     """KDA's short conv + SiLU over one request's prefill (window written back in place), from
     the q|k|v columns of a wider fused projection output, against ``kda_ops.causal_conv1d``
@@ -418,6 +463,7 @@ def _fp8_weight(env: Env, shape: Tuple[int, ...], split: Optional[int] = None
 KERNELS: Dict[str, Callable[[Env], Iterator[Case]]] = {
     "kda_conv": bench_kda_conv,
     "kda_prefill_conv": bench_kda_prefill_conv,
+    "kda_recurrent": bench_kda_recurrent,
     "mla_rope": bench_mla_rope,
     "moe_combine": bench_moe_combine,
     "moe_grouped_gemm": bench_moe_grouped_gemm,

@@ -62,7 +62,8 @@ def test_cpu_smoke_run_writes_a_checked_row_per_case(tmp_path):
     # decode sizes (tiny: 1 and 3 tokens) for the per-token kernels, prefill (8) where relevant
     for name in ("mla_rope", "moe_combine", "moe_router", "rmsnorm"):
         assert by_kernel[name] == {1, 3, 8}, (name, by_kernel[name])
-    assert by_kernel["kda_conv"] == by_kernel["round_prep"] == {1, 3}
+    for name in ("kda_conv", "kda_recurrent", "round_prep"):  # decode and verify only
+        assert by_kernel[name] == {1, 3}, (name, by_kernel[name])
     assert by_kernel["kda_prefill_conv"] == by_kernel["moe_grouped_gemm"] == {8}
 
 
