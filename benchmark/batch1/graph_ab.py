@@ -169,12 +169,12 @@ def _seam_variants(sched: Scheduler) -> List[tuple]:
     variants = [("refill=full", runner, "full"), ("refill=changed", runner, "changed"),
                 ("refill=glue", runner, "glue")]
     maps = [w.future_map for w in {id(worker): worker, id(sched.tp_worker): sched.tp_worker}.values()]
-    fused = [m._fused_prep for m in maps]
+    fused = [m.fused_prep for m in maps]
     for m in maps:
-        m._fused_prep = False  # only while capturing: the graphs keep the torch ops
+        m.fused_prep = False  # only while capturing: the graphs keep the torch ops
     variants.append(("prep=torch", worker.init_cuda_graphs(sizes, per_phase=False), "changed"))
     for m, f in zip(maps, fused):
-        m._fused_prep = f
+        m.fused_prep = f
     variants.append(("prep=fused", runner, "changed"))
     if len(worker.round_phases()) > 1:
         variants += [("graph/phase", worker.init_cuda_graphs(sizes, per_phase=True), "changed"),

@@ -48,6 +48,7 @@ from sglang.srt.managers.io_struct import AbortReq
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.models.bailing_moe_v3 import (BailingKDA, BailingMLA, BailingMoeV3DecoderLayer,
                                               BailingMoeV3Model)
+from sglang.srt.rounds import chain_verify
 from sglang.srt.models.bailing_moe_v3_nextn import BailingMoeNextNModel
 from sglang.srt.server_args import ServerArgs
 
@@ -308,7 +309,7 @@ def _instrument(sched: Scheduler) -> List[Callable[[], None]]:
     if worker is not None:
         undo += [_label(worker.draft_runner, "forward", "MTP forward"),
                  _label(worker, "_pick_draft", "draft pick"),
-                 _label(worker, "_verify", "acceptance")]
+                 _label(chain_verify, "accept_chain", "acceptance")]
     return undo
 
 

@@ -119,30 +119,6 @@ class Envs:
         "CUDA-graph replay in a small graph of its own (upstream's meaning of the variable); "
         "see docs/performance.md.",
     )
-    SGLANG_FUSED_ROUND_PREP = EnvField(
-        "SGLANG_FUSED_ROUND_PREP",
-        bool,
-        True,
-        "On CUDA, start each decode / verify round with one Triton launch that reads the "
-        "committed lengths and records the round's KV slots (sgl_kernel/round_prep.py); off: "
-        "the torch ops it replaces.",
-    )
-    SGLANG_GRAPH_FULL_REFILL = EnvField(
-        "SGLANG_GRAPH_FULL_REFILL",
-        bool,
-        False,
-        "Copy every static input of a CUDA graph before each replay (the reference refill); "
-        "default: only what changed since the last replay (request slots and sampling rows "
-        "when the batch changes; the KV slots are allocated into the static buffer).",
-    )
-    SGLANG_ROUND_GRAPH_PER_PHASE = EnvField(
-        "SGLANG_ROUND_GRAPH_PER_PHASE",
-        bool,
-        False,
-        "Capture a speculative round as one CUDA graph per phase (draft, verify, draft extend, "
-        "replayed back to back) instead of one graph for the whole round; for A/B measurement "
-        "(docs/performance.md).",
-    )
     SGLANG_OPT_FUSED_KDA_VERIFY = EnvField(
         "SGLANG_OPT_FUSED_KDA_VERIFY",
         bool,

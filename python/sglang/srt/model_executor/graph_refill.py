@@ -6,7 +6,7 @@ step counters that the body advanced go back to the live batch. At batch 1 each 
 copies costs more host time (5-15 us to dispatch) than device time. :class:`GraphRefill` does it
 one of three ways:
 
-* ``full`` (``SGLANG_GRAPH_FULL_REFILL=1``): every input, every replay -- the reference.
+* ``full`` (a test / benchmark parameter): every input, every replay -- the reference.
 * ``changed`` (default): the KV slots are allocated straight into the static ``loc``
   (:meth:`GraphRefill.loc_buffer`), and the slots and sampling rows are copied only when the
   live tensors are not the ones copied last time. A batch keeps its slot tensor and sampling

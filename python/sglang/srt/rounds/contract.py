@@ -177,20 +177,20 @@ class RoundWorker(ABC):
                               top_logprobs_num)
 
     def init_cuda_graphs(self, batch_sizes: Sequence[int], emulate: Optional[bool] = None,
-                         capture_now: bool = True,
-                         per_phase: Optional[bool] = None) -> CudaGraphRunner:
-        """Build the graph runner for ``batch_sizes`` (capturing the start-up graphs now); a
-        round of several phases is one graph, or one graph per phase with ``per_phase``
-        (default: ``SGLANG_ROUND_GRAPH_PER_PHASE``)."""
-        if per_phase is None:
-            per_phase = envs.SGLANG_ROUND_GRAPH_PER_PHASE.get()
-        refill_mode = "full" if envs.SGLANG_GRAPH_FULL_REFILL.get() else "changed"
-        if envs.SGLANG_ENABLE_METADATA_GLUE_GRAPH.get():
-            if self.host_planned_attention:
-                logger.warning("SGLANG_ENABLE_METADATA_GLUE_GRAPH is ignored: %s rebuilds its "
-                               "attention plan on the host every round", type(self).__name__)
-            else:
-                refill_mode = "glue"
+                         capture_now: bool = True, per_phase: bool = False,
+                         refill_mode: Optional[str] = None) -> CudaGraphRunner:
+        """Build the graph runner for ``batch_sizes`` (capturing the start-up graphs now). A
+        round of several phases is one graph, or one graph per phase with ``per_phase`` (an
+        A/B of benchmark/batch1/graph_ab.py). ``refill_mode`` (model_executor/graph_refill.py):
+        ``changed`` by default, ``glue`` when ``SGLANG_ENABLE_METADATA_GLUE_GRAPH`` is set,
+        ``full`` (the reference refill) when a test or benchmark asks for it."""
+        if refill_mode is None:
+            glue = envs.SGLANG_ENABLE_METADATA_GLUE_GRAPH.get()
+            refill_mode = "glue" if glue else "changed"
+        if refill_mode == "glue" and self.host_planned_attention:
+            logger.warning("SGLANG_ENABLE_METADATA_GLUE_GRAPH is ignored: %s rebuilds its "
+                           "attention plan on the host every round", type(self).__name__)
+            refill_mode = "changed"
         phases = self.round_phases()
         setup = self.graph_setup()
         runners = setup.pop("runners")

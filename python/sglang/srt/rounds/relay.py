@@ -24,7 +24,6 @@ from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from sglang.srt.environ import envs
 
 __all__ = ["FutureMap", "RoundOutput", "PendingRound", "AsyncHostCopy", "host_to_device"]
 
@@ -103,11 +102,13 @@ class FutureMap:
     ``payload`` declares extra per-slot fields as ``name -> (trailing shape, dtype)``; a field
     whose entry is marked lazy in ``lazy`` is allocated on first use (a distribution over the
     vocabulary that only sampled requests need, say) and filled with ``lazy[name]``.
+    ``fused_prep`` (default: on CUDA) starts a round with one Triton launch
+    (:meth:`assign_round`).
     """
 
     def __init__(self, num_slots: int, device: torch.device | str,
                  payload: Optional[Dict[str, Tuple[Tuple[int, ...], torch.dtype]]] = None,
-                 lazy: Optional[Dict[str, float]] = None):
+                 lazy: Optional[Dict[str, float]] = None, fused_prep: Optional[bool] = None):
         if num_slots < 1:
             raise ValueError(f"FutureMap needs at least one slot, got {num_slots}")
         self.num_slots = num_slots
@@ -115,7 +116,9 @@ class FutureMap:
         n = num_slots + 1  # + the padding slot 0
         self.tokens = torch.zeros(n, dtype=torch.int64, device=self.device)
         self.seq_lens = torch.zeros(n, dtype=torch.int64, device=self.device)
-        self._fused_prep = self.device.type == "cuda" and envs.SGLANG_FUSED_ROUND_PREP.get()
+        # The one-launch round start (sgl_kernel.round_prep) on CUDA; the torch ops elsewhere or
+        # when a test or benchmark asks for them (benchmark/batch1/graph_ab.py's "prep=torch").
+        self.fused_prep = self.device.type == "cuda" if fused_prep is None else fused_prep
         self._specs = dict(payload or {})
         self._lazy = dict(lazy or {})
         unknown = set(self._lazy) - set(self._specs)
@@ -144,10 +147,10 @@ class FutureMap:
                      with_tokens: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         """The start of a round: ``(prefix [B], tokens [B] or None)`` gathered at ``slots`` and
         ``req_to_token[slot_b, prefix_b + j] = loc[b, j]`` recorded. On CUDA one Triton launch
-        (``sgl_kernel.round_prep``; ``SGLANG_FUSED_ROUND_PREP=0``: the torch ops), else torch."""
+        (``sgl_kernel.round_prep``) unless :attr:`fused_prep` is off, else the torch ops."""
         from sgl_kernel.round_prep import assign_round_cache_locs, assign_round_cache_locs_ref
 
-        fn = assign_round_cache_locs if self._fused_prep else assign_round_cache_locs_ref
+        fn = assign_round_cache_locs if self.fused_prep else assign_round_cache_locs_ref
         return fn(req_to_token, self.seq_lens, slots, loc, self.tokens if with_tokens else None)
 
     def gather(self, slots: torch.Tensor, *names: str) -> List[torch.Tensor]:
