@@ -279,7 +279,7 @@ UPSTREAM_ONLY_FLAGS = frozenset((
     "--cuda-graph-config", "--prefill-attention-backend", "--decode-attention-backend",
     "--mm-attention-backend", "--sampling-backend", "--grammar-backend",
     "--triton-attention-num-kv-splits", "--enable-flashinfer-allreduce-fusion",
-    "--disable-shared-experts-fusion", "--enable-deterministic-inference",
+    "--disable-shared-experts-fusion",
     # LoRA, memory and caches
     "--enable-lora", "--lora-paths", "--max-loras-per-batch", "--lora-backend",
     "--kv-cache-dtype", "--page-size", "--enable-hierarchical-cache", "--hicache-ratio",
