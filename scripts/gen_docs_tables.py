@@ -20,7 +20,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # The checkout's package first: the tables must describe this tree, not an installed copy.
 sys.path.insert(0, os.path.join(REPO_ROOT, "python"))
 
-from sglang.srt.environ import EnvField, list_env_fields  # noqa: E402
+from sglang.srt.environ import RETIRED_ENV_VARS, EnvField, list_env_fields  # noqa: E402
 from sglang.srt.server_args import ServerArgs  # noqa: E402
 from sglang.srt.server_args_cli import (  # noqa: E402
     FLAG_GROUPS,
@@ -78,6 +78,20 @@ def env_vars_markdown() -> str:
             f"{f.doc} *Compatibility only, no effect here:* {f.compat}."
         lines.append(f"| `{f.name}` | {f.type.__name__} | {_code(_env_default(f))} | "
                      f"{_cell(meaning)} |")
+    lines += [
+        "",
+        "## Retired variables",
+        "",
+        "Read by earlier versions and ignored now; setting one logs a warning saying what "
+        "replaced it. Kernel choices that tests and benchmarks still force are fields of "
+        "`KernelChoices` (`python/sglang/srt/layers/kernel_choices.py`; benchmark command lines: "
+        "`--kernel-choices field=0|1,...`).",
+        "",
+        "| Variable | Replaced by |",
+        "| --- | --- |",
+    ]
+    for name in sorted(RETIRED_ENV_VARS):
+        lines.append(f"| `{name}` | {_cell(RETIRED_ENV_VARS[name])} |")
     return "\n".join(lines) + "\n"
 
 

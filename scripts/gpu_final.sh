@@ -15,12 +15,13 @@
 #                 Triton kernels (benchmark/batch1/round_census.py)
 #   STAGE=tune    cold-L2 sweep of the grouped GEMV's launch configs on Flash's MoE shapes
 #                 (benchmark/kernels/tune_grouped_gemv.py), then the MoE microbenchmark
-#   STAGE=prefill torch-native MoE prefill: the loop over experts vs SGLANG_MOE_GROUPED_MM=1
-#                 (torch._grouped_mm) — its gpu test, then eager bench_one_batch (8192-token
-#                 prefill, 12-layer dummy preset) with each
-#   STAGE=fusions SGLANG_TRITON_RMSNORM and SGLANG_TRITON_ROUTER: their kernel tests on CUDA,
-#                 then eager bench_one_batch (1024-token prompt, 32 decode steps, 12-layer dummy
-#                 preset) with neither, each, and both
+#   STAGE=prefill torch-native MoE prefill: the loop over experts vs torch._grouped_mm
+#                 (--kernel-choices moe_grouped_mm=1) — its gpu test, then eager bench_one_batch
+#                 (8192-token prefill, 12-layer dummy preset, --moe-runner-backend torch_native)
+#                 with each
+#   STAGE=fusions the norm and router kernels (kernel choices rmsnorm, router): their kernel
+#                 tests on CUDA, then eager bench_one_batch (1024-token prompt, 32 decode steps,
+#                 12-layer dummy preset) with neither, each, and both
 #   STAGE=trace   a served decode on the 12-layer dummy preset (no spec, or ARGS="..." added
 #                 to the server): bench_serving without, then with --profile (profiled vs
 #                 unprofiled TPOT), the torch trace of the profiled run in $OUT/trace
@@ -66,8 +67,8 @@ tune)
 prefill)
   timeout 120 python3 -m pytest -v -s -m gpu test/srt/test_moe.py -p no:cacheprovider 2>&1 | grep -E "PASS|FAIL|Error|passed|failed"
   for flag in 0 1; do
-    echo "== bench_one_batch, SGLANG_MOE_GROUPED_MM=$flag"
-    eval "SGLANG_MOE_GROUPED_MM=$flag timeout 200 python3 -m sglang.bench_one_batch $FLASH12 --batch-size 1 --input-len 8192 --output-len 16 --result-filename $OUT/one_batch.jsonl" 2>&1 | grep -v Warn | tail -4
+    echo "== bench_one_batch, torch-native MoE, moe_grouped_mm=$flag"
+    eval "timeout 200 python3 -m sglang.bench_one_batch $FLASH12 --moe-runner-backend torch_native --kernel-choices moe_grouped_mm=$flag --batch-size 1 --input-len 8192 --output-len 16 --result-filename $OUT/one_batch.jsonl" 2>&1 | grep -v Warn | tail -4
   done
   ;;
 fusions)
@@ -75,8 +76,8 @@ fusions)
     -p no:cacheprovider 2>&1 | grep -E "PASS|FAIL|Error|passed|failed"
   for flags in "0 0" "1 0" "0 1" "1 1"; do
     set -- $flags
-    echo "== bench_one_batch, SGLANG_TRITON_RMSNORM=$1 SGLANG_TRITON_ROUTER=$2"
-    eval "SGLANG_TRITON_RMSNORM=$1 SGLANG_TRITON_ROUTER=$2 timeout 120 python3 -m sglang.bench_one_batch $FLASH12 --batch-size 1 --input-len 1024 --output-len 32" 2>&1 | grep -v Warn | tail -3
+    echo "== bench_one_batch, rmsnorm=$1 router=$2"
+    eval "timeout 120 python3 -m sglang.bench_one_batch $FLASH12 --kernel-choices rmsnorm=$1,router=$2 --batch-size 1 --input-len 1024 --output-len 32" 2>&1 | grep -v Warn | tail -3
   done
   ;;
 trace)

@@ -23,8 +23,8 @@
 #                 GEMM (bf16, then block-fp8 unless FP8=0), the KDA recurrence's value tile, and
 #                 the bf16 NEXTN batch-1 parity print (test_nextn's gpu test; it needs more than
 #                 120 s)
-#   STAGE=fusion  the decode-fusion flags (SGLANG_TRITON_MOE_COMBINE, SGLANG_TRITON_SMALL_M_GEMM,
-#                 SGLANG_ENABLE_PDL) off vs on, same call: the graph gates with them on, then per
+#   STAGE=fusion  the decode fusions (kernel choices moe_combine and small_m_gemm, and
+#                 SGLANG_ENABLE_PDL) off vs on, same call: the graph gates with PDL on, then per
 #                 setting the category census (decode and NEXTN-3; $OUT/census.jsonl and
 #                 census.png) and graph_ab (no spec, NEXTN 3) on the 12-layer dummy Flash;
 #                 about 5 minutes per setting: FUSION_SETTINGS / FUSION_GATES split it over calls
@@ -36,15 +36,17 @@
 #                 skips them), after graph_ab the top kernels of an eager decode step
 #                 (benchmark/batch1/top_kernels.py; TOP=0 skips them).
 #                 About 9 minutes in all: SPECS / SERVED split it over calls.
-#   STAGE=fp8ab   the fp8 42-layer model's graph_ab per environment setting, one process each,
-#                 same call: FP8AB_SETTINGS "VAR=V VAR=V label,..." (default: PDL off / PDL on
-#                 without / with the weight prefetch / + the MLA RoPE kernel / KDA's output
-#                 norm as its own launch), FP8AB_SPECS
-#                 (default "0"); lines with the setting's label in $OUT/fp8ab.jsonl (about a
-#                 minute per process)
+#   STAGE=fp8ab   the fp8 42-layer model's graph_ab per setting, one process each, same call:
+#                 FP8AB_SETTINGS "PDL CHOICES label,..." (PDL: SGLANG_ENABLE_PDL 0/1; CHOICES:
+#                 graph_ab's --kernel-choices, - for none; default: the defaults, PDL on with /
+#                 without the weight prefetch, the torch MLA RoPE, KDA's output norm inside
+#                 o_proj), FP8AB_SPECS (default "0"); lines with the setting's label in
+#                 $OUT/fp8ab.jsonl (about a minute per process)
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
-# FUSED (default 1) sets SGLANG_TRITON_RMSNORM / SGLANG_TRITON_ROUTER to 1 (0 with FUSED=0); PHASES=1 captures a NEXTN
-# round as one graph per phase (SGLANG_ROUND_GRAPH_PER_PHASE=1); SPECS (default "0 3 4 5")
+# FUSED=0 runs the in-process benchmarks (graph_ab, round_census, top_kernels) with the torch
+# norms and routers (--kernel-choices rmsnorm=0,router=0; the gates and servers keep the
+# defaults); CHOICES: any other --kernel-choices for them (one graph per round phase is
+# graph_ab.py's --seam-ab variant "graph/phase"); SPECS (default "0 3 4 5")
 # the NEXTN steps of the 12-layer A/B rows (0: no speculation); BUNDLED=0 skips the bundled rows;
 # AB_ARGS: more graph_ab.py options (e.g. --seam-ab 2: the seam variants), AB_TIMEOUT seconds each.
 set -uo pipefail
@@ -52,10 +54,9 @@ source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names
 FLASH12="--model-path ling-3.0-flash --load-format dummy --json-model-override-args '{\"num_hidden_layers\": 12}'"
 K=${KERNELS:-triton}
 # The norm / router kernels are on by default on CUDA; FUSED=0 turns them off for an A/B.
-[ "${FUSED:-1}" = 1 ] && export SGLANG_TRITON_RMSNORM=1 SGLANG_TRITON_ROUTER=1 \
-  || export SGLANG_TRITON_RMSNORM=0 SGLANG_TRITON_ROUTER=0
-[ "${PHASES:-0}" = 1 ] && export SGLANG_ROUND_GRAPH_PER_PHASE=1
-TAG="$K$([ "${FUSED:-1}" = 1 ] && echo +fused)$([ "${PHASES:-0}" = 1 ] && echo +phases)"
+CHOICES=${CHOICES:-$([ "${FUSED:-1}" = 1 ] || echo rmsnorm=0,router=0)}
+KC=${CHOICES:+--kernel-choices $CHOICES}
+TAG="$K$([ "${FUSED:-1}" = 1 ] && echo +fused)"
 KARGS="--moe-runner-backend $K --linear-attn-decode-backend $K --attention-backend $([ $K = triton ] && echo triton || echo torch_native)"
 date -u; git log --oneline -1
 
@@ -84,21 +85,23 @@ kernels)
   ;;
 fusion)
   # One device call does not hold it all: FUSION_GATES=0 skips the gates, FUSION_SETTINGS picks
-  # rows ("moe gemm pdl label" separated by commas).
-  export SGLANG_TRITON_MOE_COMBINE=1 SGLANG_TRITON_SMALL_M_GEMM=1 SGLANG_ENABLE_PDL=1
+  # rows ("moe gemm pdl label" separated by commas). The gates run the tests' own kernel choices
+  # (the combine with the Triton MoE, the small-M GEMM for fp8), here with PDL on.
+  export SGLANG_ENABLE_PDL=1
   [ "${FUSION_GATES:-1}" = 1 ] && timeout ${GATES_TIMEOUT:-200} python3 -m pytest -q -m gpu test/srt/test_cuda_graph_runner.py \
     test/kernels/test_pdl.py -p no:cacheprovider 2>&1 | tee "$OUT/fusion_gates.log" \
     | grep -E "FAIL|Error|passed|failed" | cut -c1-300
   IFS=, read -ra settings <<< "${FUSION_SETTINGS:-0 0 0 before,1 1 0 fused,1 1 1 fused+pdl}"
   for setting in "${settings[@]}"; do
     read -r moe gemm pdl label <<< "$setting"
-    export SGLANG_TRITON_MOE_COMBINE=$moe SGLANG_TRITON_SMALL_M_GEMM=$gemm SGLANG_ENABLE_PDL=$pdl
+    export SGLANG_ENABLE_PDL=$pdl
+    fkc="--kernel-choices moe_combine=$moe,small_m_gemm=$gemm"
     for spec in "" "--speculative-algorithm NEXTN --speculative-num-steps 3"; do
       echo "== fusion $label ${spec:+nextn3}"
-      eval "timeout ${CENSUS_TIMEOUT:-120} python3 benchmark/batch1/round_census.py $FLASH12 $KARGS $spec \
+      eval "timeout ${CENSUS_TIMEOUT:-120} python3 benchmark/batch1/round_census.py $FLASH12 $KARGS $fkc $spec \
         --cuda-graph-max-bs 4 --prompt-len 1024 --steps 16 --label '$label' \
         --result-filename $OUT/census.jsonl" 2>&1 | grep -v Warn | tail -14
-      eval "timeout ${AB_TIMEOUT:-120} python3 benchmark/batch1/graph_ab.py $FLASH12 $KARGS $spec \
+      eval "timeout ${AB_TIMEOUT:-120} python3 benchmark/batch1/graph_ab.py $FLASH12 $KARGS $fkc $spec \
         --cuda-graph-max-bs 4 --prompt-len 1024 --steps 48 --label 'flash12 $label ${spec:+nextn3}' \
         --result-filename $OUT/graph_ab.jsonl" 2>&1 | grep -v Warn | tail -6
     done
@@ -106,7 +109,6 @@ fusion)
   python3 benchmark/batch1/plot_census.py "$OUT/census.jsonl" -o "$OUT/census.png" | tail -12
   ;;
 fp8full)
-  export SGLANG_TRITON_SMALL_M_GEMM=1  # the fp8 dense GEMV (else each call dequantises)
   ctx=${CONTEXT:-8192}
   # The context holds the prompt plus every measured round (NEXTN-5: 6 tokens a round).
   FULL="--model-path ling-3.0-flash --load-format dummy --quantization fp8 --mem-fraction-static 0.93 --max-running-requests 2 --context-length $((ctx + 1024)) --cuda-graph-max-bs 1"
@@ -123,11 +125,11 @@ fp8full)
   for steps in ${SPECS:-0 5 3}; do
     spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
     echo "== fp8full graph_ab nextn $steps"
-    timeout ${AB_TIMEOUT:-150} python3 benchmark/batch1/graph_ab.py $FULL $KARGS $spec --prompt-len $ctx \
+    timeout ${AB_TIMEOUT:-150} python3 benchmark/batch1/graph_ab.py $FULL $KARGS $KC $spec --prompt-len $ctx \
       --steps 16 --replays 30 --label "flash42 fp8 nextn$steps" --result-filename $OUT/fp8full.jsonl 2>&1 \
       | grep -v Warn | tail -7
   done
-  [ "${TOP:-1}" = 1 ] && { timeout ${TOP_TIMEOUT:-200} python3 benchmark/batch1/top_kernels.py $FULL $KARGS \
+  [ "${TOP:-1}" = 1 ] && { timeout ${TOP_TIMEOUT:-200} python3 benchmark/batch1/top_kernels.py $FULL $KARGS $KC \
     --prompt-len 64 --steps 2 --top 16 --by-shape > "$OUT/fp8full_top_kernels.log" 2>&1
     grep "^|" "$OUT/fp8full_top_kernels.log"; }
   [ "${FLOORS:-1}" = 1 ] && for tokens in 1 4 6; do
@@ -151,16 +153,15 @@ fp8full)
     --max-concurrency 1 --disable-tqdm --output-file "$OUT/served.jsonl" 2>&1 | grep -E "Mean TPOT|Accept|Output token"
   ;;
 fp8ab)
-  export SGLANG_TRITON_SMALL_M_GEMM=1
   FULL="--model-path ling-3.0-flash --load-format dummy --quantization fp8 --mem-fraction-static 0.93 --max-running-requests 2 --context-length 9216 --cuda-graph-max-bs 1"
-  IFS=, read -ra settings <<< "${FP8AB_SETTINGS:-SGLANG_ENABLE_PDL=0 pdl-off,SGLANG_ENABLE_PDL=1 SGLANG_PDL_WEIGHT_PREFETCH=0 pdl,SGLANG_ENABLE_PDL=1 SGLANG_PDL_WEIGHT_PREFETCH=1 pdl+prefetch,SGLANG_ENABLE_PDL=1 SGLANG_TRITON_MLA_ROPE=1 pdl+prefetch+rope,SGLANG_ENABLE_PDL=1 SGLANG_KDA_NORM_IN_O_PROJ=0 pdl+prefetch+norm-apart}"
+  IFS=, read -ra settings <<< "${FP8AB_SETTINGS:-0 - defaults,1 - pdl+prefetch,1 pdl_weight_prefetch=0 pdl,0 mla_rope=0 torch-rope,0 kda_norm_in_o_proj=1 norm-in-o_proj}"
   for setting in "${settings[@]}"; do
-    read -ra words <<< "$setting"
-    label=${words[-1]}; unset 'words[-1]'
+    read -r pdl choices label <<< "$setting"
+    ckc=$([ "$choices" = - ] && echo "" || echo "--kernel-choices $choices")
     for steps in ${FP8AB_SPECS:-0}; do
       spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
       echo "== fp8ab $label nextn $steps"
-      env "${words[@]}" timeout ${AB_TIMEOUT:-150} python3 benchmark/batch1/graph_ab.py $FULL $KARGS $spec \
+      SGLANG_ENABLE_PDL=$pdl timeout ${AB_TIMEOUT:-150} python3 benchmark/batch1/graph_ab.py $FULL $KARGS $ckc $spec \
         --prompt-len 8192 --steps 16 --replays 30 --label "flash42 fp8 $label nextn$steps" \
         --result-filename $OUT/fp8ab.jsonl 2>&1 | grep -v Warn | grep -E "graph|replay"
     done
@@ -189,13 +190,13 @@ ab)
     spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
     trace=$([ "$steps" = 0 ] && echo "--trace-dir $OUT" || echo "")
     echo "== graph_ab flash12 $TAG: nextn $steps"
-    eval "timeout ${AB_TIMEOUT:-150} python3 benchmark/batch1/graph_ab.py $FLASH12 $KARGS --cuda-graph-max-bs 4 $spec --prompt-len 1024 --steps 48 --label 'flash12 $TAG nextn$steps' --result-filename $OUT/graph_ab.jsonl $trace ${AB_ARGS:-}" 2>&1 \
+    eval "timeout ${AB_TIMEOUT:-150} python3 benchmark/batch1/graph_ab.py $FLASH12 $KARGS $KC --cuda-graph-max-bs 4 $spec --prompt-len 1024 --steps 48 --label 'flash12 $TAG nextn$steps' --result-filename $OUT/graph_ab.jsonl $trace ${AB_ARGS:-}" 2>&1 \
       | grep -v Warn | tail -16
   done
   [ "${BUNDLED:-1}" = 1 ] && for steps in 0 3; do
     spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
     echo "== graph_ab bundled $TAG: nextn $steps"
-    eval "timeout 90 python3 benchmark/batch1/graph_ab.py $KARGS --cuda-graph-max-bs 4 $spec --prompt-len 1024 --steps 48 --label 'bundled $TAG nextn$steps' --result-filename $OUT/graph_ab.jsonl" 2>&1 | grep -v Warn | tail -8
+    eval "timeout 90 python3 benchmark/batch1/graph_ab.py $KARGS $KC --cuda-graph-max-bs 4 $spec --prompt-len 1024 --steps 48 --label 'bundled $TAG nextn$steps' --result-filename $OUT/graph_ab.jsonl" 2>&1 | grep -v Warn | tail -8
   done
   [ "${FLOOR:-1}" = 1 ] || exit 0
   for ctx in 1024 1280; do

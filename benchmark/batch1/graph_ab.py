@@ -31,6 +31,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from sglang.srt.layers.kernel_choices import add_kernel_choices_arg, kernel_choices_from_args
 from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.sampling.sampling_params import SamplingParams
@@ -222,8 +223,10 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
                         help="Also time the seam variants (graph refill full / changed / glue, "
                              "round prep torch / fused, one graph per phase / per round), "
                              "interleaved REPEATS times, with graphs and overlap.")
+    add_kernel_choices_arg(parser)
     args = parser.parse_args(argv)
     server_args = ServerArgs.from_cli_args(args)
+    server_args.kernel_choices = kernel_choices_from_args(args)  # read by the target's runner
     sched = Scheduler(server_args)
     runner = sched.round_worker.graph_runner
     configs = [("graph", True), ("graph", False), ("eager", True), ("eager", False)]
@@ -244,7 +247,9 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     if args.seam_ab and runner is not None:
         results += _seam_ab(sched, args.steps, args.seam_ab)
     extra: Dict[str, Any] = {"replay_ms": _replay_ms(sched, args.replays),
-                             "memory": _memory_report(sched)}
+                             "memory": _memory_report(sched),
+                             "kernel_choices": sched.tp_worker.model_runner.kernel_choices
+                             .describe()}
     if args.trace_dir:
         sched.round_worker.graph_runner = runner
         extra.update(_idle_share(sched, args.steps, args.trace_dir))

@@ -24,8 +24,9 @@ H200 command lines (the 12-layer bf16 model, then the whole 42-layer model in bl
     python benchmark/batch1/plot_prefill_census.py prefill_census.jsonl -o prefill_census.png
 
 (``--disable-cuda-graph`` and ``--max-running-requests 1`` are what the script sets anyway: a
-prefill runs eager and the census holds one request. ``SGLANG_MOE_GROUPED_MM=1`` in front puts
-the routed experts of a long prompt on the grouped GEMMs: an A/B of its own label.)
+prefill runs eager and the census holds one request. ``--kernel-choices moe_grouped_mm=1`` puts
+the torch-native MoE's routed experts of a long prompt on torch's grouped GEMMs: an A/B of its
+own label.)
 
 On CPU (the bundled tiny model, the default ``--model-path``)::
 
@@ -81,6 +82,7 @@ from torch.autograd import DeviceType
 from torch.profiler import profile, record_function
 
 from sglang.bench_one_batch import BenchArgs, build_worker, run_once
+from sglang.srt.layers.kernel_choices import add_kernel_choices_arg
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
 from sglang.srt.layers.linear import LinearBase
 from sglang.srt.layers.logits_processor import LogitsProcessor
@@ -367,6 +369,7 @@ def _parser() -> argparse.ArgumentParser:
                         help="run name (default: '<layers>L <dtype> <prompt-len>')")
     parser.add_argument("--result-filename", type=str, default=None,
                         help="append one JSON line with every number")
+    add_kernel_choices_arg(parser)
     return parser
 
 
@@ -386,7 +389,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     # A prefill runs eager: no graphs to capture (time and memory the census would not use).
     server_args = dataclasses.replace(server_args, disable_cuda_graph=True)
     bench_args = BenchArgs(run_name=args.label, batch_size=[1], input_len=[args.prompt_len],
-                           output_len=[1], seed=args.seed)
+                           output_len=[1], seed=args.seed, kernel_choices=args.kernel_choices)
     worker = build_worker(server_args, bench_args, 0, None)
     runner = worker.model_runner
     if args.prompt_len + 1 > runner.context_len:
@@ -407,6 +410,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
               "moe_runner_backend": server_args.moe_runner_backend,
               "attention_backend": server_args.attention_backend,
               "kda_prefill_impl": server_args.kda_prefill_impl,
+              "kernel_choices": runner.kernel_choices.describe(),
               **git_commit(), **measured}
     _print(result)
     if args.result_filename:

@@ -40,6 +40,7 @@ from torch.autograd import DeviceType
 from torch.profiler import profile, record_function
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeKDABackend
+from sglang.srt.layers.kernel_choices import add_kernel_choices_arg, kernel_choices_from_args
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.logits_processor import LogitsProcessor
 from sglang.srt.layers.moe.moe_layer import BailingMLP, BailingMoE, FusedMoE
@@ -372,6 +373,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--label", type=str, default="", help="run name (default: the mode)")
     parser.add_argument("--result-filename", type=str, default=None,
                         help="append one JSON line with every number (--by category)")
+    add_kernel_choices_arg(parser)
     return parser
 
 
@@ -387,6 +389,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     if args.by == "phase" and args.result_filename:
         parser.error("--result-filename is written by --by category only")
     server_args = ServerArgs.from_cli_args(args)
+    server_args.kernel_choices = kernel_choices_from_args(args)  # read by the target's runner
     sched = Scheduler(server_args)
     per_step = sched.round_worker.round_tokens
     # Enough tokens that no iteration finishes the request (every round may commit N tokens):
@@ -422,6 +425,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     result = {"label": args.label or mode, "mode": mode, "device": sched.device.type,
               "counts": "kernels" if cuda else "aten ops", "prompt_len": args.prompt_len,
               "context": context, "steps": args.steps, "bandwidth_tbs": args.bandwidth_tbs,
+              "kernel_choices": sched.tp_worker.model_runner.kernel_choices.describe(),
               **result}
     _print_categories(result, floors_note=algo not in (None, "NEXTN"))
     if args.result_filename:

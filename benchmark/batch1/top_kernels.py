@@ -26,6 +26,8 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from sglang.srt.layers.kernel_choices import add_kernel_choices_arg, kernel_choices_from_args
+
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from graph_ab import Scheduler, ServerArgs, start_request  # noqa: E402
 
@@ -81,11 +83,14 @@ def main(argv: Optional[List[str]] = None) -> None:
     parser.add_argument("--top", type=int, default=20)
     parser.add_argument("--by-shape", action="store_true",
                         help="also split the small-M GEMM and grouped GEMV time by weight")
+    add_kernel_choices_arg(parser)
     args = parser.parse_args(argv)
     if args.by_shape:
         name_calls_by_shape()
     args.disable_cuda_graph = True
-    sched = Scheduler(ServerArgs.from_cli_args(args))
+    server_args = ServerArgs.from_cli_args(args)
+    server_args.kernel_choices = kernel_choices_from_args(args)  # read by the target's runner
+    sched = Scheduler(server_args)
     # Tokens for every profiled iteration (a speculative round commits up to round_tokens).
     start_request(sched, args.prompt_len,
                   (args.warmup + args.steps + 3) * sched.round_worker.round_tokens + 64)

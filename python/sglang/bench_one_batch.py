@@ -30,6 +30,7 @@ from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.distributed.parallel_state import free_port
+from sglang.srt.layers.kernel_choices import KernelChoices, add_kernel_choices_arg
 from sglang.srt.server_args import ServerArgs
 from sglang.srt.server_args_cli import ServerArgumentParser
 
@@ -47,6 +48,8 @@ class BenchArgs:
     result_filename: Optional[str] = None
     skip_warmup: bool = False
     seed: int = 0
+    # --kernel-choices: kernels forced for an A/B (layers/kernel_choices.py), e.g. "rmsnorm=0".
+    kernel_choices: str = ""
 
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
@@ -68,6 +71,7 @@ class BenchArgs:
                        help="No untimed warm-up run per prompt length first (the first timed "
                             "run then includes kernel compilation).")
         g.add_argument("--seed", type=int, default=d.seed, help="Seed of the random prompts.")
+        add_kernel_choices_arg(g)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "BenchArgs":
@@ -89,6 +93,8 @@ def build_worker(server_args: ServerArgs, bench_args: BenchArgs, tp_rank: int,
                                          server_args.json_model_override_args)
     args = dataclasses.replace(server_args, max_running_requests=max(bench_args.batch_size),
                                max_total_tokens=server_args.max_total_tokens or need + 64)
+    choices = KernelChoices.parse(bench_args.kernel_choices)
+    args.kernel_choices = choices if choices.forced() else None  # read by the runner
     worker = TpModelWorker(args, tp_rank, nccl_port, model_config)
     if not args.disable_cuda_graph and worker.device.type == "cuda":
         worker.init_cuda_graphs(capture_batch_sizes(args, max(bench_args.batch_size)))
@@ -204,6 +210,7 @@ def run_rank(server_args: ServerArgs, bench_args: BenchArgs, tp_rank: int,
                 timing = run_once(worker, bs, il, ol, bench_args.seed)
                 result = summarize(bench_args.run_name, bs, il, ol, timing)
                 result.update(memory)
+                result["kernel_choices"] = runner.kernel_choices.describe()
                 if runner.device.type == "cuda":
                     result["cuda_peak_memory_gb"] = torch.cuda.max_memory_allocated() / 2**30
                 results.append(result)
@@ -227,6 +234,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     try:
         server_args = ServerArgs.from_cli_args(args)
         bench_args = BenchArgs.from_cli_args(args)
+        KernelChoices.parse(bench_args.kernel_choices)  # a bad spelling fails here, not per rank
         for name in ("batch_size", "input_len", "output_len"):
             if any(v < 1 for v in getattr(bench_args, name)):
                 raise ValueError(f"--{name.replace('_', '-')} values must be >= 1")

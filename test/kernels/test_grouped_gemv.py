@@ -188,10 +188,11 @@ def test_small_m_moe_with_shared_expert_matches_native(triton_mode, dtype, tol):
 def test_model_with_triton_moe_matches_native(triton_mode, tmp_path, monkeypatch):
     """A whole random tiny model (fp32): prefill logits and a decode step through
     ``moe_runner_backend='triton'`` equal the torch-native MoE's, also with the shared expert
-    riding the routed launches plus the one-kernel combine (``SGLANG_TRITON_MOE_COMBINE``) and
-    the dense projections / LM head through the small-M GEMM (``SGLANG_TRITON_SMALL_M_GEMM``),
-    with KDA's output norm inside o_proj's loads or (``SGLANG_KDA_NORM_IN_O_PROJ=0``) apart."""
+    riding the routed launches plus the one-kernel combine (``KernelChoices.moe_combine``) and
+    the dense projections / LM head through the small-M GEMM (``KernelChoices.small_m_gemm``),
+    with KDA's output norm inside o_proj's loads or (``kda_norm_in_o_proj=False``) apart."""
     from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.kernel_choices import KernelChoices
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.layers.moe.moe_layer import BailingMoE, FusedMoE
     from sglang.test.random_checkpoint import tiny_config, write_random_checkpoint
@@ -202,12 +203,11 @@ def test_model_with_triton_moe_matches_native(triton_mode, tmp_path, monkeypatch
     logits = {}
     for backend, fused, norm_in in (("torch_native", "0", "1"), ("triton", "0", "1"),
                                     ("triton", "1", "1"), ("triton", "1", "0")):
-        monkeypatch.setenv("SGLANG_TRITON_MOE_COMBINE", fused)
-        monkeypatch.setenv("SGLANG_TRITON_SMALL_M_GEMM", fused)
-        monkeypatch.setenv("SGLANG_KDA_NORM_IN_O_PROJ", norm_in)
+        choices = KernelChoices(moe_combine=fused == "1", small_m_gemm=fused == "1",
+                                kda_norm_in_o_proj=norm_in == "1")
         runner = ModelRunner(ModelConfig.from_path(path), device=DEVICE, dtype=torch.float32,
                              moe_runner_backend=backend, max_running_requests=2,
-                             max_total_tokens=64)
+                             max_total_tokens=64, kernel_choices=choices)
         moes = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
         assert moes and all(m.runner_backend == backend for m in moes)
         assert all(m.fused_combine == (fused == "1") for m in moes)

@@ -58,19 +58,21 @@ def test_rejects_bad_shapes():
                           k_rope, False)
 
 
-def test_model_with_the_kernel_equals_the_torch_form(monkeypatch):
+def test_model_with_the_kernel_equals_the_torch_form():
     """The bundled model with ``set_rope_backend`` on: prefill and decode logits bit-equal to the
     torch rotation and concatenations (the MLA layers' only change)."""
-    monkeypatch.setenv("SGLANG_TRITON_MLA_ROPE", "0")
     from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
+    from sglang.srt.layers.kernel_choices import KernelChoices
     from sglang.srt.layers.rotary_embedding import RotaryEmbedding, set_rope_backend
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.test.runner_utils import greedy_logits
 
     if not (BUNDLED_MODEL_DIR / "config.json").exists():
         pytest.skip("no bundled model")
+    # The torch form first (the default on CUDA is the kernel).
     runner = ModelRunner(ModelConfig.from_path(str(BUNDLED_MODEL_DIR)), device=DEVICE,
-                         dtype=torch.float32, max_running_requests=2, max_total_tokens=64)
+                         dtype=torch.float32, max_running_requests=2, max_total_tokens=64,
+                         kernel_choices=KernelChoices(mla_rope=False))
     ropes = [m for m in runner.model.modules() if isinstance(m, RotaryEmbedding)]
     assert ropes and not runner.triton_rope
     ref = greedy_logits(runner, list(range(3, 20)), 3)
@@ -82,11 +84,11 @@ def test_model_with_the_kernel_equals_the_torch_form(monkeypatch):
     set_rope_backend(runner.model, False, runner.device)
 
 
-def test_flag_needs_cuda_or_the_interpreter(monkeypatch):
+def test_choice_needs_cuda_or_the_interpreter(monkeypatch):
     from sglang.srt.layers.rotary_embedding import RotaryEmbedding, set_rope_backend
 
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     rope = RotaryEmbedding(16, 16, 64, 10000.0, True)
-    with pytest.raises(ValueError, match="SGLANG_TRITON_MLA_ROPE"):
+    with pytest.raises(ValueError, match=r"KernelChoices\(mla_rope=True\) needs CUDA"):
         set_rope_backend(rope, True, torch.device("cpu"))
     assert not set_rope_backend(rope, False, torch.device("cpu")) and not rope.use_triton

@@ -64,10 +64,11 @@ def test_bad_inputs_are_rejected():
 
 
 @pytest.mark.slow  # every router of a model in the interpreter; the kernel tests above are fast
-def test_model_with_the_triton_router_matches_the_torch_router(monkeypatch):
-    """SGLANG_TRITON_ROUTER=1: every router of the bundled model runs the kernel, with the
-    torch router's logits and greedy tokens."""
+def test_model_with_the_triton_router_matches_the_torch_router():
+    """``KernelChoices(router=True)``: every router of the bundled model runs the kernel, with
+    the torch router's logits and greedy tokens."""
     from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
+    from sglang.srt.layers.kernel_choices import KernelChoices
     from sglang.srt.layers.moe.topk import MoEGate
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.test.runner_utils import greedy_logits
@@ -75,26 +76,26 @@ def test_model_with_the_triton_router_matches_the_torch_router(monkeypatch):
     if not (BUNDLED_MODEL_DIR / "config.json").exists():
         pytest.skip("no bundled model")
     results = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("SGLANG_TRITON_ROUTER", flag)
+    for router in (False, True):
         runner = ModelRunner(ModelConfig.from_path(str(BUNDLED_MODEL_DIR)), device=DEVICE,
-                             dtype=torch.float32, max_running_requests=1, max_total_tokens=64)
+                             dtype=torch.float32, max_running_requests=1, max_total_tokens=64,
+                             kernel_choices=KernelChoices(router=router))
         gates = [m for m in runner.model.modules() if isinstance(m, MoEGate)]
-        assert gates and all(g.use_triton == (flag == "1") for g in gates)
-        results[flag] = greedy_logits(runner, list(range(3, 20)), 3)
-    for a, b in zip(results["0"], results["1"]):
+        assert gates and all(g.use_triton == router for g in gates)
+        results[router] = greedy_logits(runner, list(range(3, 20)), 3)
+    for a, b in zip(results[False], results[True]):
         torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-5)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-def test_flag_needs_cuda_or_the_interpreter(monkeypatch):
+def test_choice_needs_cuda_or_the_interpreter(monkeypatch):
     from sglang.srt.layers.moe.moe_layer import set_moe_runner_backend
     from sglang.srt.layers.moe.topk import MoEGate
 
-    monkeypatch.setenv("SGLANG_TRITON_ROUTER", "1")
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="SGLANG_TRITON_ROUTER"):
-        set_moe_runner_backend(MoEGate(8, 16, 2, 4, 2, True, 1.0), "auto", torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"KernelChoices\(router=True\) needs CUDA"):
+        set_moe_runner_backend(MoEGate(8, 16, 2, 4, 2, True, 1.0), "auto", torch.device("cpu"),
+                               router=True)
 
 
 def test_pdl_switch_leaves_results_unchanged():

@@ -1,8 +1,8 @@
 """sgl_kernel.pdl and SGLANG_ENABLE_PDL: the switch never turns on under the interpreter (its
 gdc calls would raise there), the launch keyword follows it and the row gate, and the flag's
 values resolve per device (compute capability 9.0 or newer); the small-M GEMM's weight prefetch
-before the wait (compiled for sm_90 on any machine); SGLANG_TRITON_SMALL_M_GEMM's auto follows
-the weights' format."""
+before the wait (compiled for sm_90 on any machine). The small-M GEMM's default per device and
+weights is test/srt/test_kernel_choices.py's."""
 from __future__ import annotations
 
 import pytest
@@ -94,19 +94,6 @@ def test_flag_resolution():
     with pytest.raises(ValueError, match="SGLANG_ENABLE_PDL='sometimes'"):
         resolve_pdl_flag("sometimes", "cuda", (9, 0))
 
-
-def test_small_m_gemm_flag_auto_follows_the_weights():
-    """``SGLANG_TRITON_SMALL_M_GEMM=auto`` (the default): on for CUDA with fp8 weights only;
-    explicit values win; a bad value is an error naming the variable."""
-    from sglang.srt.configs.engine_defaults import resolve_small_m_gemm_flag
-
-    assert resolve_small_m_gemm_flag("auto", "cuda", True)
-    assert not resolve_small_m_gemm_flag("auto", "cuda", False)
-    assert not resolve_small_m_gemm_flag("auto", "cpu", True)
-    assert resolve_small_m_gemm_flag("1", "cuda", False)
-    assert not resolve_small_m_gemm_flag("0", "cuda", True)
-    with pytest.raises(ValueError, match="SGLANG_TRITON_SMALL_M_GEMM"):
-        resolve_small_m_gemm_flag("maybe", "cuda", True)
 
 
 @pytest.mark.gpu

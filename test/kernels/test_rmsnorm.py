@@ -81,18 +81,20 @@ def test_bad_inputs_are_rejected():
 
 
 @pytest.mark.slow  # every norm of a model in the interpreter; the kernel tests above are fast
-def test_model_with_triton_norms_matches_torch_norms(monkeypatch):
+def test_model_with_triton_norms_matches_torch_norms():
     """The bundled model with every norm on the kernel gives the reference norms' logits and
     greedy tokens (prefill and decode)."""
-    monkeypatch.setenv("SGLANG_TRITON_RMSNORM", "0")  # the torch norms first (auto: on CUDA)
     from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
+    from sglang.srt.layers.kernel_choices import KernelChoices
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.test.runner_utils import greedy_logits
 
     if not (BUNDLED_MODEL_DIR / "config.json").exists():
         pytest.skip("no bundled model")
+    # The torch norms first (the default on CUDA is the kernel).
     runner = ModelRunner(ModelConfig.from_path(str(BUNDLED_MODEL_DIR)), device=DEVICE,
-                         dtype=torch.float32, max_running_requests=2, max_total_tokens=64)
+                         dtype=torch.float32, max_running_requests=2, max_total_tokens=64,
+                         kernel_choices=KernelChoices(rmsnorm=False))
     norms = [m for m in runner.model.modules() if isinstance(m, (RMSNorm, GatedRMSNorm))]
     assert norms and not runner.triton_norms
     ref = greedy_logits(runner, list(range(3, 20)), 3)
@@ -104,19 +106,9 @@ def test_model_with_triton_norms_matches_torch_norms(monkeypatch):
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 
 
-def test_flag_values_resolve_per_device():
-    """auto: the kernels on CUDA only; explicit values win; anything else names the variable."""
-    from sglang.srt.configs.engine_defaults import resolve_fused_kernel_flag as resolve
-
-    assert resolve("X", "auto", "cuda") and not resolve("X", " AUTO ", "cpu")
-    assert resolve("X", "1", "cpu") and not resolve("X", "off", "cuda")
-    with pytest.raises(ValueError, match="SGLANG_TRITON_RMSNORM='maybe'"):
-        resolve("SGLANG_TRITON_RMSNORM", "maybe", "cuda")
-
-
-def test_flag_needs_cuda_or_the_interpreter(monkeypatch):
+def test_choice_needs_cuda_or_the_interpreter(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    with pytest.raises(ValueError, match="SGLANG_TRITON_RMSNORM"):
+    with pytest.raises(ValueError, match=r"KernelChoices\(rmsnorm=True\) needs CUDA"):
         set_norm_backend(RMSNorm(8), True, torch.device("cpu"))
     assert not set_norm_backend(RMSNorm(8), False, torch.device("cpu"))
 

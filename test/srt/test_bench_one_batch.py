@@ -26,7 +26,7 @@ def test_bench_one_batch_in_process(ckpt, tmp_path):
         results = bench_one_batch.main([
             "--model-path", ckpt, "--device", "cpu", "--batch-size", "1", "2",
             "--input-len", "16", "--output-len", "4", "--result-filename", str(out),
-            "--skip-warmup",
+            "--skip-warmup", "--kernel-choices", "moe_grouped_mm=1",
         ])
     finally:
         torch.set_num_threads(n)
@@ -36,6 +36,15 @@ def test_bench_one_batch_in_process(ckpt, tmp_path):
         assert r["input_len"] == 16 and r["output_len"] == 4
         assert r["prefill_latency"] > 0 and r["median_decode_latency"] > 0
         assert r["overall_throughput"] > 0
+        # the A/B choice reached the runner; the rest kept the CPU defaults (torch paths)
+        assert "moe_grouped_mm=1" in r["kernel_choices"] and "rmsnorm=0" in r["kernel_choices"]
+
+
+def test_bench_one_batch_refuses_an_unknown_kernel_choice(ckpt, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_one_batch.main(["--model-path", ckpt, "--device", "cpu",
+                              "--kernel-choices", "rms_norm=0"])
+    assert e.value.code == 2 and "rms_norm" in capsys.readouterr().err
 
 
 def test_bench_one_batch_cli(ckpt, tmp_path):

@@ -46,7 +46,8 @@ EXPECTED_GROUPS: Dict[str, set] = {
         "--speculative-dspark-confidence-sts-path", "--speculative-dspark-verify-mode"},
     "kernels and CUDA graphs": {
         "--attention-backend", "--kda-prefill-impl", "--moe-runner-backend",
-        "--linear-attn-decode-backend", "--disable-cuda-graph", "--cuda-graph-max-bs",
+        "--linear-attn-decode-backend", "--enable-deterministic-inference",
+        "--disable-cuda-graph", "--cuda-graph-max-bs",
         "--cuda-graph-bs"},
     "logging and metrics": {
         "--log-level", "--stream-interval", "--decode-log-interval", "--enable-metrics",

@@ -144,8 +144,8 @@ def test_graph_count_is_capped(monkeypatch):
 def test_moe_capture_limit_follows_the_expert_path(monkeypatch):
     """The torch MoE's loop reads expert counts on the host above GATHER_MAX_PAIRS pairs, so its
     graphs stop there; the Triton path (grouped GEMV, then the grouped GEMM over device-sorted
-    pairs) has no limit; nor has the torch path with SGLANG_MOE_GROUPED_MM and weights torch's
-    grouped GEMM takes."""
+    pairs) has no limit; nor has the torch path with ``KernelChoices.moe_grouped_mm`` and
+    weights torch's grouped GEMM takes."""
     from sglang.srt.layers.moe.fused_moe_native import GATHER_MAX_PAIRS
     from sglang.srt.layers.moe.moe_layer import BailingMoE
 

@@ -146,3 +146,35 @@ def test_warn_compat_envs_names_each_set_variable_once(fresh_warnings, monkeypat
     for name in expected:
         assert len(_warnings_naming(fresh_warnings, name)) == 1
     assert not _warnings_naming(fresh_warnings, "SGLANG_ENABLE_METADATA_GLUE_GRAPH")
+
+
+# ---------------------------------------------------------------- retired variables
+# The kernel switches issue #30 retired (what replaced each: environ.RETIRED_ENV_VARS).
+RETIRED_KERNEL_SWITCHES = (
+    "SGLANG_TRITON_RMSNORM", "SGLANG_TRITON_ROUTER", "SGLANG_TRITON_MOE_COMBINE",
+    "SGLANG_TRITON_MLA_ROPE", "SGLANG_TRITON_SMALL_M_GEMM", "SGLANG_KDA_NORM_IN_O_PROJ",
+    "SGLANG_PDL_WEIGHT_PREFETCH", "SGLANG_MOE_GROUPED_MM",
+)
+
+
+def test_retired_variables_are_not_declared():
+    declared = {f.name for f in list_env_fields()}
+    assert set(RETIRED_KERNEL_SWITCHES) <= set(environ.RETIRED_ENV_VARS)
+    assert not declared & set(environ.RETIRED_ENV_VARS)
+    assert not hasattr(envs, "SGLANG_TRITON_RMSNORM")
+
+
+@pytest.mark.parametrize("name", RETIRED_KERNEL_SWITCHES)
+def test_retired_variable_warns_once_with_its_replacement(monkeypatch, caplog, name):
+    """Setting a retired variable logs one line saying it was retired and what replaced it
+    (a KernelChoices field, named in the line), instead of the closest declared name."""
+    monkeypatch.setattr(environ, "_UNKNOWN_WARNED", set())
+    caplog.set_level(logging.WARNING, logger="sglang.srt.environ")
+    env = {name: "1", "PATH": "/"}
+    assert environ.warn_unknown_sglang_env_vars(env) == [name]
+    assert environ.warn_unknown_sglang_env_vars(env) == [name]
+    lines = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert f"{name} was retired and is ignored" in lines[0]
+    assert "KernelChoices(" in lines[0] and "did you mean" not in lines[0]
+    assert "\n" not in lines[0]

@@ -202,10 +202,12 @@ def test_grouped_mm_falls_back_to_the_loop_where_torch_refuses():
 
 
 @pytest.mark.skipif(not (BUNDLED_MODEL_DIR / "config.json").exists(), reason="no bundled model")
-def test_grouped_mm_flag_runs_the_bundled_model_alike(monkeypatch):
-    """SGLANG_MOE_GROUPED_MM=1: the bundled model's prefill (24 tokens x top-4 = 96 pairs per MoE
-    layer) goes through the grouped GEMMs and gives the loop's logits and greedy tokens."""
+def test_grouped_mm_choice_runs_the_bundled_model_alike(monkeypatch):
+    """``KernelChoices(moe_grouped_mm=True)``: the bundled model's prefill (24 tokens x top-4 =
+    96 pairs per MoE layer) goes through the grouped GEMMs and gives the loop's logits and
+    greedy tokens."""
     from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.kernel_choices import KernelChoices
     from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.test.runner_utils import greedy_logits
 
@@ -214,14 +216,15 @@ def test_grouped_mm_flag_runs_the_bundled_model_alike(monkeypatch):
     monkeypatch.setattr(fused_moe_native, "fused_moe_grouped_mm",
                         lambda *a: calls.append(1) or real(*a))
     results = {}
-    for flag in ("0", "1"):
-        monkeypatch.setenv("SGLANG_MOE_GROUPED_MM", flag)
+    for grouped_mm in (False, True):
         runner = ModelRunner(ModelConfig.from_path(str(BUNDLED_MODEL_DIR)), device="cpu",
-                             dtype=torch.float32, max_running_requests=1, max_total_tokens=64)
-        results[flag] = greedy_logits(runner, list(range(3, 27)), 3)
-        assert len(calls) == (0 if flag == "0" else runner.model_config.hf_config.num_hidden_layers
-                              - runner.model_config.hf_config.first_k_dense_replace)
-    for a, b in zip(results["0"], results["1"]):
+                             dtype=torch.float32, max_running_requests=1, max_total_tokens=64,
+                             kernel_choices=KernelChoices(moe_grouped_mm=grouped_mm))
+        results[grouped_mm] = greedy_logits(runner, list(range(3, 27)), 3)
+        cfg = runner.model_config.hf_config
+        assert len(calls) == (cfg.num_hidden_layers - cfg.first_k_dense_replace
+                              if grouped_mm else 0)
+    for a, b in zip(results[False], results[True]):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
         assert torch.equal(a.argmax(-1), b.argmax(-1))
 

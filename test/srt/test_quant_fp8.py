@@ -18,6 +18,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
+from sglang.srt.layers.kernel_choices import KernelChoices
 from sglang.srt.layers.linear import (ColumnParallelLinear, MergedColumnParallelLinear,
                                       ReplicatedLinear, RowParallelLinear)
 from sglang.srt.layers.moe.fused_moe_native import fused_moe
@@ -357,7 +358,7 @@ def test_dummy_weights_quantise_at_load(ckpts):
 
 @pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
                     reason="needs CUDA or TRITON_INTERPRET=1 (test/conftest.py)")
-def test_triton_paths_read_fp8_weights(ckpts, monkeypatch):
+def test_triton_paths_read_fp8_weights(ckpts):
     """The fp8 checkpoint through the Triton kernels (grouped mat-vec with the shared expert as
     pairs, the one-kernel combine, the small-M GEMM for dense layers and the LM head; the block
     scales applied to the fp32 sums) equals its torch reference path (fp32, interpreter on CPU). A
@@ -367,11 +368,13 @@ def test_triton_paths_read_fp8_weights(ckpts, monkeypatch):
     _, fp8, _ = ckpts
     ids = torch.randint(3, 500, (3,), generator=torch.Generator().manual_seed(1))
     ref = _prefill_logits(_runner(fp8), ids)
-    monkeypatch.setenv("SGLANG_TRITON_MOE_COMBINE", "1")
-    monkeypatch.setenv("SGLANG_TRITON_SMALL_M_GEMM", "1")
+    # moe_combine follows the Triton MoE runner; the small-M GEMM is on by default for fp8 on
+    # CUDA only, so it is forced here.
     runner = ModelRunner(ModelConfig.from_path(fp8), device="cpu", dtype=torch.float32,
                          max_running_requests=2, max_total_tokens=128,
-                         moe_runner_backend="triton")
+                         moe_runner_backend="triton",
+                         kernel_choices=KernelChoices(small_m_gemm=True))
+    assert runner.kernel_choices.moe_combine and runner.kernel_choices.small_m_gemm
     moes = [m for m in runner.model.modules() if isinstance(m, BailingMoE)]
     assert moes and all(m._shared_as_pairs() is not None for m in moes)
     assert all(m._shared_as_pairs().w13_scale is not None for m in moes)

@@ -11,6 +11,9 @@ carries ``compat`` (why the variable has no effect here). When one is set to any
 default, the process logs one warning naming it: on its first read, or from
 :func:`warn_compat_envs`, which ``ServerArgs.__post_init__`` calls (through
 ``warn_compat_flags``) whenever server arguments are built.
+
+Variables that were retired (:data:`RETIRED_ENV_VARS`) are no longer declared; setting one logs
+one warning saying what replaced it, from the same check that names a misspelt variable.
 """
 from __future__ import annotations
 
@@ -28,8 +31,8 @@ logger = logging.getLogger(__name__)
 
 def parse_bool(name: str, raw: str) -> bool:
     """Parse a boolean variable's value (``engine_defaults.parse_switch``: 1/true/yes/on,
-    0/false/no/off, case-insensitive)."""
-    return parse_switch(name, raw)
+    0/false/no/off, case-insensitive); ``ValueError`` names the variable."""
+    return parse_switch(f"environment variable {name}", raw)
 
 
 @dataclass(frozen=True)
@@ -164,87 +167,15 @@ class Envs:
         "([tokens, vocab]); its tokens are capped so these logits stay under this many bytes "
         "(a long prompt is then prefilled in more chunks instead of exhausting memory).",
     )
-    SGLANG_MOE_GROUPED_MM = EnvField(
-        "SGLANG_MOE_GROUPED_MM",
-        bool,
-        False,
-        "Torch-native MoE: run batches above the small-batch path (prefill chunks, large "
-        "verifies) as two torch._grouped_mm GEMMs with device-side expert offsets instead of a "
-        "host-synced loop over the active experts (CUDA: bf16 on sm90+; else the loop runs).",
-    )
-    SGLANG_TRITON_RMSNORM = EnvField(
-        "SGLANG_TRITON_RMSNORM",
-        str,
-        "auto",
-        "Run every RMSNorm (with its residual add) and the KDA output norm (with its gate) as "
-        "one Triton launch (sgl_kernel.rmsnorm) instead of the torch reference's six or seven "
-        "kernels. auto: on for CUDA, off elsewhere; 1 elsewhere needs TRITON_INTERPRET=1.",
-    )
-    SGLANG_KDA_NORM_IN_O_PROJ = EnvField(
-        "SGLANG_KDA_NORM_IN_O_PROJ",
-        bool,
-        False,
-        "With the small-M GEMM at decode / verify sizes, 1 runs KDA's output norm (per-head "
-        "RMSNorm times the sigmoid gate) inside o_proj's loads, one launch for both; the default "
-        "0 gives the norm its own launch before the plain product, which measured faster in "
-        "CUDA graphs (the 42-layer fp8 decode step 4.03 -> 3.95 ms, docs/performance.md).",
-    )
-    SGLANG_TRITON_MLA_ROPE = EnvField(
-        "SGLANG_TRITON_MLA_ROPE",
-        str,
-        "auto",
-        "Assemble MLA's query and key with RoPE (the rotation and both concatenations) in one "
-        "Triton launch (sgl_kernel.mla_rope, bit-equal to the torch form's twenty-odd kernels; "
-        "the 42-layer fp8 decode step 4.03 -> 3.87 ms, docs/performance.md). auto: on for "
-        "CUDA, off elsewhere; 1 off CUDA needs TRITON_INTERPRET=1.",
-    )
-    SGLANG_TRITON_ROUTER = EnvField(
-        "SGLANG_TRITON_ROUTER",
-        str,
-        "auto",
-        "Run each MoE router's selection (sigmoid, bias, group-limited top-k, weights) as one "
-        "Triton kernel (sgl_kernel.moe_router) instead of about twenty torch kernels; routers "
-        "whose expert / group counts are not powers of two keep the torch code. auto: on for "
-        "CUDA, off elsewhere; 1 elsewhere needs TRITON_INTERPRET=1.",
-    )
-    SGLANG_TRITON_MOE_COMBINE = EnvField(
-        "SGLANG_TRITON_MOE_COMBINE",
-        str,
-        "auto",
-        "Triton MoE at decode / verify sizes: the shared expert rides the routed experts' two "
-        "grouped mat-vecs as one more pair per token, and the weighted combine (with the shared "
-        "row) is one kernel (sgl_kernel.moe_combine): three launches per MoE block instead of "
-        "about a dozen (the 42-layer fp8 Flash decode step 7.73 -> 5.98 ms on an H200, "
-        "docs/performance.md). auto: on for CUDA, off elsewhere; 1 elsewhere needs "
-        "TRITON_INTERPRET=1.",
-    )
-    SGLANG_TRITON_SMALL_M_GEMM = EnvField(
-        "SGLANG_TRITON_SMALL_M_GEMM",
-        str,
-        "auto",
-        "Run the dense projections and the LM head of decode / verify batches (up to 64 rows) "
-        "as the batch-invariant Triton GEMM (sgl_kernel.small_m_gemm): a row rounds the same "
-        "alone and beside others, so that bf16 speculative decoding can equal plain decoding "
-        "at batch 1; block-fp8 weights are read as they are. auto: on for CUDA with fp8 "
-        "weights (else each dense call dequantises its weight), off for 16-bit weights until "
-        "their graph gates pass with every kernel set; 1 off CUDA needs TRITON_INTERPRET=1.",
-    )
     SGLANG_ENABLE_PDL = EnvField(
         "SGLANG_ENABLE_PDL",
         str,
         "0",
         "Launch the Triton decode kernels with programmatic dependent launch (sgl_kernel.pdl), "
         "so that inside a CUDA graph each kernel's launch overlaps its predecessor's tail. "
-        "Opt-in until measured on the GPU host: 1 needs a CUDA device of compute capability "
-        "9.0 or newer; auto turns it on where one is present.",
-    )
-    SGLANG_PDL_WEIGHT_PREFETCH = EnvField(
-        "SGLANG_PDL_WEIGHT_PREFETCH",
-        bool,
-        True,
-        "With SGLANG_ENABLE_PDL on, the small-M GEMM asks for its first weight tiles in L2 "
-        "before its grid-dependency wait, while the kernel before it finishes (the weights are "
-        "no kernel's output, so results are unchanged); 0 turns that off for an A/B.",
+        "With it the small-M GEMM also asks for its first weight tiles in L2 before its "
+        "dependency wait. Opt-in until measured on the GPU host: 1 needs a CUDA device of "
+        "compute capability 9.0 or newer; auto turns it on where one is present.",
     )
     SGLANG_TORCH_PROFILER_DIR = EnvField(
         "SGLANG_TORCH_PROFILER_DIR",
@@ -288,6 +219,41 @@ class Envs:
 
 envs = Envs()
 
+# Variables this engine read once and no longer does -> what replaced each. A kernel switch that
+# measured faster became the CUDA default; one measured slower or used only for an A/B became a
+# field of sglang.srt.layers.kernel_choices.KernelChoices, which tests and benchmarks set
+# (benchmark command lines: --kernel-choices). A retired variable is undeclared like any
+# unknown SGLANG_* name, and its warning (warn_unknown_sglang_env_vars) says what replaced it
+# instead of naming the closest declared variable.
+RETIRED_ENV_VARS: Dict[str, str] = {
+    "SGLANG_TRITON_RMSNORM": "the Triton norms are the CUDA default; tests and benchmarks "
+                             "choose them with KernelChoices(rmsnorm=...)",
+    "SGLANG_TRITON_MLA_ROPE": "the MLA RoPE kernel is the CUDA default; tests and benchmarks "
+                              "choose it with KernelChoices(mla_rope=...)",
+    "SGLANG_TRITON_ROUTER": "the router kernel follows --moe-runner-backend (on with triton, "
+                            "the CUDA default); tests and benchmarks: KernelChoices(router=...)",
+    "SGLANG_TRITON_MOE_COMBINE": "the one-kernel MoE combine follows --moe-runner-backend (on "
+                                 "with triton, the CUDA default); tests and benchmarks: "
+                                 "KernelChoices(moe_combine=...)",
+    "SGLANG_TRITON_SMALL_M_GEMM": "the small-M GEMM is on for CUDA with fp8 weights, and with "
+                                  "16-bit weights under --enable-deterministic-inference; tests "
+                                  "and benchmarks: KernelChoices(small_m_gemm=...)",
+    "SGLANG_KDA_NORM_IN_O_PROJ": "KDA's output norm inside o_proj measured slower and is off; "
+                                 "tests and benchmarks: KernelChoices(kda_norm_in_o_proj=...)",
+    "SGLANG_PDL_WEIGHT_PREFETCH": "the weight prefetch is on whenever SGLANG_ENABLE_PDL is; "
+                                  "A/Bs: KernelChoices(pdl_weight_prefetch=...)",
+    "SGLANG_MOE_GROUPED_MM": "torch's grouped GEMM for the torch-native MoE is a test and "
+                             "benchmark choice: KernelChoices(moe_grouped_mm=...)",
+    "SGLANG_RAGGED_VERIFY_MODE": "DSPARK's verify mode is the flag "
+                                 "--speculative-dspark-verify-mode",
+    "SGLANG_FUSED_ROUND_PREP": "the one-launch round start is the CUDA default; tests and "
+                               "benchmarks: FutureMap(fused_prep=...)",
+    "SGLANG_GRAPH_FULL_REFILL": "the reference refill is a test and benchmark parameter: "
+                                "init_cuda_graphs(refill_mode='full')",
+    "SGLANG_ROUND_GRAPH_PER_PHASE": "one graph per round phase is an A/B of "
+                                    "benchmark/batch1/graph_ab.py: init_cuda_graphs(per_phase=True)",
+}
+
 
 def list_env_fields() -> List[EnvField]:
     """All registered flags, sorted by name."""
@@ -328,9 +294,9 @@ def warn_compat_envs() -> List[str]:
 
 
 def require_triton_runtime(what: str, device_type: str) -> None:
-    """Raise ``ValueError`` naming ``what`` (a flag or variable asking for Triton kernels) unless
-    they can run: on CUDA, or in Triton's CPU interpreter (``TRITON_INTERPRET=1``, as the tests
-    set it before triton is first imported)."""
+    """Raise ``ValueError`` naming ``what`` (a flag or kernel choice asking for Triton kernels)
+    unless they can run: on CUDA, or in Triton's CPU interpreter (``TRITON_INTERPRET=1``, as the
+    tests set it before triton is first imported)."""
     if device_type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise ValueError(f"{what} needs CUDA (or TRITON_INTERPRET=1 to run the kernels in "
                          "Triton's CPU interpreter)")
@@ -353,14 +319,18 @@ _UNKNOWN_WARNED: Set[str] = set()
 
 def warn_unknown_sglang_env_vars(environ: Optional[Dict[str, str]] = None) -> List[str]:
     """Warn once per process about each ``SGLANG_*`` variable no flag declares (a misspelt one
-    would otherwise be ignored in silence), naming the closest declared variable; return the
-    unknown names."""
+    would otherwise be ignored in silence): a retired one (:data:`RETIRED_ENV_VARS`) with what
+    replaced it, any other with the closest declared variable; return the unknown names."""
     unknown = unknown_sglang_env_vars(environ)
     known = [f.name for f in list_env_fields()]
     for name in unknown:
         if name in _UNKNOWN_WARNED:
             continue
         _UNKNOWN_WARNED.add(name)
+        if name in RETIRED_ENV_VARS:
+            logger.warning("environment variable %s was retired and is ignored: %s", name,
+                           RETIRED_ENV_VARS[name])
+            continue
         close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
         hint = f"; did you mean {close[0]}?" if close else ""
         logger.warning("environment variable %s is not a variable of this engine and is "

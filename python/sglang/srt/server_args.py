@@ -116,6 +116,7 @@ class ServerArgs(*arg_classes()):
     kda_prefill_impl: str = "auto"
     moe_runner_backend: str = "auto"
     linear_attn_decode_backend: str = "auto"
+    enable_deterministic_inference: bool = False
     watchdog_timeout: float = DEFAULT_WATCHDOG_TIMEOUT
     cpu_num_threads: Optional[int] = None  # None: see resolved_cpu_num_threads
     # Speculative decoding

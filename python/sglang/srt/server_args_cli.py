@@ -239,6 +239,11 @@ def _kernel_flags(g: Any, d: Dict[str, Any]) -> None:
           default=d["linear_attn_decode_backend"],
           words="auto: triton on CUDA, torch_native elsewhere",
           help="KDA decode/verify recurrence: triton = one kernel per layer.")
+    _flag(g, "--enable-deterministic-inference", action="store_true",
+          help="Batch-invariant dense GEMMs for 16-bit weights on CUDA: the decode / verify "
+               "projections, router gate and LM head run the small-M Triton GEMM "
+               "(sgl_kernel.small_m_gemm), so a row rounds the same alone and beside other "
+               "rows. fp8 weights always use it; off CUDA the torch paths run regardless.")
     _flag(g, "--disable-cuda-graph", action="store_true",
           words="off on CUDA; always on without CUDA",
           help="Run every forward eagerly (no CUDA graph capture).")

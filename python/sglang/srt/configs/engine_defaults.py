@@ -184,14 +184,18 @@ def resolve_kernel_backend(choice: str, device_type: str) -> str:
     if choice != "auto":
         return choice
     return "triton" if device_type == "cuda" else "torch_native"
+
+
+# The words parse_switch reads as on / off.
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
 
 
 def parse_switch(name: str, raw: str, allow_auto: bool = False) -> Optional[bool]:
-    """The one parser of boolean (and ``auto``) values of ``SGLANG_*`` variables: True / False
-    for :data:`TRUE_WORDS` / :data:`FALSE_WORDS` (case-insensitive), None for ``auto`` when
-    ``allow_auto``; else ``ValueError`` naming the variable and the accepted words."""
+    """The one parser of boolean (and ``auto``) values, of ``SGLANG_*`` variables and of the
+    benchmarks' ``--kernel-choices``: True / False for :data:`TRUE_WORDS` / :data:`FALSE_WORDS`
+    (case-insensitive), None for ``auto`` when ``allow_auto``; else ``ValueError`` naming
+    ``name`` (what the value was given for) and the accepted words."""
     value = raw.strip().lower()
     if allow_auto and value == "auto":
         return None
@@ -200,38 +204,19 @@ def parse_switch(name: str, raw: str, allow_auto: bool = False) -> Optional[bool
     if value in FALSE_WORDS:
         return False
     words = ("auto",) * allow_auto + TRUE_WORDS + FALSE_WORDS
-    raise ValueError(f"environment variable {name}={raw!r} is not a "
-                     f"{'switch' if allow_auto else 'boolean'}; use one of {', '.join(words)}")
-
-
-def resolve_fused_kernel_flag(name: str, raw: str, device_type: str) -> bool:
-    """``SGLANG_TRITON_RMSNORM`` / ``SGLANG_TRITON_ROUTER``: ``auto`` is on for CUDA (inside
-    CUDA graphs the one-launch norms and routers cut the 12-layer Flash decode step from 3.35
-    to 2.42 ms and pass the graph == eager gates, docs/performance.md) and off elsewhere (the
-    kernels would run in Triton's interpreter); otherwise a boolean."""
-    value = parse_switch(name, raw, allow_auto=True)
-    return device_type == "cuda" if value is None else value
-
-
-def resolve_small_m_gemm_flag(raw: str, device_type: str, quantized: bool) -> bool:
-    """``SGLANG_TRITON_SMALL_M_GEMM``: ``auto`` is on for CUDA when the model has block-fp8
-    weights (without the kernel their dense layers dequantise the whole weight at every call)
-    and off for 16-bit weights, whose graph == eager gate has not passed with every kernel set
-    (docs/performance.md); otherwise a boolean."""
-    if raw.strip().lower() == "auto":
-        return device_type == "cuda" and quantized
-    return resolve_fused_kernel_flag("SGLANG_TRITON_SMALL_M_GEMM", raw, device_type)
+    raise ValueError(f"{name}={raw!r} is not a {'switch' if allow_auto else 'boolean'}; use "
+                     f"one of {', '.join(words)}")
 
 
 def resolve_pdl_flag(raw: str, device_type: str, capability: tuple = (0, 0)) -> bool:
     """``SGLANG_ENABLE_PDL``: ``auto`` is on for CUDA devices of compute capability 9.0 or newer
     (programmatic dependent launch needs Hopper); ``1`` there too, an error elsewhere."""
-    wanted = resolve_fused_kernel_flag("SGLANG_ENABLE_PDL", raw, device_type)
+    wanted = parse_switch("environment variable SGLANG_ENABLE_PDL", raw, allow_auto=True)
     able = device_type == "cuda" and tuple(capability) >= (9, 0)
-    if wanted and not able and raw.strip().lower() != "auto":
+    if wanted and not able:
         raise ValueError(f"SGLANG_ENABLE_PDL={raw!r} needs a CUDA device of compute capability "
                          f"9.0 or newer, got {device_type} {tuple(capability)}")
-    return wanted and able
+    return able if wanted is None else wanted
 
 
 # --kda-prefill-impl: torch = the chunked reference, fla = fla-core's chunk_kda (CUDA), auto.
@@ -265,7 +250,7 @@ UPSTREAM_ONLY_FLAGS = frozenset((
     "--cuda-graph-config", "--prefill-attention-backend", "--decode-attention-backend",
     "--mm-attention-backend", "--sampling-backend", "--grammar-backend",
     "--triton-attention-num-kv-splits", "--enable-flashinfer-allreduce-fusion",
-    "--disable-shared-experts-fusion", "--enable-deterministic-inference",
+    "--disable-shared-experts-fusion",
     # LoRA, memory and caches
     "--enable-lora", "--lora-paths", "--max-loras-per-batch", "--lora-backend",
     "--kv-cache-dtype", "--page-size", "--enable-hierarchical-cache", "--hicache-ratio",

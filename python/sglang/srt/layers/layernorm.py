@@ -2,7 +2,7 @@
 
 Both normalise in fp32 and cast the result back to the input dtype (docs/model.md §8). The torch
 code here is the reference; :func:`set_norm_backend` switches a model's norms to one Triton
-launch each (``sgl_kernel.rmsnorm``; ``SGLANG_TRITON_RMSNORM``, on by default on CUDA).
+launch each (``sgl_kernel.rmsnorm``; ``KernelChoices.rmsnorm``, on by default on CUDA).
 """
 from __future__ import annotations
 
@@ -60,8 +60,7 @@ def set_norm_backend(model: nn.Module, triton_norms: bool, device: torch.device)
     """Point every :class:`RMSNorm` / :class:`GatedRMSNorm` of ``model`` at the Triton kernel
     (``triton_norms``) or the torch reference; returns the choice. Triton needs CUDA, or
     ``TRITON_INTERPRET=1`` on CPU (tests)."""
-    return set_use_triton(model, (RMSNorm, GatedRMSNorm), triton_norms, "SGLANG_TRITON_RMSNORM",
-                          device)
+    return set_use_triton(model, (RMSNorm, GatedRMSNorm), triton_norms, "rmsnorm", device)
 
 
 def _norm_weight(size: int, dtype: Optional[torch.dtype]) -> nn.Parameter:

@@ -108,12 +108,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] =
 
 def set_linear_backend(model: nn.Module, small_m_gemm: bool, device: torch.device) -> bool:
     """Point every linear layer and LM-head product of ``model`` at the small-M Triton GEMM
-    (``small_m_gemm``; ``SGLANG_TRITON_SMALL_M_GEMM``) or ``F.linear``; returns the choice.
+    (``small_m_gemm``; ``KernelChoices.small_m_gemm``) or ``F.linear``; returns the choice.
     Triton needs CUDA, or ``TRITON_INTERPRET=1`` on CPU (tests)."""
     from sglang.srt.environ import require_triton_runtime
 
     if small_m_gemm:
-        require_triton_runtime("SGLANG_TRITON_SMALL_M_GEMM=1", device.type)
+        require_triton_runtime("KernelChoices(small_m_gemm=True)", device.type)
     for module in model.modules():
         if hasattr(module, "set_small_m_gemm"):  # a layer that prepares its weights for it
             module.set_small_m_gemm(small_m_gemm)

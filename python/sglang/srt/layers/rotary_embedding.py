@@ -39,7 +39,7 @@ class RotaryEmbedding(nn.Module):
         # Each table is [n, rotary_dim] = cos half ‖ sin half.
         self._cos_sin: Dict[torch.device, torch.Tensor] = {}
         # MLA's rotation and concatenations as one Triton launch (sgl_kernel.mla_rope), set by
-        # set_rope_backend (SGLANG_TRITON_MLA_ROPE).
+        # set_rope_backend (KernelChoices.mla_rope).
         self.use_triton = False
 
     def _build(self, n: int, device: torch.device) -> torch.Tensor:
@@ -124,9 +124,8 @@ def get_rope(head_size: int, rotary_dim: int, max_position: int, base: float,
 
 def set_rope_backend(model: nn.Module, triton_rope: bool, device: torch.device) -> bool:
     """Point every :class:`RotaryEmbedding` of ``model`` at the one-launch MLA assembly
-    (``SGLANG_TRITON_MLA_ROPE``) or the torch form; returns the choice. Triton needs CUDA, or
+    (``KernelChoices.mla_rope``) or the torch form; returns the choice. Triton needs CUDA, or
     ``TRITON_INTERPRET=1`` on CPU (tests)."""
     from sglang.srt.layers.triton_switch import set_use_triton
 
-    return set_use_triton(model, (RotaryEmbedding,), triton_rope, "SGLANG_TRITON_MLA_ROPE",
-                          device)
+    return set_use_triton(model, (RotaryEmbedding,), triton_rope, "mla_rope", device)

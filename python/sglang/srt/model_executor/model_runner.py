@@ -34,16 +34,15 @@ from sglang.srt.configs.engine_defaults import (
     DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_MEM_FRACTION_STATIC,
     STATE_TO_KV_MEMORY_RATIO,
-    resolve_pdl_flag,
-    resolve_fused_kernel_flag,
-    resolve_small_m_gemm_flag,
     resolve_kernel_backend,
+    resolve_pdl_flag,
     torch_dtype,
 )
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import parallel_state as ps
 from sglang.srt.environ import envs, set_env_values
 from sglang.srt.layers.attention.attention_registry import create_attn_backend
+from sglang.srt.layers.kernel_choices import KernelChoices
 from sglang.srt.layers.layernorm import set_norm_backend
 from sglang.srt.layers.linear import set_linear_backend
 from sglang.srt.layers.moe.moe_layer import set_moe_runner_backend
@@ -56,6 +55,7 @@ from sglang.srt.mem_cache.memory_pool import (
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.loader import get_model, model_weight_bytes
+from sglang.srt.models.bailing_moe_v3 import set_kda_norm_in_o_proj
 
 if TYPE_CHECKING:
     from sglang.srt.configs.bailing_moe_v3 import BailingMoeV3Config
@@ -200,6 +200,13 @@ def runner_kwargs_from_server_args(server_args: Any, tp_rank: int = 0,
         random_seed=server_args.random_seed,
         quantization=getattr(server_args, "quantization", None),
         draft_quantization=getattr(server_args, "speculative_draft_model_quantization", None),
+        # Upstream's --enable-deterministic-inference: batch-invariant dense GEMMs for 16-bit
+        # weights too (KernelChoices.small_m_gemm's default).
+        enable_deterministic_inference=getattr(server_args, "enable_deterministic_inference",
+                                               False),
+        # Not a server flag: tests and benchmarks that build runners through a ServerArgs set
+        # this attribute to force kernel choices (layers/kernel_choices.py).
+        kernel_choices=getattr(server_args, "kernel_choices", None),
     )
     if server_args.max_running_requests is not None:
         kwargs["max_running_requests"] = server_args.max_running_requests
@@ -231,6 +238,12 @@ class ModelRunner:
     the RoPE tables get ``position_headroom`` positions beyond the context length, because the
     device may run one round past a request's finish before the host notices (the scheduler's
     admission still limits requests to the context length).
+
+    Kernels (:mod:`sglang.srt.layers.kernel_choices`): each layer's Triton kernel or torch path
+    follows the device, the weights' quantization, ``moe_runner_backend`` and
+    ``enable_deterministic_inference`` (batch-invariant dense GEMMs for 16-bit weights on CUDA);
+    ``kernel_choices`` forces the fields it sets (tests, benchmarks). The resolved record is
+    ``self.kernel_choices``.
     """
 
     def __init__(
@@ -265,6 +278,8 @@ class ModelRunner:
         draft_elems_per_kv_slot: int = 0,
         quantization: Optional[str] = None,
         draft_quantization: Optional[str] = None,
+        enable_deterministic_inference: bool = False,
+        kernel_choices: Optional[KernelChoices] = None,
     ):
         if not (isinstance(tp_size, int) and tp_size >= 1 and 0 <= tp_rank < tp_size):
             raise ValueError(
@@ -311,26 +326,7 @@ class ModelRunner:
         moe_runner_backend = resolve_kernel_backend(moe_runner_backend, self.device.type)
         linear_attn_decode_backend = resolve_kernel_backend(linear_attn_decode_backend,
                                                             self.device.type)
-        self.moe_runner_backend = set_moe_runner_backend(self.model, moe_runner_backend,
-                                                         self.device)
-        self.triton_norms = set_norm_backend(
-            self.model, resolve_fused_kernel_flag("SGLANG_TRITON_RMSNORM",
-                                                  envs.SGLANG_TRITON_RMSNORM.get(),
-                                                  self.device.type), self.device)
-        self.triton_rope = set_rope_backend(
-            self.model, resolve_fused_kernel_flag("SGLANG_TRITON_MLA_ROPE",
-                                                  envs.SGLANG_TRITON_MLA_ROPE.get(),
-                                                  self.device.type), self.device)
-        self.pdl = self._init_pdl()
-        quantized = getattr(self.model, "quant_config", None) is not None
-        self.small_m_gemm = set_linear_backend(
-            self.model, resolve_small_m_gemm_flag(envs.SGLANG_TRITON_SMALL_M_GEMM.get(),
-                                                  self.device.type, quantized), self.device)
-        if quantized and self.device.type == "cuda" and not self.small_m_gemm:
-            logger.warning("fp8 weights with SGLANG_TRITON_SMALL_M_GEMM=0: every dense "
-                           "layer dequantises its weight in torch at each forward (the small-M "
-                           "GEMM reads the fp8 weight itself at decode, a one-pass Triton "
-                           "dequantisation serves prefill; docs/performance.md)")
+        self._init_kernels(moe_runner_backend, enable_deterministic_inference, kernel_choices)
         self._init_pools(draft_extra_mla_layers, max_total_tokens, mem_fraction_static,
                          req_to_token_pool, token_to_kv_pool_allocator, token_to_kv_pool,
                          kda_state_pool)
@@ -344,9 +340,44 @@ class ModelRunner:
                         ", ".join(f"{k}={v!r}" for k, v in set_vars.items()))
 
     # ------------------------------------------------------------------ init steps
-    def _init_pdl(self) -> bool:
-        """Programmatic dependent launch for the Triton decode kernels (``SGLANG_ENABLE_PDL``),
-        a process-wide switch of ``sgl_kernel.pdl`` set here, before any graph is captured."""
+    def _init_kernels(self, moe_runner_backend: str, enable_deterministic_inference: bool,
+                      kernel_choices: Optional[KernelChoices]) -> None:
+        """Resolve the kernel choices (``kernel_choices`` forces fields; the rest follow the
+        device, the weights' quantization, the MoE backend and
+        ``enable_deterministic_inference``: layers/kernel_choices.py) and point the model's
+        layers at them, before any forward or graph capture."""
+        if kernel_choices is not None and not isinstance(kernel_choices, KernelChoices):
+            raise TypeError(f"kernel_choices must be a KernelChoices, got {kernel_choices!r}")
+        # What was asked for, unresolved: a runner built beside this one (an MTP draft, whose
+        # quantization may differ) resolves the same request for its own weights.
+        self.requested_kernel_choices = kernel_choices
+        self.enable_deterministic_inference = bool(enable_deterministic_inference)
+        quantized = getattr(self.model, "quant_config", None) is not None
+        kc = (kernel_choices or KernelChoices()).resolve(
+            self.device.type, quantized=quantized, moe_runner_backend=moe_runner_backend,
+            enable_deterministic_inference=self.enable_deterministic_inference)
+        self.kernel_choices = kc
+        self.moe_runner_backend = set_moe_runner_backend(
+            self.model, moe_runner_backend, self.device, router=kc.router,
+            fused_combine=kc.moe_combine, grouped_mm=kc.moe_grouped_mm)
+        self.triton_norms = set_norm_backend(self.model, kc.rmsnorm, self.device)
+        self.triton_rope = set_rope_backend(self.model, kc.mla_rope, self.device)
+        self.small_m_gemm = set_linear_backend(self.model, kc.small_m_gemm, self.device)
+        set_kda_norm_in_o_proj(self.model, kc.kda_norm_in_o_proj)
+        self.pdl = self._init_pdl(kc.pdl_weight_prefetch)
+        if quantized and self.device.type == "cuda" and not self.small_m_gemm:
+            logger.warning("fp8 weights with KernelChoices(small_m_gemm=False): every dense "
+                           "layer dequantises its weight in torch at each forward (the small-M "
+                           "GEMM reads the fp8 weight itself at decode, a one-pass Triton "
+                           "dequantisation serves prefill; docs/performance.md)")
+        if kernel_choices is not None and kernel_choices.forced() and self.tp_rank == 0:
+            logger.info("kernel choices forced: %s (resolved: %s)", kernel_choices.describe(),
+                        kc.describe())
+
+    def _init_pdl(self, weight_prefetch: bool) -> bool:
+        """Programmatic dependent launch for the Triton decode kernels (``SGLANG_ENABLE_PDL``)
+        and the small-M GEMM's weight prefetch under it: process-wide switches of
+        ``sgl_kernel.pdl``, set here, before any graph is captured."""
         cap = (torch.cuda.get_device_capability(self.device) if self.device.type == "cuda"
                else (0, 0))
         wanted = resolve_pdl_flag(envs.SGLANG_ENABLE_PDL.get(), self.device.type, cap)
@@ -354,7 +385,7 @@ class ModelRunner:
             return False
         from sgl_kernel.pdl import set_pdl, set_weight_prefetch
 
-        set_weight_prefetch(envs.SGLANG_PDL_WEIGHT_PREFETCH.get())
+        set_weight_prefetch(weight_prefetch)
         return set_pdl(wanted)
 
     def _init_device(self, device: torch.device) -> torch.device:

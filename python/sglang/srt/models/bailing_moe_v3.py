@@ -23,7 +23,6 @@ from sglang.srt.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
 )
-from sglang.srt.environ import envs
 from sglang.srt.layers.attention.kda_ops import KDAGate
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
 from sglang.srt.layers.linear import (
@@ -61,6 +60,7 @@ __all__ = [
     "BailingMoeV3Model",
     "BailingMoeV3ForCausalLM",
     "EntryClass",
+    "set_kda_norm_in_o_proj",
 ]
 
 
@@ -118,7 +118,9 @@ class BailingKDA(nn.Module):
         self.dt_bias.dummy_init = _uniform_dummy_init(-0.1, 0.1)
         self.o_norm = GatedRMSNorm(self.head_dim, config.rms_norm_eps, "sigmoid", params_dtype)
         self.o_proj = RowParallelLinear(hd, config.hidden_size, params_dtype=params_dtype)
-        self.norm_in_o_proj = envs.SGLANG_KDA_NORM_IN_O_PROJ.get()  # read once, at build
+        # KDA's output norm inside o_proj's loads at decode / verify sizes (with the small-M
+        # GEMM); set for the whole model by set_kda_norm_in_o_proj.
+        self.norm_in_o_proj = False
         self.attn = RadixLinearAttention(layer_id, self.num_heads, self.head_dim,
                                          config.short_conv_kernel_size)
         conv = self.attn.conv_weight
@@ -186,6 +188,17 @@ class BailingKDA(nn.Module):
                 z, norm.weight, norm.variance_epsilon, d, norm.activation))
         o = self.o_norm(o, z.view(t, h, d))
         return self.o_proj(o.reshape(t, h * d))
+
+
+def set_kda_norm_in_o_proj(model: nn.Module, on: bool) -> bool:
+    """Run every :class:`BailingKDA` layer's output norm inside its o_proj's loads (``on``; the
+    small-M GEMM's gated-norm prologue, at decode / verify sizes) or as its own launch before a
+    plain o_proj (``KernelChoices.kda_norm_in_o_proj``: its own launch measured faster in CUDA
+    graphs, docs/performance.md); returns ``on``."""
+    for module in model.modules():
+        if isinstance(module, BailingKDA):
+            module.norm_in_o_proj = bool(on)
+    return bool(on)
 
 
 # ============================================================================================

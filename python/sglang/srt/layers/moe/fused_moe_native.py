@@ -11,10 +11,11 @@ Three strategies with identical math:
 * a loop over the experts that received tokens (many pairs, e.g. prefill): each active expert's
   weights are read once for all its tokens; finding the active set costs one host sync and the
   loop launches a few kernels per active expert (most of 512 in a long prefill);
-* grouped GEMMs (many pairs, opt-in ``SGLANG_MOE_GROUPED_MM=1`` until measured on the GPU host):
-  pairs sorted by expert, then ``torch._grouped_mm`` with device-side group offsets — two GEMM
-  launches per layer, no host sync. Where torch's kernel does not take the inputs (on CUDA it
-  wants bf16 on sm90+; everywhere rows of 16-byte multiples) the loop runs instead.
+* grouped GEMMs (many pairs; ``KernelChoices(moe_grouped_mm=True)``, off by default, not yet
+  measured on the GPU host): pairs sorted by expert, then ``torch._grouped_mm`` with
+  device-side group offsets — two GEMM launches per layer, no host sync. Where torch's kernel
+  does not take the inputs (on CUDA it wants bf16 on sm90+; everywhere rows of 16-byte
+  multiples) the loop runs instead.
 """
 from __future__ import annotations
 

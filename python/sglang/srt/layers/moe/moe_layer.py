@@ -11,15 +11,14 @@ from typing import Optional
 import torch
 from torch import nn
 
-from sglang.srt.configs.engine_defaults import (KERNEL_BACKEND_CHOICES, resolve_fused_kernel_flag,
-                                                resolve_kernel_backend)
+from sglang.srt.configs.engine_defaults import KERNEL_BACKEND_CHOICES, resolve_kernel_backend
 from sglang.srt.distributed import (
     divide,
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
     tensor_model_parallel_all_reduce,
 )
-from sglang.srt.environ import envs, require_triton_runtime
+from sglang.srt.environ import require_triton_runtime
 from sglang.srt.layers.activation import SiluAndMul
 from sglang.srt.layers.linear import (MergedColumnParallelLinear, RowParallelLinear,
                                       normal_dummy_init)
@@ -86,7 +85,7 @@ class FusedMoE(nn.Module):
         # above its small-batch path through torch._grouped_mm instead of the expert loop).
         self.runner_backend = "torch_native"
         self.grouped_mm = False
-        # SGLANG_TRITON_MOE_COMBINE: the shared expert as extra pairs and the one-kernel combine.
+        # KernelChoices.moe_combine: the shared expert as extra pairs and the one-kernel combine.
         self.fused_combine = False
 
     def weight_loader(self, param: nn.Parameter, loaded: LazyWeight, shard_id: str,
@@ -159,14 +158,15 @@ class BailingMoE(nn.Module):
         """Tokens per forward this block can run inside a CUDA graph (None: any number). The
         Triton backend has no limit (its grouped GEMM sorts the pairs on the device). On the
         torch backend, beyond ``GATHER_MAX_PAIRS`` (token, expert) pairs the expert loop reads
-        expert counts on the host, unless ``SGLANG_MOE_GROUPED_MM`` routes those batches to the
-        grouped GEMMs (device-side offsets) and torch's kernel takes these weights."""
+        expert counts on the host, unless ``grouped_mm`` (``KernelChoices.moe_grouped_mm``)
+        routes those batches to the grouped GEMMs (device-side offsets) and torch's kernel takes
+        these weights."""
         pairs = self.experts.quant_method.max_graph_pairs(self.experts)
         return None if pairs is None else max(pairs // self.gate.top_k, 0)
 
     def _shared_as_pairs(self) -> Optional[SharedExpertWeights]:
         """The shared expert's weights when they ride the routed experts' launches
-        (``SGLANG_TRITON_MOE_COMBINE``, and the same per-expert shape and dtype), else None."""
+        (``KernelChoices.moe_combine``, and the same per-expert shape and dtype), else None."""
         mlp = self.shared_experts
         if (mlp is None or not self.experts.fused_combine
                 or not self.experts.quant_method.triton_small_m_ok()):
@@ -195,16 +195,19 @@ class BailingMoE(nn.Module):
         return tensor_model_parallel_all_reduce(out)
 
 
-def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device) -> str:
+def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device, *,
+                           router: bool = False, fused_combine: bool = False,
+                           grouped_mm: bool = False) -> str:
     """Point every :class:`FusedMoE` of ``model`` at ``backend`` and return the one chosen.
 
-    ``auto`` is resolved by ``engine_defaults.resolve_kernel_backend`` (Triton on CUDA). ``triton`` needs CUDA, or ``TRITON_INTERPRET=1`` on CPU
-    (tests); batches above ``SMALL_M_MAX_PAIRS`` (token, expert) pairs take its grouped GEMM
-    (``sgl_kernel.moe_grouped_gemm``). On the native backend, large batches use torch's grouped
-    GEMMs when ``SGLANG_MOE_GROUPED_MM`` is set. With
-    ``SGLANG_TRITON_ROUTER`` the routers run their selection as one kernel; with
-    ``SGLANG_TRITON_MOE_COMBINE`` the Triton path carries the shared expert and combines in one
-    kernel. All are read here, once.
+    ``auto`` is resolved by ``engine_defaults.resolve_kernel_backend`` (Triton on CUDA).
+    ``triton`` needs CUDA, or ``TRITON_INTERPRET=1`` on CPU (tests); batches above
+    ``SMALL_M_MAX_PAIRS`` (token, expert) pairs take its grouped GEMM
+    (``sgl_kernel.moe_grouped_gemm``). The other switches are a runner's ``KernelChoices``:
+    ``grouped_mm`` sends the native backend's large batches through torch's grouped GEMMs;
+    ``router`` runs the routers' selection as one kernel (routers whose layout the kernel takes);
+    ``fused_combine`` has the Triton backend carry the shared expert and combine in one kernel
+    (no effect on the native backend, whose experts never take the Triton path).
     """
     if backend not in KERNEL_BACKEND_CHOICES:
         raise ValueError(f"moe runner backend must be one of {KERNEL_BACKEND_CHOICES}, got "
@@ -212,19 +215,15 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device)
     chosen = resolve_kernel_backend(backend, device.type)
     if chosen == "triton":
         require_triton_runtime("--moe-runner-backend triton", device.type)
-    grouped_mm = envs.SGLANG_MOE_GROUPED_MM.get()
-    fused_combine = chosen == "triton" and resolve_fused_kernel_flag(
-        "SGLANG_TRITON_MOE_COMBINE", envs.SGLANG_TRITON_MOE_COMBINE.get(), device.type)
-    triton_router = resolve_fused_kernel_flag("SGLANG_TRITON_ROUTER",
-                                              envs.SGLANG_TRITON_ROUTER.get(), device.type)
-    if triton_router:
-        require_triton_runtime("SGLANG_TRITON_ROUTER=1", device.type)
+    fused_combine = chosen == "triton" and fused_combine
+    if router:
+        require_triton_runtime("KernelChoices(router=True)", device.type)
         from sgl_kernel.moe_router import router_kernel_supports
     for module in model.modules():
         if isinstance(module, FusedMoE):
             module.runner_backend, module.grouped_mm = chosen, grouped_mm
             module.fused_combine = fused_combine
         elif isinstance(module, MoEGate):  # routers whose layout the kernel takes
-            module.use_triton = triton_router and router_kernel_supports(
+            module.use_triton = router and router_kernel_supports(
                 module.weight.shape[0], module.num_expert_group)
     return chosen

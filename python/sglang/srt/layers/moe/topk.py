@@ -121,9 +121,9 @@ class MoEGate(nn.Module):
         else:
             self.register_parameter("expert_bias", None)
         # The selection as one Triton kernel (sgl_kernel.moe_router); set for the whole model
-        # by set_moe_runner_backend (SGLANG_TRITON_ROUTER).
+        # by set_moe_runner_backend (KernelChoices.router).
         self.use_triton = False
-        # The logits GEMM through sgl_kernel.small_m_gemm (SGLANG_TRITON_SMALL_M_GEMM), set by
+        # The logits GEMM through sgl_kernel.small_m_gemm (KernelChoices.small_m_gemm), set by
         # sglang.srt.layers.linear.set_linear_backend (set_small_m_gemm).
         self.small_m_gemm = False
         self._bf16_weight: Optional[torch.Tensor] = None

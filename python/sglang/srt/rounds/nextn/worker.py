@@ -145,6 +145,9 @@ class NEXTNWorker(BaseSpecWorker):
             kda_prefill_impl=server_args.kda_prefill_impl,
             linear_attn_decode_backend=server_args.linear_attn_decode_backend,
             moe_runner_backend=server_args.moe_runner_backend, random_seed=server_args.random_seed,
+            # The target's forced choices, unresolved: the draft's quantization may differ.
+            kernel_choices=t.requested_kernel_choices,
+            enable_deterministic_inference=t.enable_deterministic_inference,
             is_draft=True, req_to_token_pool=t.req_to_token_pool,
             token_to_kv_pool_allocator=t.token_to_kv_pool_allocator,
             token_to_kv_pool=t.token_to_kv_pool,

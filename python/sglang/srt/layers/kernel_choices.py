@@ -1,0 +1,158 @@
+"""Which kernel runs each part of the model: :class:`KernelChoices`, resolved once per runner.
+
+No environment variable picks these kernels. Each default follows from what the runner already
+knows (:func:`default_kernel_choices`):
+
+* ``rmsnorm`` (every RMSNorm with its residual add, and KDA's gated output norm, as one launch:
+  ``sgl_kernel.rmsnorm``) and ``mla_rope`` (MLA's query and key assembled with RoPE in one
+  launch: ``sgl_kernel.mla_rope``): on for CUDA, where both measured faster inside CUDA graphs
+  and passed the graph == eager gates (docs/performance.md); off elsewhere, where Triton would
+  run in its interpreter.
+* ``router`` (a MoE router's selection as one kernel: ``sgl_kernel.moe_router``) and
+  ``moe_combine`` (the shared expert riding the routed experts' grouped mat-vecs, and the
+  weighted combine as one kernel: ``sgl_kernel.moe_combine``): on with the Triton MoE runner,
+  that is ``--moe-runner-backend triton``, or ``auto`` on CUDA. ``torch_native`` keeps the whole
+  MoE block on its torch reference.
+* ``small_m_gemm`` (dense projections, router gate and LM head of decode / verify batches
+  through the batch-invariant ``sgl_kernel.small_m_gemm``): on for CUDA with block-fp8 weights,
+  which it reads as they are (without it each dense call dequantises its weight), and for 16-bit
+  weights on CUDA when ``enable_deterministic_inference`` asks for batch-invariant results
+  (upstream's ``--enable-deterministic-inference``): a row then rounds the same alone and beside
+  other rows, so that bf16 speculative decoding equals plain decoding.
+* ``kda_norm_in_o_proj`` (KDA's output norm inside o_proj's loads; measured slower than its own
+  launch) and ``moe_grouped_mm`` (the torch-native MoE's large batches through
+  ``torch._grouped_mm``; never measured): off. ``pdl_weight_prefetch`` (the small-M GEMM's
+  weight prefetch before its PDL dependency wait, active only with ``SGLANG_ENABLE_PDL``): on.
+
+Tests and benchmarks force a path by passing ``ModelRunner(kernel_choices=KernelChoices(...))``
+with the fields they force, the others left ``None`` (the default): ``KernelChoices(rmsnorm=True)``
+runs the Triton norms on CPU under ``TRITON_INTERPRET=1``, ``KernelChoices(rmsnorm=False)`` the
+torch norms on CUDA. Code that builds runners from a ``ServerArgs`` (a scheduler, a benchmark)
+sets the record as its ``kernel_choices`` attribute (read by
+``model_runner.runner_kwargs_from_server_args``); benchmark command lines spell it
+``--kernel-choices rmsnorm=0,router=1`` (:meth:`KernelChoices.parse`).
+
+This module imports nothing from the layers and not torch, so any module can import it.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional
+
+from sglang.srt.configs.engine_defaults import parse_switch, resolve_kernel_backend
+
+__all__ = ["KernelChoices", "default_kernel_choices", "add_kernel_choices_arg",
+           "kernel_choices_from_args"]
+
+
+@dataclass(frozen=True)
+class KernelChoices:
+    """One choice per kernel switch: ``True`` runs the Triton kernel (or the variant named),
+    ``False`` the torch path, ``None`` the default :func:`default_kernel_choices` gives.
+
+    A runner holds the resolved record (no ``None``) as ``ModelRunner.kernel_choices``; the
+    module docstring says what each field selects and why its default is what it is.
+    """
+
+    rmsnorm: Optional[bool] = None
+    mla_rope: Optional[bool] = None
+    router: Optional[bool] = None
+    moe_combine: Optional[bool] = None
+    small_m_gemm: Optional[bool] = None
+    kda_norm_in_o_proj: Optional[bool] = None
+    moe_grouped_mm: Optional[bool] = None
+    pdl_weight_prefetch: Optional[bool] = None
+
+    def __post_init__(self) -> None:
+        for name, value in self.items().items():
+            # An int or a string ("0") would read as a truthy choice; refuse it here.
+            if value is not None and not isinstance(value, bool):
+                raise TypeError(f"KernelChoices.{name} must be True, False or None, "
+                                f"got {value!r}")
+
+    @classmethod
+    def names(cls) -> List[str]:
+        """The field names, in declaration order."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def items(self) -> Dict[str, Optional[bool]]:
+        """Field name -> choice, in declaration order."""
+        return {name: getattr(self, name) for name in self.names()}
+
+    def forced(self) -> Dict[str, bool]:
+        """The fields set to ``True`` or ``False`` (what this record overrides)."""
+        return {name: value for name, value in self.items().items() if value is not None}
+
+    @property
+    def is_resolved(self) -> bool:
+        """Whether every field is decided (a runner's record)."""
+        return all(value is not None for value in self.items().values())
+
+    def resolve(self, device_type: str, *, quantized: bool, moe_runner_backend: str = "auto",
+                enable_deterministic_inference: bool = False) -> "KernelChoices":
+        """These choices over the defaults for this device, weights and flags (arguments as
+        :func:`default_kernel_choices` takes them): a record with no ``None`` left."""
+        base = default_kernel_choices(
+            device_type, quantized=quantized, moe_runner_backend=moe_runner_backend,
+            enable_deterministic_inference=enable_deterministic_inference)
+        return dataclasses.replace(base, **self.forced())
+
+    @classmethod
+    def parse(cls, spec: str) -> "KernelChoices":
+        """``"rmsnorm=0,router=1"`` (comma-separated ``field=value``, values as
+        ``engine_defaults.parse_switch`` reads them) -> the record forcing those fields; an
+        empty string forces nothing. ``ValueError`` names an unknown field or a bad value."""
+        forced: Dict[str, bool] = {}
+        for item in filter(None, (part.strip() for part in spec.split(","))):
+            name, sep, raw = item.partition("=")
+            name = name.strip()
+            if not sep or name not in cls.names():
+                raise ValueError(f"kernel choice {item!r} is not field=value with a field of "
+                                 f"{', '.join(cls.names())}")
+            forced[name] = parse_switch(f"kernel choice {name}", raw)
+        return cls(**forced)
+
+    def describe(self) -> str:
+        """``field=1`` / ``field=0`` for each decided field (log lines, benchmark labels)."""
+        return ",".join(f"{name}={int(value)}" for name, value in self.forced().items())
+
+
+def default_kernel_choices(device_type: str, *, quantized: bool, moe_runner_backend: str = "auto",
+                           enable_deterministic_inference: bool = False) -> KernelChoices:
+    """The kernels a runner uses unless told otherwise (the rules in the module docstring).
+
+    ``device_type``: ``"cuda"`` or ``"cpu"``; ``quantized``: the model has block-fp8 weights;
+    ``moe_runner_backend``: ``--moe-runner-backend`` (``auto`` is resolved here, as the runner
+    resolves it); ``enable_deterministic_inference``: batch-invariant dense GEMMs for 16-bit
+    weights too.
+    """
+    cuda = device_type == "cuda"
+    triton_moe = resolve_kernel_backend(moe_runner_backend, device_type) == "triton"
+    return KernelChoices(
+        rmsnorm=cuda,
+        mla_rope=cuda,
+        router=triton_moe,
+        moe_combine=triton_moe,
+        small_m_gemm=cuda and (quantized or bool(enable_deterministic_inference)),
+        kda_norm_in_o_proj=False,
+        moe_grouped_mm=False,
+        pdl_weight_prefetch=True,
+    )
+
+
+def add_kernel_choices_arg(parser: Any) -> None:
+    """Add ``--kernel-choices`` (a benchmark's or tool's option, not a server flag) to
+    ``parser`` (an ``argparse`` parser or argument group); read it back with
+    :func:`kernel_choices_from_args`."""
+    parser.add_argument(
+        "--kernel-choices", type=str, default="",
+        help="force kernel choices for an A/B, e.g. rmsnorm=0,router=1 (fields: "
+             f"{', '.join(KernelChoices.names())}); unnamed ones keep their defaults")
+
+
+def kernel_choices_from_args(args: argparse.Namespace) -> Optional[KernelChoices]:
+    """The record ``--kernel-choices`` asks for, or None when it forces nothing."""
+    choices = KernelChoices.parse(getattr(args, "kernel_choices", "") or "")
+    return choices if choices.forced() else None
