@@ -54,6 +54,20 @@ def _prompt(n: int, seed: int) -> list:
     return torch.randint(6, VOCAB, (n,), generator=g).tolist()
 
 
+def _decode_batch(batch: ScheduleBatch, runner) -> ForwardBatch:
+    """A host-built one-token decode batch of ``batch``'s requests (the newest output token at
+    position ``seqlen - 1``), outside the round worker, for a step-by-step comparison."""
+    reqs = batch.reqs
+    loc = runner.token_to_kv_pool_allocator.alloc(len(reqs))
+    rows = torch.tensor([[r.output_ids[-1], r.req_pool_idx, r.seqlen] for r in reqs])
+    ids, slots, lens = rows[:, 0], rows[:, 1], rows[:, 2]
+    runner.req_to_token_pool.req_to_token[slots, lens - 1] = loc.to(torch.int32)
+    for r in reqs:
+        r.kv_len += 1
+    return ForwardBatch.for_decode(ids, slots, lens, loc,
+                                   seq_lens_upper_bound=max(r.seqlen for r in reqs))
+
+
 def test_prefill_then_decode_logits_match_full_recompute(sched, ref_model):
     runner = sched.tp_worker.model_runner
     prompt, steps = _prompt(13, 1), 6
@@ -69,8 +83,7 @@ def test_prefill_then_decode_logits_match_full_recompute(sched, ref_model):
     batch.commit_forward()
     for _ in range(steps):
         req.output_ids.append(int(logits[-1].argmax()))
-        logits.append(runner.forward(batch.prepare_for_decode()).next_token_logits[0])
-        batch.commit_forward()
+        logits.append(runner.forward(_decode_batch(batch, runner)).next_token_logits[0])
     assert req.output_ids == ref_tokens
     got = torch.stack(logits)
     want = ref_logits[len(prompt) - 1:]

@@ -2,7 +2,8 @@
 
 Flow: ``Req`` (one request, its tokens and bookkeeping) -> ``ScheduleBatch`` (the requests of one
 forward plus pool handles) -> ``ForwardBatch`` (device tensors for the model runner), built by
-:meth:`ScheduleBatch.prepare_for_extend` / :meth:`ScheduleBatch.prepare_for_decode`.
+:meth:`ScheduleBatch.prepare_for_extend` (a prefill) or :meth:`ScheduleBatch.prepare_for_round`
+(the KV slots of a decode round, which the round worker runs).
 
 KV bookkeeping of a request: ``req_pool_idx`` is its row in the req->token map (and its KDA
 state slot); ``kv_len`` tokens of ``fill_ids`` (prompt + output) have their KV written, at the
@@ -319,28 +320,9 @@ class ScheduleBatch:
             return_full_logits=any(r.wants_input_logprobs() for r in self.reqs),
         )
 
-    def prepare_for_decode(self) -> ForwardBatch:
-        """One token per request: the newest output token, at position ``seqlen - 1``."""
-        self.forward_mode = ForwardMode.DECODE
-        for r in self.reqs:
-            assert r.kv_len == r.seqlen - 1, f"request {r.rid} is not ready to decode"
-        out_cache_loc = self._alloc(len(self.reqs))
-        host = torch.tensor(
-            [[r.output_ids[-1], r.req_pool_idx, r.seqlen] for r in self.reqs], dtype=torch.int64
-        ).to(self.device)
-        input_ids, req_pool_indices, seq_lens = host[:, 0], host[:, 1], host[:, 2]
-        self.req_to_token_pool.req_to_token[req_pool_indices, seq_lens - 1] = out_cache_loc.to(
-            torch.int32
-        )
-        return ForwardBatch.for_decode(input_ids, req_pool_indices, seq_lens, out_cache_loc,
-                                       seq_lens_upper_bound=max(r.seqlen for r in self.reqs))
-
     def commit_forward(self) -> None:
-        """After a forward: the tokens it consumed now have KV."""
-        if self.forward_mode == ForwardMode.DECODE:
-            for r in self.reqs:
-                r.kv_len += 1
-            return
+        """After a prefill (or chunk): the tokens it consumed now have KV. (A round's tokens
+        are committed when the round is consumed, ``scheduler_round.process_round``.)"""
         mirrored = any(r.kv_committed_slots is not None for r in self.reqs)
         # One copy when results are processed (the caller reads the sampled tokens anyway).
         loc = self.out_cache_loc.cpu() if mirrored else None

@@ -48,6 +48,7 @@ from sglang.srt.layers.activation import silu_and_mul
 from sglang.srt.layers.layernorm import RMSNorm
 from sglang.srt.layers.linear import ReplicatedLinear, copy_checked
 from sglang.srt.layers.rotary_embedding import get_rope
+from sglang.srt.layers.sampler import sample_from_probs
 from sglang.srt.layers.vocab_parallel_embedding import (
     SharedEmbedAndHead,
     vocab_parallel_lookup,
@@ -57,7 +58,6 @@ from sglang.srt.model_loader.dummy import init_dummy_weights
 from sglang.srt.model_loader.loader import load_safetensors_weights
 from sglang.srt.model_loader.weight_utils import LazyWeight
 from sglang.srt.models.weight_slots import Slots, WeightSlot, load_into_slots, tag_parameter_names
-from sglang.srt.rounds.chain import sample_from_probs
 
 __all__ = [
     "DSparkContextCache",

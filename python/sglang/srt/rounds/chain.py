@@ -36,6 +36,7 @@ from typing import Any, NamedTuple, Optional
 
 import torch
 
+from sglang.srt.layers.sampler import sample_from_probs  # noqa: F401  (re-exported)
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
     ForwardBatch,
@@ -140,23 +141,6 @@ def greedy_verify_chain(draft_tokens: torch.Tensor, target: torch.Tensor,
     bonus = argmax.gather(1, accepted.unsqueeze(1)).squeeze(1)
     # Where a draft was accepted it equals the target's argmax, so argmax is the committed row.
     return _commit_tokens(argmax, bonus, accepted, pad_token_id)
-
-
-def sample_from_probs(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """One token per row of ``probs [B, V]`` (non-negative, any positive total) by inverse CDF
-    with uniforms ``u [B]`` in [0, 1). Tokens of zero probability are never returned (for rows
-    with positive mass). Returns ``[B]`` int64."""
-    if probs.dim() != 2 or tuple(u.shape) != (probs.shape[0],):
-        raise ValueError(f"sample_from_probs: probs must be [B, V] and u [B], got "
-                         f"{tuple(probs.shape)} and {tuple(u.shape)}")
-    cdf = probs.float().cumsum(dim=-1)  # non-decreasing even in floating point
-    total = cdf[:, -1:]
-    # Keep the target strictly below the total: the first cdf entry above it then belongs to a
-    # token whose probability is positive, even when u * total rounds up to total.
-    below_total = torch.nextafter(total, torch.zeros_like(total))
-    target = torch.minimum(u.float().unsqueeze(1) * total, below_total)
-    idx = torch.searchsorted(cdf, target, right=True).squeeze(1)
-    return idx.clamp_(max=probs.shape[1] - 1)
 
 
 def rejection_sample_chain(
