@@ -1,0 +1,82 @@
+"""Bit-exact speculation in bf16: with ``--enable-deterministic-inference`` the dense GEMMs of
+decode and verify batches run the batch-invariant small-M GEMM (``KernelChoices.small_m_gemm``),
+so a token's logits do not depend on how many rows share the launch (a 1-token decode, an
+``N``-token verify, a batch of requests). Greedy NEXTN-3 and DSPARK must then equal plain
+decoding byte for byte on the bundled model, at batch 1 and at batch 4 with staggered arrivals,
+10 held-out prompts x 256 tokens (the GPU gate of the deterministic path).
+
+On CPU the flag changes nothing (the torch paths run either way); what it selects is checked
+here, the equality itself needs CUDA.
+"""
+from __future__ import annotations
+
+from typing import Dict, List
+
+import pytest
+
+from engine_test_utils import make_scheduler, request, submit_staggered
+from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR
+from sglang.srt.managers.io_struct import BatchTokenIDOutput
+from sglang.srt.server_args import prepare_server_args
+from sglang.train.data import HELD_OUT_FILES, stdlib_root
+
+MODEL = str(BUNDLED_MODEL_DIR)
+GEN = 256
+PROMPTS = 10
+PROMPT_LEN = 64
+
+
+def _prompts(tokenizer) -> List[List[int]]:
+    out = []
+    for name in HELD_OUT_FILES[:PROMPTS]:
+        text = (stdlib_root() / name).read_text(encoding="utf-8")
+        start = text.find("\ndef ", len(text) // 3) + 1
+        out.append(tokenizer.encode(text[start:start + 2000])[:PROMPT_LEN])
+    return out
+
+
+def _greedy(sched, prompts: List[List[int]], stagger: int = 0) -> Dict[str, List[int]]:
+    reqs = [request(f"p{i}", p, max_new_tokens=GEN, temperature=0, ignore_eos=True)
+            for i, p in enumerate(prompts)]
+    submit_staggered(sched, reqs, stagger)
+    ids: Dict[str, List[int]] = {}
+    for msg in sched.outbox:
+        if isinstance(msg, BatchTokenIDOutput):
+            for i, rid in enumerate(msg.rids):
+                ids.setdefault(rid, []).extend(msg.decode_ids[i])
+    sched.outbox.clear()
+    return ids
+
+
+def test_flag_reaches_the_runner_and_the_draft():
+    args = prepare_server_args(["--enable-deterministic-inference", "--device", "cpu"])
+    assert args.enable_deterministic_inference
+    sched = make_scheduler(MODEL, max_total_tokens=4096, max_running_requests=2,
+                           enable_deterministic_inference=True, speculative_algorithm="NEXTN")
+    target = sched.tp_worker.model_runner
+    assert target.enable_deterministic_inference
+    assert sched.draft_worker.draft_runner.enable_deterministic_inference
+    assert not target.kernel_choices.small_m_gemm  # off CUDA the torch paths run regardless
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("spec", [dict(speculative_algorithm="NEXTN", speculative_num_steps=3),
+                                  dict(speculative_algorithm="DSPARK")], ids=["nextn3", "dspark"])
+def test_bf16_speculation_equals_plain_on_cuda(spec):
+    # At most 4 requests run together: the batch-4 leg; every prompt also runs alone.
+    kw = dict(device="cuda", dtype="bfloat16", max_total_tokens=32768, max_running_requests=4,
+              enable_deterministic_inference=True)
+    plain = make_scheduler(MODEL, **kw)
+    assert plain.tp_worker.model_runner.kernel_choices.small_m_gemm
+    prompts = _prompts(plain.tokenizer)
+    want1 = {f"p{p}": _greedy(plain, [prompts[p]])["p0"] for p in range(PROMPTS)}
+    want4 = _greedy(plain, prompts, stagger=2)
+    del plain
+    sched = make_scheduler(MODEL, **kw, **spec)
+    got1 = {f"p{p}": _greedy(sched, [prompts[p]])["p0"] for p in range(PROMPTS)}
+    got4 = _greedy(sched, prompts, stagger=2)
+    for name, got, want in (("batch 1", got1, want1), ("batch 4", got4, want4)):
+        first = {rid: next((j for j, (a, b) in enumerate(zip(ids, got[rid])) if a != b), None)
+                 for rid, ids in want.items()}
+        print(f"{spec['speculative_algorithm']} {name}: first differing token {first}")
+        assert got == want, f"{name}: first differing token per prompt {first}"
