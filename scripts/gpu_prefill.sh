@@ -17,6 +17,10 @@
 #   STAGE=conc      12-layer bf16 server (default flags), random-ids 1024 / 128 at concurrency
 #                   CONCS (default "1 4 16 64"); $OUT/conc.jsonl
 #   STAGE=gates     the gpu-marked graph gates (test/srt/test_cuda_graph_runner.py; GATES: others)
+#   STAGE=determinism  the bit-exact bf16 speculation gate (test/srt/test_deterministic_spec.py:
+#                   NEXTN-3 and DSPARK == plain with --enable-deterministic-inference), then the
+#                   flag's cost: bench_one_batch decode (64 steps after 1024 tokens) of the
+#                   12-layer bf16 model without and with it, in one call
 # Wheels: `bash scripts/gpu_wheels.sh` stages what the host lacks (opentelemetry-api included,
 # which fastapi imports at start-up: a server from wheels without it exits at once).
 set -uo pipefail
@@ -29,7 +33,7 @@ date -u; git log --oneline -1
 one_batch() {
   local label=$1; shift
   timeout ${OB_TIMEOUT:-200} python3 -m sglang.bench_one_batch "$@" --batch-size 1 \
-    --input-len ${LENS:-1024 8192} --output-len 4 --result-filename "$OUT/one_batch.jsonl" \
+    --input-len ${LENS:-1024 8192} --output-len ${OUTLEN:-4} --result-filename "$OUT/one_batch.jsonl" \
     --run-name "$label" > "$OUT/one_batch_$label.log" 2>&1
   grep -E "input_len|Prefill|Decode" "$OUT/one_batch_$label.log" | sed "s/^/$label: /"
 }
@@ -128,6 +132,12 @@ conc)
 gates)
   timeout 540 python3 -m pytest -q -m gpu ${GATES:-test/srt/test_cuda_graph_runner.py} 2>&1 \
     | tee "$OUT/gates.log" | tail -6
+  ;;
+determinism)
+  timeout ${GATE_TIMEOUT:-300} python3 -m pytest -q -s -m gpu test/srt/test_deterministic_spec.py \
+    2>&1 | tee "$OUT/determinism.log" | grep -E "first differing|passed|failed"
+  LENS=1024 OUTLEN=64 one_batch flash12-plain $FLASH12
+  LENS=1024 OUTLEN=64 one_batch flash12-deterministic $FLASH12 --enable-deterministic-inference
   ;;
 *) echo "unknown STAGE=${STAGE}"; exit 2 ;;
 esac
