@@ -36,13 +36,13 @@ Why weight-only ("w8a16") and not fp8 activations too:
   matter below that. The cost being removed is the per-call dequantisation (a full bf16 copy of
   the weight written and read again) and its launches.
 
-Why the engine dequantises instead (timings: docs/performance.md, "Dense fp8 at prefill
-sizes"): at prefill sizes this kernel runs far below cuBLAS's rate on a bf16 weight, and a
-sweep of its tiles does not close the gap. Its variants (``fp8_gemm_variants.py``) place the
-loss: the e4m3 -> bf16 conversion costs part of it, and the per-block promotion (each block's
-dot result waited on, then scaled) the rest, since the tensor cores idle while a step's sum is
-scaled. A one-pass Triton dequantisation (:func:`block_fp8_dequantize`: one read of the fp8
-weight, one write in x's dtype, where the torch path makes several full-size fp32 passes)
+Why the engine dequantises instead (timings: docs/performance.md, the prefill section's "Dense
+fp8 at prefill sizes"): at prefill sizes this kernel runs far below cuBLAS's rate on a bf16
+weight, and a sweep of its tiles does not close the gap. Its variants (``fp8_gemm_variants.py``)
+place the loss: the e4m3 -> bf16 conversion costs part of it, and the per-block promotion (each
+block's dot result waited on, then scaled) the rest, since the tensor cores idle while a step's
+sum is scaled. A one-pass Triton dequantisation (:func:`block_fp8_dequantize`: one read of the
+fp8 weight, one write in x's dtype, where the torch path makes several full-size fp32 passes)
 followed by cuBLAS adds only that pass to the bf16 GEMM, and was faster than both this kernel
 and the torch dequantisation at every row count measured (128 to 8192). So the engine's entry
 point :func:`block_fp8_linear` takes the dequantisation + library GEMM (the reference path's
@@ -179,7 +179,8 @@ _GPU_TABLE = (
     (128, gemm_config(64, 128, 128, 8, 4, 4)),
     (512, gemm_config(64, 128, 128, 8, 4, 4)),
     # swap_ab with 8 warps: the converted weight tile as wgmma's first operand, faster than the
-    # plain tile at large M (docs/performance.md, "Dense fp8 at prefill sizes")
+    # plain tile at large M (docs/performance.md, the prefill section's "Dense fp8 at
+    # prefill sizes")
     (1 << 62, gemm_config(128, 128, 128, 8, 8, 3, swap_ab=True)),
 )
 # The interpreter's cost is per program and per op: small tiles keep a test's arrays small and

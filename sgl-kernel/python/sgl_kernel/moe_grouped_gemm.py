@@ -36,8 +36,8 @@ loops, chosen per launch by ``LaunchConfig.fp8_prescale``:
   in fp32 by its per-row scales and added to the accumulator: the weight is ``q * scale`` in
   fp32, never rounded. Each slice's dot result is waited on before it is scaled, so the tensor
   cores idle while it is: in the dense fp8 GEMM (:mod:`sgl_kernel.fp8_gemm`) that wait cost
-  more of the tensor-core rate than the e4m3 conversion did (docs/performance.md, "Dense fp8 at
-  prefill sizes");
+  more of the tensor-core rate than the e4m3 conversion did (docs/performance.md, the prefill
+  section's "Dense fp8 at prefill sizes");
 * pre-scaled weight tiles (``True``): the tile is converted to fp32, multiplied by its rows'
   scales, rounded to x's dtype and fed to one running ``tl.dot(a, w, acc)`` over K. The
   weight's values are then exactly the reference path's dequantised weight
