@@ -174,8 +174,9 @@ class Envs:
         "Launch the Triton decode kernels with programmatic dependent launch (sgl_kernel.pdl), "
         "so that inside a CUDA graph each kernel's launch overlaps its predecessor's tail. "
         "With it the small-M GEMM also asks for its first weight tiles in L2 before its "
-        "dependency wait. Opt-in until measured on the GPU host: 1 needs a CUDA device of "
-        "compute capability 9.0 or newer; auto turns it on where one is present.",
+        "dependency wait. Opt-in: on the GPU host it barely shortened a decode step and "
+        "lengthened a NEXTN round (docs/performance.md). 1 needs a CUDA device of compute "
+        "capability 9.0 or newer; auto turns it on where one is present.",
     )
     SGLANG_TORCH_PROFILER_DIR = EnvField(
         "SGLANG_TORCH_PROFILER_DIR",

@@ -45,7 +45,8 @@ class LaunchConfig(NamedTuple):
     for other weights): each e4m3 weight tile is multiplied in fp32 by its rows' block scales
     and rounded to x's dtype before one running ``tl.dot`` over K (the dequantise-then-GEMM
     values), instead of scaling each 128-column block's ``tl.dot`` result ("per-block product
-    scaling", the default until an H200 sweep says otherwise)."""
+    scaling", the default until a sweep on the GPU has timed the two: docs/performance.md,
+    "Not measured yet")."""
 
     block_n: int
     block_k: int

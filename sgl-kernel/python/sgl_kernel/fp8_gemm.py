@@ -20,8 +20,9 @@ accumulator. Its weight values are exactly the dequantised weight of the referen
 (:func:`block_fp8_dequantize`: the fp32 product rounded once to x's dtype), up to the fp32
 summation order. Compiled for sm_90 by Triton 3.6 (``test_sm90_compile_prefill.py``) both
 loops still end each K step with ``wgmma.wait_group 0``: the weight tile goes from registers to
-shared memory either way. Off by default until the H200 sweep (``bench_fp8_gemm.py``, its
-"prescaled" columns) has timed it against the measurements below.
+shared memory either way. Off by default until ``bench_fp8_gemm.py``'s "prescaled" columns
+have timed it against the per-block scaling on the GPU (docs/performance.md, "Not measured
+yet").
 
 Why weight-only ("w8a16") and not fp8 activations too:
 
@@ -35,20 +36,17 @@ Why weight-only ("w8a16") and not fp8 activations too:
   matter below that. The cost being removed is the per-call dequantisation (a full bf16 copy of
   the weight written and read again) and its launches.
 
-Measured (H200, bf16, L2 flushed, ``benchmark/kernels/bench_fp8_gemm.py`` and
-``fp8_gemm_variants.py``): this kernel runs at 250-265 TF/s from 1024 rows on (the model's
-shapes; a 10-config sweep found at most 1-5 % more), a third of cuBLAS on a bf16 weight
-(640-800 TF/s). The variants on the 12288 x 2560 weight at 4096 rows place the loss: the same
-kernel on a bf16 weight 600 TF/s, with the e4m3 -> bf16 conversion 430, with the per-block
-promotion (each block's dot waited on, then scaled) 260 (320 with ``swap_ab`` and 8 warps).
-A one-pass Triton dequantisation (:func:`block_fp8_dequantize`: one read of the fp8 weight, one
-write in x's dtype, where the torch path makes several full-size fp32 passes) followed by
-cuBLAS was faster at every measured row count: the model's dense projections of one prefill
-took 5.8 / 11.2 / 31.8 / 59.6 ms at 128 / 1024 / 4096 / 8192 rows against 9.6 / 26.5 / 87.9 /
-172 ms here, 31.9 / 37.4 / 57.9 / 85.6 ms with the torch dequantisation and 3.1 / 8.4 / 29.0 /
-58.3 ms on bf16 weights (the floor). So the engine's entry point :func:`block_fp8_linear` takes
-the dequantisation + library GEMM (the reference path's values, bit for bit) and this kernel
-only up to ``FUSED_MAX_ROWS`` rows, now none.
+Why the engine dequantises instead (timings: docs/performance.md, the prefill section's "Dense
+fp8 at prefill sizes"): at prefill sizes this kernel runs far below cuBLAS's rate on a bf16
+weight, and a sweep of its tiles does not close the gap. Its variants (``fp8_gemm_variants.py``)
+place the loss: the e4m3 -> bf16 conversion costs part of it, and the per-block promotion (each
+block's dot result waited on, then scaled) the rest, since the tensor cores idle while a step's
+sum is scaled. A one-pass Triton dequantisation (:func:`block_fp8_dequantize`: one read of the
+fp8 weight, one write in x's dtype, where the torch path makes several full-size fp32 passes)
+followed by cuBLAS adds only that pass to the bf16 GEMM, and was faster than both this kernel
+and the torch dequantisation at every row count measured (128 to 8192). So the engine's entry
+point :func:`block_fp8_linear` takes the dequantisation + library GEMM (the reference path's
+values, bit for bit) and this kernel only up to ``FUSED_MAX_ROWS`` rows, now none.
 
 A later step could quantise the activations per token and 128-column group (``w8a8``, as the
 published fp8 checkpoints' ``activation_scheme: dynamic`` intends) and run ``tl.dot`` on fp8
@@ -70,8 +68,8 @@ __all__ = ["gemm_config", "block_fp8_gemm", "block_fp8_gemm_reference", "block_f
            "block_fp8_linear", "launch_config", "FUSED_MAX_ROWS"]
 
 # Rows up to which block_fp8_linear takes the fused GEMM: none, since the dequantisation pass +
-# cuBLAS was faster at every measured row count from 128 (module docstring, "Measured"); the
-# engine's range above the small-M kernel starts at 65 rows.
+# cuBLAS was faster at every measured row count from 128 (module docstring, "Why the engine
+# dequantises instead"); the engine's range above the small-M kernel starts at 65 rows.
 FUSED_MAX_ROWS = 0
 
 
@@ -174,13 +172,15 @@ def _block_fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, b_ptr, out_ptr, M, N, 
 
 # (largest M of the bucket, config) on the GPU, first match wins. Hopper's wgmma takes 64-row
 # warp-group tiles; 128 x 128 tiles with 8 warps and 4 stages (48 KB a stage: a bf16 x tile
-# and an fp8 w tile) fill the 132 SMs from a few hundred rows on for N >= 2560. Fewer rows get
-# narrower row tiles so that the grid still covers the SMs. Starting points, to be checked
-# with benchmark/kernels/bench_fp8_gemm.py on the H200.
+# and an fp8 w tile) give every SM of a Hopper GPU a tile from a few hundred rows on for
+# N >= 2560. Fewer rows get narrower row tiles so that the grid still covers the SMs. Starting
+# points: time a change with benchmark/kernels/bench_fp8_gemm.py on the GPU.
 _GPU_TABLE = (
     (128, gemm_config(64, 128, 128, 8, 4, 4)),
     (512, gemm_config(64, 128, 128, 8, 4, 4)),
-    # swap_ab with 8 warps: 320 against 260 TF/s on the 12288 x 2560 weight at 4096 rows
+    # swap_ab with 8 warps: the converted weight tile as wgmma's first operand, faster than the
+    # plain tile at large M (docs/performance.md, the prefill section's "Dense fp8 at
+    # prefill sizes")
     (1 << 62, gemm_config(128, 128, 128, 8, 8, 3, swap_ab=True)),
 )
 # The interpreter's cost is per program and per op: small tiles keep a test's arrays small and
@@ -317,7 +317,8 @@ def block_fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      w_scale_rows: Optional[torch.Tensor] = None,
                      bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``x [M, K] @ dequant(w).T (+ bias)`` in x's dtype by the faster route for M (module
-    docstring, "Measured"): :func:`block_fp8_gemm` up to ``FUSED_MAX_ROWS`` rows (none now),
+    docstring, "Why the engine dequantises instead"): :func:`block_fp8_gemm` up to
+    ``FUSED_MAX_ROWS`` rows (none now),
     else the one-pass :func:`block_fp8_dequantize` to x's dtype and
     ``torch.nn.functional.linear`` (the library GEMM; bit for bit the engine's dequantise +
     F.linear reference path)."""

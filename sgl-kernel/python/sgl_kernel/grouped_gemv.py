@@ -97,11 +97,13 @@ def launch_config(n: int, k: int, swiglu: bool, fp8: bool = False) -> LaunchConf
     A function of the shape (and the weight's format) only, never of the number of pairs: the
     blocks fix each output's summation order, so a NEXTN verify row and the decode of the same
     token round alike. The up-projection (SwiGLU) streams each expert in narrow row blocks so
-    that a few pairs still fill the GPU: 4 rows x 1024 columns measured 21.0 µs against 67.7 µs
-    for 32 x 128 on Ling-3.0-flash's ``[1536, 2560]`` bf16 experts at 8 pairs (H200, in a CUDA
-    graph); in block fp8, 16 x 512 with 8 warps measured 17.9 µs against 22.3 for 4 x 1024
-    (cold L2, ``benchmark/kernels/tune_grouped_gemv.py --fp8``, docs/performance.md). The
-    other shapes keep 32 x 128 (the fp8 down-projection's sweep found nothing faster). Under
+    that a few pairs still fill the GPU: a decode routes only a few pairs, and wide row blocks
+    would give too few programs to keep every SM streaming weights. bf16 takes 4 rows x 1024
+    columns (faster than 32 x 128 on Ling-3.0-flash's experts at 8 pairs), block fp8 16 x 512
+    with 8 warps (the best of the cold-L2 sweep, ``benchmark/kernels/tune_grouped_gemv.py
+    --fp8``, faster than 4 x 1024 there); timings in docs/performance.md, "The fp8 kernels,
+    step by step" and "Decode-kernel fusion". The other shapes keep 32 x 128 (the fp8
+    down-projection's sweep found nothing faster). Under
     Triton's CPU interpreter one tile per pair (its cost is per program and per op, not per
     element), at most 128 rows in block fp8.
     """

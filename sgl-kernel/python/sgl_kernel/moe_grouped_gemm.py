@@ -34,8 +34,10 @@ loops, chosen per launch by ``LaunchConfig.fp8_prescale``:
 * per-block product scaling (``False``, the default): the tile is converted e4m3 -> x's dtype
   (exact: every e4m3 value is a bf16 / fp16 / fp32 value), the slice's ``tl.dot`` is multiplied
   in fp32 by its per-row scales and added to the accumulator: the weight is ``q * scale`` in
-  fp32, never rounded. Each slice's dot result is waited on before it is scaled, which on the
-  H200 cost about half the tensor-core rate in the dense fp8 GEMM (:mod:`sgl_kernel.fp8_gemm`);
+  fp32, never rounded. Each slice's dot result is waited on before it is scaled, so the tensor
+  cores idle while it is: in the dense fp8 GEMM (:mod:`sgl_kernel.fp8_gemm`) that wait cost
+  more of the tensor-core rate than the e4m3 conversion did (docs/performance.md, the prefill
+  section's "Dense fp8 at prefill sizes");
 * pre-scaled weight tiles (``True``): the tile is converted to fp32, multiplied by its rows'
   scales, rounded to x's dtype and fed to one running ``tl.dot(a, w, acc)`` over K. The
   weight's values are then exactly the reference path's dequantised weight

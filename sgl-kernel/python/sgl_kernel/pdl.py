@@ -2,8 +2,9 @@
 
 With PDL a kernel may start while the kernel before it on the stream is still running; a CUDA
 graph keeps the property, so a chain of small kernels overlaps each one's launch and prologue with
-its predecessor's tail (measured on the H200: 1.02 -> 0.80 µs per graph node). The protocol that
-keeps this exact, followed by every kernel here:
+its predecessor's tail, which shortens the time per graph node (docs/performance.md, "Kernel
+design measurements (moved from code comments)"). The protocol that keeps this exact, followed
+by every kernel here:
 
 * the host launches the kernel with ``launch_pdl=True`` (:func:`launch_options`);
 * the kernel calls :func:`wait` before its first read of anything an earlier kernel wrote, and

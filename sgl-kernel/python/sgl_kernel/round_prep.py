@@ -8,7 +8,8 @@ request->token map::
     req_to_token[s, prefix + j] = loc[b, j]      for j < N
 
 In torch that is a gather per field, an ``arange``, an add, an expand, a cast and an
-``index_put`` -- five to seven graph nodes of 1-2 us each for a few dozen bytes. Every request
+``index_put`` -- five to seven graph nodes, each paying a launch's fixed cost to move a few
+dozen bytes (the A/B: docs/performance.md, "Seams between replays"). Every request
 writes the same number ``N`` of entries, so no prefix sum over rows is needed: each program
 computes its own offsets. Reference: :func:`assign_round_cache_locs_ref` (the torch ops the
 round workers use without this kernel). Decode-sized launches use PDL (:mod:`sgl_kernel.pdl`).

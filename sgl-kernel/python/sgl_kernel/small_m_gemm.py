@@ -163,10 +163,11 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
 # Per device: one arrival count per output tile of a K split, zero between launches (each
 # launch's last range resets its tiles), so split launches on a device must not run
 # concurrently: the engine launches its kernels on one stream (the side stream of
-# sglang.srt.rounds.relay only copies). Sized for the largest split grid
-# launch_config makes on the H200 (under 512 row blocks, SMALL_M_MAX_ROWS rows); a larger grid
-# (a swept config, a GPU of more SMs) gets a larger buffer; a replaced one stays allocated,
-# since a captured graph may still point at it.
+# sglang.srt.rounds.relay only copies). The first buffer holds 4096 counts: launch_config
+# splits only a weight of fewer row blocks than split_target_programs (at most four per SM)
+# and SMALL_M_MAX_ROWS rows make at most four row tiles, so its split grids fit on any GPU of
+# fewer than 512 SMs. A larger grid (a swept config, more rows) gets a larger buffer; a
+# replaced one stays allocated, since a captured graph may still point at it.
 _COUNTS: dict = {}
 _REPLACED: list = []
 
@@ -190,12 +191,15 @@ def launch_config(n: int, k: int, weight_dtype: torch.dtype = torch.bfloat16,
     router gate: the same bytes per tile), 4 warps, 4 stages; block fp8 reads one scale block
     (128 columns) per step in 32-row tiles. A weight of few row blocks splits K
     (:func:`_split_for`) so that the GPU's SMs (:func:`sm_count` of ``device``, the current
-    CUDA device when ``None``: 132 on the H200) each stream several programs. On the H200
-    (cold L2, ``benchmark/kernels/tune_small_m_gemm.py --fp8``) the fp8 tile was within noise
-    of the best of 108 configs on KDA's fused projection (27 µs, 1.9 TB/s), the attention
-    output (13 µs split 8, 20 µs unsplit) and MLA's q projection; the splits of 16-bit and fp32
-    weights follow the same rule, not yet swept. Under the CPU interpreter the largest tiles
-    (its cost is per program and per op)."""
+    CUDA device when ``None``) each stream several programs: a decode-sized product is bound by
+    the weight bytes in flight, and a weight of few row blocks in unsplit tiles leaves most SMs
+    idle. The fp8 tile is one that a cold-L2 sweep on the GPU host
+    (``benchmark/kernels/tune_small_m_gemm.py --fp8``) could not beat on KDA's fused
+    projection, the attention output and MLA's q projection, and splitting K is what made the
+    attention output (few row blocks) fast (docs/performance.md, "Kernel design measurements
+    (moved from code comments)"). The splits of 16-bit and fp32 weights follow the same rule
+    without a sweep of their own: re-run the sweep before changing a tile or the rule. Under the
+    CPU interpreter the largest tiles (its cost is per program and per op)."""
     fp8 = weight_dtype == torch.float8_e4m3fn
     if INTERPRETED:
         return LaunchConfig(min(triton.next_power_of_2(n), 128),
@@ -209,8 +213,11 @@ def launch_config(n: int, k: int, weight_dtype: torch.dtype = torch.bfloat16,
 
 
 def split_target_programs(sms: int) -> int:
-    """Programs a split grid aims at on ``sms`` SMs: about four per SM, rounded down to a power
-    of two (528 -> 512 on the H200's 132 SMs: the target the splits were measured with)."""
+    """Programs a split grid aims at on ``sms`` SMs: about four per SM, so that each SM has
+    several weight tiles in flight, rounded down to a power of two. On the GPU host that gives
+    the fixed target the splits were tuned at (docs/performance.md, "Kernel design measurements
+    (moved from code comments)"), so the rule keeps the tuned splits there and follows the SM
+    count elsewhere."""
     return 1 << ((4 * max(sms, 1)).bit_length() - 1)
 
 

@@ -3,8 +3,9 @@
 Before a replay the graph's static inputs must hold the live batch: the request slots, the
 round's KV slots (``loc``), and the sampling rows the graph variant reads; after it the sampling
 step counters that the body advanced go back to the live batch. At batch 1 each of these device
-copies costs more host time (5-15 us to dispatch) than device time. :class:`GraphRefill` does it
-one of three ways:
+copies moves a few bytes, so dispatching it on the host costs more than running it on the device
+(docs/performance.md, "Kernel design measurements (moved from code comments)"); the fewer copies,
+the shorter the seam. :class:`GraphRefill` does it one of three ways:
 
 * ``full`` (a test / benchmark parameter): every input, every replay -- the reference.
 * ``changed`` (default): the KV slots are allocated straight into the static ``loc``

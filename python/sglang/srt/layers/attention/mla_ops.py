@@ -51,8 +51,10 @@ def mla_absorbed_attention(
     if tq == 0:
         return out
     kv = kv.to(q.dtype)
-    # Scores in fp32 even for bf16 inputs: rounding the logits to bf16 before the softmax costs
-    # ~1% relative error on peaked attention (values stay in the input dtype).
+    # Scores in fp32 even for bf16 inputs: bf16 keeps 8 significant bits, and the softmax
+    # exponentiates a logit's rounding error, which on peaked attention (a few large logits)
+    # shifts the weights visibly (docs/performance.md, "Kernel design measurements (moved from
+    # code comments)"). Values stay in the input dtype.
     kv_f = kv.float()
     s_total = q_start + tq
     block = max(1, SCORE_BLOCK_BYTES // (4 * h * s_total))
@@ -156,13 +158,14 @@ def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     dim (<= 256), which MLA's 192 (q/k) vs 128 (v) does not; the memory-efficient kernel takes
     the unequal dims. The caller zero-pads ``v`` to ``D`` (192: a 1.5x wider P @ V inside an
     already fused kernel) so that flash is eligible. No prefix: ``is_causal=True`` (square: the
-    usual mask, no mask tensor); torch 2.11 on an H200 then runs cuDNN's fused sm90 flash kernel
-    (padded or not: 1.67 vs 1.54 ms at 8192 tokens, 32 heads, expansion included; the absorbed
-    form: 41.7 ms). With a prefix: ``causal_lower_right``, which SDPA hands to flash (its
-    causal mask is bottom-right aligned) when the dims agree, else to the efficient kernel's
-    bottom-right mask (2048 tokens behind 8192: 1.98 ms padded on flash, 3.11 ms unpadded on
-    efficient; 8192 behind 30000: 22.8 vs 43.4 ms), and builds a boolean mask only for the math
-    fallback (CPU, fp32). Hence the padding.
+    usual mask, no mask tensor); torch 2.11 on the H200 (sm90) then runs cuDNN's fused flash
+    kernel padded or not, so there the padding costs little, and either form is far faster than
+    the absorbed one.
+    With a prefix: ``causal_lower_right``, which SDPA hands to flash (its causal mask is
+    bottom-right aligned) when the dims agree, else to the efficient kernel's bottom-right mask,
+    which is markedly slower, and builds a boolean mask only for the math fallback (CPU, fp32).
+    Hence the padding: it keeps a prefilled prefix on flash (timings: docs/performance.md,
+    "Prefill: the grouped MoE GEMM, MLA in normal form, fp8 at large M").
     """
     if q.dim() != 3 or k.dim() != 3 or v.dim() != 3 or q.shape[1:] != k.shape[1:] \
             or v.shape[:2] != k.shape[:2]:

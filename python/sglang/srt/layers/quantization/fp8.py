@@ -240,11 +240,12 @@ class Fp8LinearMethod(LinearMethodBase):
         product runs on Triton kernels", at every row count: a decode / verify batch takes the
         batch-invariant small-M kernel, more rows (prefill) ``sgl_kernel.fp8_gemm``'s
         ``block_fp8_linear``: a one-pass Triton dequantisation and the library GEMM (bit for
-        bit this reference path's values; on the H200 faster than the tiled block-fp8 GEMM
-        there at every measured prefill size). Off, the reference path:
-        ``linear(x, dequant(weight), bias)``, which forms the whole weight in x's dtype in
-        several fp32 torch passes at every call. A ``gated_norm`` prologue above the small-M
-        range is the torch GatedRMSNorm first, as in :func:`linear`."""
+        bit this reference path's values; faster than the tiled block-fp8 GEMM at every
+        prefill size measured: docs/performance.md, the prefill section's "Dense fp8 at
+        prefill sizes"). Off, the reference path: ``linear(x, dequant(weight), bias)``, which
+        forms the whole weight in x's dtype in several fp32 torch passes at every call. A
+        ``gated_norm`` prologue above the small-M range is the torch GatedRMSNorm first, as in
+        :func:`linear`."""
         from sglang.srt.layers.linear import linear, small_m_rows
 
         if layer.small_m_gemm and small_m_rows(x):
