@@ -164,9 +164,9 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
 # launch's last range resets its tiles), so split launches on a device must not run
 # concurrently: the engine launches its kernels on one stream (the side stream of
 # sglang.srt.rounds.relay only copies). The first buffer holds 4096 counts: launch_config
-# splits only a weight of fewer row blocks than split_target_programs (at most four per SM)
-# and SMALL_M_MAX_ROWS rows make at most four row tiles, so its split grids fit on any GPU of
-# fewer than 512 SMs. A larger grid (a swept config, more rows) gets a larger buffer; a
+# splits only a weight of fewer row blocks than split_target_programs (about four per SM)
+# and SMALL_M_MAX_ROWS rows make at most four row tiles, so the split grids of GPUs up to 256
+# SMs fit. A larger grid (more SMs, a swept config, more rows) gets a larger buffer; a
 # replaced one stays allocated, since a captured graph may still point at it.
 _COUNTS: dict = {}
 _REPLACED: list = []
