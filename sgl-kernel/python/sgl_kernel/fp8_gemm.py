@@ -171,10 +171,11 @@ def _block_fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, b_ptr, out_ptr, M, N, 
 
 
 # (largest M of the bucket, config) on the GPU, first match wins. Hopper's wgmma takes 64-row
-# warp-group tiles; 128 x 128 tiles with 8 warps and 4 stages (48 KB a stage: a bf16 x tile
-# and an fp8 w tile) give every SM of a Hopper GPU a tile from a few hundred rows on for
-# N >= 2560. Fewer rows get narrower row tiles so that the grid still covers the SMs. Starting
-# points: time a change with benchmark/kernels/bench_fp8_gemm.py on the GPU.
+# warp-group tiles. Large M: 128 x 128 tiles with 8 warps and 3 stages (48 KB a stage: a bf16
+# x tile and an fp8 w tile), which give every SM of a Hopper GPU a tile from a few hundred rows
+# on for N >= 2560; up to 512 rows: 64-row tiles with 4 warps and 4 stages, so that the grid
+# still covers the SMs. Starting points: time a change with benchmark/kernels/bench_fp8_gemm.py
+# on the GPU.
 _GPU_TABLE = (
     (128, gemm_config(64, 128, 128, 8, 4, 4)),
     (512, gemm_config(64, 128, 128, 8, 4, 4)),
