@@ -384,12 +384,19 @@ def test_server_args_flags(ckpts, tmp_path, capsys):
               "--speculative-dspark-confidence-sts-path", missing],
              "--speculative-dspark-confidence-sts-path"),
             (["--speculative-dspark-confidence-sts-path", ckpts["sts"]], "runs only with"),
-            (["--speculative-num-steps", "3"], "--speculative-num-steps is NEXTN-only")):
+            (["--speculative-num-steps", "3"], "--speculative-num-steps is NEXTN-only"),
+            (["--speculative-dspark-verify-mode", "cap-accept"],
+             "--speculative-dspark-verify-mode cap-accept: the verify lengths come from"),
+            (["--speculative-dspark-sps-table-path", ckpts["sps"], "--disable-overlap-schedule",
+              "--speculative-dspark-verify-mode", "compact"], "runs with the overlap schedule"),
+            (["--speculative-dspark-verify-mode", "ragged"], "invalid choice: 'ragged'")):
         with pytest.raises(SystemExit) as e:
             prepare_server_args(base + extra)
         assert e.value.code == 2 and flag in capsys.readouterr().err
     with pytest.raises(ValueError, match="--speculative-dspark-sps-table-path is DSPARK-only"):
         ServerArgs(speculative_algorithm="NEXTN", speculative_dspark_sps_table_path=ckpts["sps"])
+    with pytest.raises(ValueError, match="--speculative-dspark-verify-mode is DSPARK-only"):
+        ServerArgs(speculative_algorithm="NEXTN", speculative_dspark_verify_mode="static")
     with pytest.raises(ValueError, match="needs --speculative-algorithm"):
         ServerArgs(speculative_dspark_confidence_sts_path=ckpts["sts"])
     # The bundled model carries its draft in dspark/; a target without one needs the flag.
