@@ -149,12 +149,19 @@ def test_warn_compat_envs_names_each_set_variable_once(fresh_warnings, monkeypat
 
 
 # ---------------------------------------------------------------- retired variables
-# The kernel switches issue #30 retired (what replaced each: environ.RETIRED_ENV_VARS).
+# The retired kernel switches, and what replaced each (environ.RETIRED_ENV_VARS).
 RETIRED_KERNEL_SWITCHES = (
     "SGLANG_TRITON_RMSNORM", "SGLANG_TRITON_ROUTER", "SGLANG_TRITON_MOE_COMBINE",
     "SGLANG_TRITON_MLA_ROPE", "SGLANG_TRITON_SMALL_M_GEMM", "SGLANG_KDA_NORM_IN_O_PROJ",
     "SGLANG_PDL_WEIGHT_PREFETCH", "SGLANG_MOE_GROUPED_MM",
 )
+# The retired graph / verify switches: a flag, a constructor or a benchmark parameter now.
+RETIRED_OTHER = {
+    "SGLANG_RAGGED_VERIFY_MODE": "--speculative-dspark-verify-mode",
+    "SGLANG_FUSED_ROUND_PREP": "FutureMap(fused_prep=",
+    "SGLANG_GRAPH_FULL_REFILL": "refill_mode='full'",
+    "SGLANG_ROUND_GRAPH_PER_PHASE": "per_phase=True",
+}
 
 
 def test_retired_variables_are_not_declared():
@@ -178,3 +185,13 @@ def test_retired_variable_warns_once_with_its_replacement(monkeypatch, caplog, n
     assert f"{name} was retired and is ignored" in lines[0]
     assert "KernelChoices(" in lines[0] and "did you mean" not in lines[0]
     assert "\n" not in lines[0]
+
+
+@pytest.mark.parametrize("name", sorted(RETIRED_OTHER))
+def test_retired_graph_variable_names_its_replacement(monkeypatch, caplog, name):
+    monkeypatch.setattr(environ, "_UNKNOWN_WARNED", set())
+    caplog.set_level(logging.WARNING, logger="sglang.srt.environ")
+    assert environ.warn_unknown_sglang_env_vars({name: "1"}) == [name]
+    lines = [r.getMessage() for r in caplog.records if name in r.getMessage()]
+    assert len(lines) == 1 and f"{name} was retired and is ignored" in lines[0]
+    assert RETIRED_OTHER[name] in lines[0]
