@@ -235,7 +235,7 @@ class KDAStatePool:
     def _require_scratch(self, what: str) -> None:
         if not self.has_spec_scratch:
             raise ValueError(f"{what} needs the KDA speculative scratch; build KDAStatePool with "
-                             "spec_num_draft_tokens > 0 (the NEXTN worker's num_draft_tokens)")
+                             "spec_num_draft_tokens > 0 (a speculative worker's verify width)")
 
     def get_intermediate_ssm(self, layer_id: int) -> torch.Tensor:
         """Staged post-states of one layer: ``[size + 1, N, heads, head_k_dim, head_v_dim]`` fp32."""
