@@ -21,9 +21,22 @@ PRESET_DIR = Path(__file__).parent / "presets"
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parents[2] / "assets" / "tiny-bailing-v3"
 
 
+def _is_draft_preset(path: Path) -> bool:
+    """Whether the preset json at ``path`` is a DSpark draft (``configs/dspark.py``) rather than a
+    target: drafts are ``--speculative-draft-model-path`` values, never ``--model-path``."""
+    from sglang.srt.configs.dspark import DSPARK_ARCHITECTURES  # that module imports this one
+
+    try:
+        with open(path) as f:
+            archs = json.load(f).get("architectures") or [None]
+    except (OSError, json.JSONDecodeError, AttributeError):
+        return False
+    return isinstance(archs, list) and archs[0] in DSPARK_ARCHITECTURES
+
+
 def list_presets() -> list:
-    """Names usable as ``--model-path`` without files on disk."""
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+    """Names usable as ``--model-path`` without files on disk (draft presets excluded)."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json") if not _is_draft_preset(p))
 
 
 def resolve_model_path(model_path: Optional[str]) -> str:
@@ -40,7 +53,9 @@ def resolve_model_path(model_path: Optional[str]) -> str:
 
 
 def is_preset(model_path: str) -> bool:
-    return not os.path.isdir(model_path) and (PRESET_DIR / f"{model_path}.json").exists()
+    """Whether ``model_path`` names a target preset (a folder of that name wins)."""
+    path = PRESET_DIR / f"{model_path}.json"
+    return not os.path.isdir(model_path) and path.exists() and not _is_draft_preset(path)
 
 
 # ``owner/name`` as the Hugging Face Hub spells a repo id (letters, digits, ``-``, ``_``, ``.``).
@@ -83,6 +98,11 @@ def load_raw_config(model_path: str) -> Dict[str, Any]:
             raise ConfigError(f"{model_path!r} has no config.json")
     elif is_preset(model_path):
         path = PRESET_DIR / f"{model_path}.json"
+    elif (PRESET_DIR / f"{model_path}.json").exists():
+        raise ConfigError(
+            f"--model-path {model_path!r} is a DSpark draft preset, not a target: pass it as "
+            "--speculative-draft-model-path with --speculative-algorithm DSPARK and "
+            f"--load-format dummy (targets: {', '.join(list_presets())})")
     else:
         raise ConfigError(missing_model_message(model_path))
     try:
