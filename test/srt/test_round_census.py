@@ -269,3 +269,26 @@ def test_plot_census_rejects_bad_lines(tmp_path, capsys):
     with pytest.raises(SystemExit):
         pc.main([str(bad), "-o", str(tmp_path / "x.png")])
     assert "bad.jsonl:1: not JSON" in capsys.readouterr().err
+
+
+def test_dspark_round_is_split_into_its_phases(tmp_path):
+    """``--by phase`` on a DSPARK round of the bundled model (its ``dspark/`` draft, block 3):
+    every DSPARK phase gets work of its own. A one-probe SPS table is flat (every draft is
+    verified) and makes the confidence head and the planner run."""
+    sps = tmp_path / "flat_sps.json"
+    sps.write_text(json.dumps({"sample_batch_tokens": [1], "sample_steps_per_sec": [1.0],
+                               "max_batch_tokens": 4096}))
+    out = _run("round_census.py", *RUN_ARGS, "--speculative-algorithm", "DSPARK",
+               "--speculative-dspark-block-size", "3", "--speculative-dspark-sps-table-path",
+               str(sps), "--by", "phase")
+    assert "DSPARK-3" in out
+    ops = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 4 and cells[1].replace(".", "").isdigit():
+            ops[cells[0]] = float(cells[1])
+    for phase in rc.DSPARK_PHASES:
+        assert ops.get(phase, 0) > 0, (phase, out)
+    assert "target forward" not in ops and "MTP forward" not in ops
+    assert rc.census_mode("DSPARK", None, 15) == "DSPARK-15"
+    assert rc.census_mode("NEXTN", 3, 3) == "NEXTN-3" and rc.census_mode(None, None, 0) == "decode"
