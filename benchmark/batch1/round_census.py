@@ -409,13 +409,15 @@ def _parser() -> argparse.ArgumentParser:
                         help="HBM bandwidth of the floors in TB/s (H200 measured copy: 4.3)")
     parser.add_argument("--label", type=str, default="", help="run name (default: the mode)")
     parser.add_argument("--result-filename", type=str, default=None,
-                        help="append one JSON line with every number (--by category)")
+                        help="append one JSON line with every number (--by phase: a line with "
+                             "'phases' instead of 'categories', which plot_census.py does not "
+                             "read: give it a file of its own)")
     add_kernel_choices_arg(parser)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    """Command line; returns the printed census (category mode: the JSON line's dict)."""
+    """Command line; returns the printed census as the JSON line's dict."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.prompt_len < 1:
@@ -423,8 +425,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                      f"{args.steps}, {args.warmup}, {args.prompt_len}")
     if not args.bandwidth_tbs > 0:
         parser.error(f"--bandwidth-tbs must be positive, got {args.bandwidth_tbs}")
-    if args.by == "phase" and args.result_filename:
-        parser.error("--result-filename is written by --by category only")
     server_args = ServerArgs.from_cli_args(args)
     server_args.kernel_choices = kernel_choices_from_args(args)  # read by the target's runner
     sched = Scheduler(server_args)
@@ -441,7 +441,14 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     print(f"{sched.device}, {mode}, prompt {args.prompt_len}, {args.steps} iterations")
     try:
         if args.by == "phase":
-            return _print_phases(*run_phase_census(sched, args.steps))
+            phases = _print_phases(*run_phase_census(sched, args.steps))
+            record = {"label": args.label or mode, "mode": mode, "by": "phase",
+                      "device": sched.device.type, "prompt_len": args.prompt_len,
+                      "steps": args.steps, "round_tokens": per_step, **phases}
+            if args.result_filename:
+                with open(args.result_filename, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            return record
         before = sched.num_generated_tokens
         result = run_category_census(sched, args.steps)
         context = args.prompt_len + (before + sched.num_generated_tokens) // 2
