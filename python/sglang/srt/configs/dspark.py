@@ -60,6 +60,7 @@ __all__ = [
     "dspark_preset_for_target",
     "dspark_preset_needs_dummy",
     "find_dspark_draft",
+    "is_dspark_config_file",
     "is_dspark_preset",
     "list_dspark_presets",
 ]
@@ -376,10 +377,15 @@ class DSparkDraftConfig:
 # Draft presets (configs without weights, beside the target presets)
 # ---------------------------------------------------------------------------------------------
 def _preset_dir() -> Path:
-    # Read at call time: tests point the presets at a folder of their own.
+    # Read at call time (model_config imports this module; tests point the presets elsewhere).
     from sglang.srt.configs import model_config
 
     return Path(model_config.PRESET_DIR)
+
+
+def is_dspark_config_file(path: Path) -> bool:
+    """Whether the config json at ``path`` describes a DSpark draft (``architectures[0]``)."""
+    return _architecture_of(path) in DSPARK_ARCHITECTURES
 
 
 def dspark_preset_file(name: Optional[str]) -> Optional[Path]:
@@ -388,9 +394,7 @@ def dspark_preset_file(name: Optional[str]) -> Optional[Path]:
     if not name or os.path.isdir(name) or os.sep in name or "/" in name:
         return None
     path = _preset_dir() / f"{name}.json"
-    if not path.is_file():
-        return None
-    return path if _architecture_of(path) in DSPARK_ARCHITECTURES else None
+    return path if path.is_file() and is_dspark_config_file(path) else None
 
 
 def is_dspark_preset(name: Optional[str]) -> bool:
@@ -407,8 +411,7 @@ def dspark_preset_needs_dummy(name: str, load_format: Optional[str]) -> str:
 
 def list_dspark_presets() -> List[str]:
     """Names usable as ``--speculative-draft-model-path`` without files (with dummy weights)."""
-    return sorted(p.stem for p in _preset_dir().glob("*.json")
-                  if _architecture_of(p) in DSPARK_ARCHITECTURES)
+    return sorted(p.stem for p in _preset_dir().glob("*.json") if is_dspark_config_file(p))
 
 
 def dspark_preset_for_target(target: Optional[str]) -> Optional[str]:

@@ -15,28 +15,17 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 from sglang.srt.configs.bailing_moe_v3 import BailingMoeV3Config, ConfigError
+from sglang.srt.configs.dspark import is_dspark_config_file
 
 PRESET_DIR = Path(__file__).parent / "presets"
 # The bundled tiny model (trained by sglang.train); used when no --model-path is given.
 BUNDLED_MODEL_DIR = Path(__file__).resolve().parents[2] / "assets" / "tiny-bailing-v3"
 
 
-def _is_draft_preset(path: Path) -> bool:
-    """Whether the preset json at ``path`` is a DSpark draft (``configs/dspark.py``) rather than a
-    target: drafts are ``--speculative-draft-model-path`` values, never ``--model-path``."""
-    from sglang.srt.configs.dspark import DSPARK_ARCHITECTURES  # that module imports this one
-
-    try:
-        with open(path) as f:
-            archs = json.load(f).get("architectures") or [None]
-    except (OSError, json.JSONDecodeError, AttributeError):
-        return False
-    return isinstance(archs, list) and archs[0] in DSPARK_ARCHITECTURES
-
-
 def list_presets() -> list:
-    """Names usable as ``--model-path`` without files on disk (draft presets excluded)."""
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json") if not _is_draft_preset(p))
+    """Names usable as ``--model-path`` without files on disk. DSpark draft presets
+    (``configs/dspark.py``) are ``--speculative-draft-model-path`` values: not listed."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json") if not is_dspark_config_file(p))
 
 
 def resolve_model_path(model_path: Optional[str]) -> str:
@@ -55,7 +44,7 @@ def resolve_model_path(model_path: Optional[str]) -> str:
 def is_preset(model_path: str) -> bool:
     """Whether ``model_path`` names a target preset (a folder of that name wins)."""
     path = PRESET_DIR / f"{model_path}.json"
-    return not os.path.isdir(model_path) and path.exists() and not _is_draft_preset(path)
+    return not os.path.isdir(model_path) and path.exists() and not is_dspark_config_file(path)
 
 
 # ``owner/name`` as the Hugging Face Hub spells a repo id (letters, digits, ``-``, ``_``, ``.``).
