@@ -42,6 +42,18 @@
 #                 without the weight prefetch, the torch MLA RoPE, KDA's output norm inside
 #                 o_proj), FP8AB_SPECS (default "0"); lines with the setting's label in
 #                 $OUT/fp8ab.jsonl (about a minute per process)
+#   STAGE=dspark_flash  DSpark at Flash width: the whole 42-layer Ling-3.0-flash in block fp8 with
+#                 the dummy draft preset ling-3.0-flash-dspark (5 layers of hidden 2560, the
+#                 published draft's shape), batch 1, context CONTEXT (default 8192), same call:
+#                 graph_ab (graphs on) of the DSPARK round at each block of BLOCKS (default
+#                 "7 15": verify windows 8 and 16) and of the NEXTN round with NEXTN steps
+#                 (default 5; 0 skips it) into $OUT/dspark_flash.jsonl; then (CENSUS=0 skips)
+#                 the eager per-phase round census of the same rounds into
+#                 $OUT/dspark_flash_phases.jsonl (DSPARK: draft layers, draft LM head, Markov
+#                 slot loop, confidence head, planner, verify forward, KDA verify, acceptance,
+#                 KDA commit, context write; a one-probe SPS table, flat: every draft verified,
+#                 so that the confidence head and the planner run). BLOCKS / NEXTN / CENSUS split
+#                 it over calls when one call does not hold it.
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
 # FUSED=0 runs the in-process benchmarks (graph_ab, round_census, top_kernels) with the torch
 # norms and routers (--kernel-choices rmsnorm=0,router=0; the gates and servers keep the
@@ -173,6 +185,36 @@ dspark)
   timeout ${GATES_TIMEOUT:-300} python3 -m pytest -v -s -m gpu test/srt/test_dspark_gpu.py \
     -p no:cacheprovider --durations=3 2>&1 | tee "$OUT/dspark_gates.log" \
     | grep -E "DSPARK|PASS|FAIL|Error|passed|failed" | cut -c1-400
+  ;;
+dspark_flash)
+  ctx=${CONTEXT:-8192}
+  # Context: the prompt plus graph_ab's measured rounds (six rows of STEPS + 3 rounds, up to 16
+  # tokens each at block 15).
+  FULL="--model-path ling-3.0-flash --load-format dummy --quantization fp8 --mem-fraction-static 0.93 --max-running-requests 2 --context-length $((ctx + 2560)) --cuda-graph-max-bs 1"
+  DRAFT="--speculative-algorithm DSPARK --speculative-draft-model-path ling-3.0-flash-dspark"
+  FLAT="$OUT/sps_flat.json"
+  echo '{"sample_batch_tokens": [1], "sample_steps_per_sec": [1.0], "max_batch_tokens": 4096}' > "$FLAT"
+  runs=()
+  for block in ${BLOCKS:-7 15}; do runs+=("dspark$block:$DRAFT --speculative-dspark-block-size $block"); done
+  nextn=${NEXTN:-5}
+  [ "$nextn" = 0 ] || runs+=("nextn$nextn:--speculative-algorithm NEXTN --speculative-num-steps $nextn")
+  for run in "${runs[@]}"; do
+    name=${run%%:*}; spec=${run#*:}
+    echo "== dspark_flash graph_ab flash42 fp8 $name"
+    timeout ${AB_TIMEOUT:-150} python3 benchmark/batch1/graph_ab.py $FULL $KARGS $KC $spec --prompt-len $ctx \
+      --steps 16 --replays 30 --label "flash42 fp8 $name" --result-filename $OUT/dspark_flash.jsonl 2>&1 \
+      | grep -v Warn | tail -7
+  done
+  [ "${CENSUS:-1}" = 1 ] || exit 0
+  for run in "${runs[@]}"; do
+    name=${run%%:*}; spec=${run#*:}
+    # Replayed graphs call no Python: the phases are split on the eager round.
+    planner=$([ "${name#dspark}" != "$name" ] && echo "--speculative-dspark-sps-table-path $FLAT")
+    echo "== dspark_flash phase census flash42 fp8 $name (eager)"
+    timeout ${CENSUS_TIMEOUT:-150} python3 benchmark/batch1/round_census.py $FULL $KARGS $KC $spec $planner \
+      --disable-cuda-graph --by phase --prompt-len $ctx --steps 8 --warmup 2 --label "flash42 fp8 $name" \
+      --result-filename $OUT/dspark_flash_phases.jsonl 2>&1 | grep -v Warn | tail -16
+  done
   ;;
 dspark-train)
   timeout $(( ${TRAIN_BUDGET:-200} + 300 )) python3 -m sglang.train.dspark \

@@ -3,6 +3,10 @@
     python benchmark/batch1/graph_ab.py --model-path ling-3.0-flash --load-format dummy \\
         --json-model-override-args '{"num_hidden_layers": 12}' [--speculative-algorithm NEXTN \\
         --speculative-num-steps 3] --prompt-len 1024 --steps 64 --result-filename ab.jsonl
+    python benchmark/batch1/graph_ab.py --model-path ling-3.0-flash --load-format dummy \\
+        --quantization fp8 --speculative-algorithm DSPARK \\
+        --speculative-draft-model-path ling-3.0-flash-dspark [--speculative-dspark-block-size 7] \\
+        --prompt-len 1024 --steps 64   # all 42 layers: the draft reads target layer 35
 
 Builds one in-process scheduler (the server's scheduler without sockets; graphs captured as the
 server captures them), prefills one request of ``--prompt-len`` random tokens, then times
@@ -210,6 +214,18 @@ def _seam_ab(sched: Scheduler, steps: int, repeats: int) -> List[Dict[str, Any]]
              "iter_ms_runs": v, **counts[name]} for name, v in times.items()]
 
 
+def default_label(algorithm: Optional[str], nextn_steps: Optional[int], proposed: int) -> str:
+    """The rows' label without ``--label``: ``plain``, ``nextn<steps>``, ``dspark<drafts per
+    round>`` or the algorithm's name in lower case."""
+    if not algorithm:
+        return "plain"
+    if algorithm == "NEXTN":
+        return f"nextn{nextn_steps}"
+    if algorithm == "DSPARK":
+        return f"dspark{proposed}"
+    return algorithm.lower()
+
+
 def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     parser = argparse.ArgumentParser(prog="benchmark/batch1/graph_ab.py")
     ServerArgs.add_cli_args(parser)
@@ -253,8 +269,10 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     if args.trace_dir:
         sched.round_worker.graph_runner = runner
         extra.update(_idle_share(sched, args.steps, args.trace_dir))
-    label = args.label or ("nextn%d" % server_args.speculative_num_steps
-                           if server_args.speculative_algorithm else "plain")
+    label = args.label or default_label(server_args.speculative_algorithm,
+                                        server_args.speculative_num_steps,
+                                        sched.round_worker.proposed_per_round)
+    extra["round_tokens"] = sched.round_worker.round_tokens  # the verify window (1: plain)
     print(f"{'config':<18}{'iter ms':>9}{'tok/iter':>10}")
     for r in results:
         r.update(label=label, prompt_len=args.prompt_len, steps=args.steps, **extra)

@@ -19,9 +19,15 @@ wall time, and total kernels and kernel time of the profiled replays, to compare
 sum. When the Triton MoE path runs the shared expert inside the FusedMoE launches, its time
 counts as "routed experts + combine".
 
-``--by phase``: top-level aten ops, device launches and their kernel time per phase (target
-forward, KDA verify staging, MTP forwards, draft picks, acceptance, other), plus profiled vs
-unprofiled wall time, with the graph runner as configured.
+``--by phase``: top-level aten ops, device launches and their kernel time per phase, plus
+profiled vs unprofiled wall time, with the graph runner as configured (replayed graphs call no
+Python, so pass ``--disable-cuda-graph`` to split a CUDA round). Phases of a NEXTN round:
+target forward, KDA verify staging, MTP forwards, draft picks, acceptance, other. Of a DSPARK
+round (:data:`DSPARK_PHASES`): the draft layers (the backbone over the block) with the draft's
+pass through the target's LM head apart, the Markov slot loop, the confidence head and the
+planner (both run only with ``--speculative-dspark-sps-table-path``; a one-probe table is flat
+and verifies every draft), the verify forward (the target's, with its KDA staging apart), the
+acceptance, the KDA commit and the context write; other.
 """
 from __future__ import annotations
 
@@ -50,6 +56,8 @@ from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.models.bailing_moe_v3 import (BailingKDA, BailingMLA, BailingMoeV3DecoderLayer,
                                               BailingMoeV3Model)
 from sglang.srt.rounds import chain_verify
+from sglang.srt.rounds.dspark import worker as dspark_worker
+from sglang.srt.rounds.dspark.worker import DSparkWorker
 from sglang.srt.models.bailing_moe_v3_nextn import BailingMoeNextNModel
 from sglang.srt.server_args import ServerArgs
 
@@ -69,6 +77,11 @@ except ImportError:
 
 PREFIX = "census::"  # phase ranges
 CATEGORY_PREFIX = "census-category::"  # category ranges
+
+# The phase labels of a DSPARK round (``--by phase``), in round order.
+DSPARK_PHASES: Tuple[str, ...] = (
+    "draft layers", "draft LM head", "Markov slot loop", "confidence head", "planner",
+    "verify forward", "KDA verify (in target)", "acceptance", "KDA commit", "context write")
 
 CATEGORIES: Tuple[str, ...] = ("routed experts + combine", "shared expert", "router", "KDA",
                                "MLA", "dense MLP", "norms", "lm_head", "other")
@@ -304,13 +317,37 @@ def _label(obj: object, name: str, phase: str) -> Callable[[], None]:
 
 
 def _instrument(sched: Scheduler) -> List[Callable[[], None]]:
+    worker = sched.draft_worker
+    if isinstance(worker, DSparkWorker):
+        return _instrument_dspark(sched, worker)
     undo = [_label(sched.tp_worker.model_runner, "forward", "target forward"),
             _label(TorchNativeKDABackend, "_forward_target_verify", "KDA verify (in target)")]
-    worker = sched.draft_worker
     if worker is not None:
         undo += [_label(worker.draft_runner, "forward", "MTP forward"),
                  _label(worker, "_pick_draft", "draft pick"),
                  _label(chain_verify, "accept_chain", "acceptance")]
+    return undo
+
+
+def _instrument_dspark(sched: Scheduler, worker: DSparkWorker) -> List[Callable[[], None]]:
+    """The :data:`DSPARK_PHASES` ranges of a DSPARK round (innermost wins: the draft's LM head
+    inside the draft layers, the KDA staging inside the verify forward). The target runner
+    forwards only to verify during rounds (prefills are not measured)."""
+    draft = worker.draft
+    undo = [_label(draft, "forward_block", "draft layers"),
+            _label(draft, "lm_logits", "draft LM head"),
+            _label(draft, "markov_draft", "Markov slot loop"),
+            _label(draft, "confidence", "confidence head"),
+            _label(sched.tp_worker.model_runner, "forward", "verify forward"),
+            _label(TorchNativeKDABackend, "_forward_target_verify", "KDA verify (in target)"),
+            _label(worker, "_verify", "acceptance"),
+            # Imported by name into the worker's module: wrapped where the worker looks it up.
+            _label(dspark_worker, "commit_chain", "KDA commit"),
+            # round_phases() is asked for every round, so it picks the instance's wrapper up.
+            _label(worker, "_context_phase", "context write")]
+    if worker.planner is not None:
+        undo += [_label(worker.planner, name, "planner")
+                 for name in ("plan", "plan_top_k", "capacity")]
     return undo
 
 
@@ -372,13 +409,15 @@ def _parser() -> argparse.ArgumentParser:
                         help="HBM bandwidth of the floors in TB/s (H200 measured copy: 4.3)")
     parser.add_argument("--label", type=str, default="", help="run name (default: the mode)")
     parser.add_argument("--result-filename", type=str, default=None,
-                        help="append one JSON line with every number (--by category)")
+                        help="append one JSON line with every number (--by phase: a line with "
+                             "'phases' instead of 'categories', which plot_census.py does not "
+                             "read: give it a file of its own)")
     add_kernel_choices_arg(parser)
     return parser
 
 
 def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    """Command line; returns the printed census (category mode: the JSON line's dict)."""
+    """Command line; returns the printed census as the JSON line's dict."""
     parser = _parser()
     args = parser.parse_args(argv)
     if args.steps < 1 or args.warmup < 0 or args.prompt_len < 1:
@@ -386,8 +425,6 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
                      f"{args.steps}, {args.warmup}, {args.prompt_len}")
     if not args.bandwidth_tbs > 0:
         parser.error(f"--bandwidth-tbs must be positive, got {args.bandwidth_tbs}")
-    if args.by == "phase" and args.result_filename:
-        parser.error("--result-filename is written by --by category only")
     server_args = ServerArgs.from_cli_args(args)
     server_args.kernel_choices = kernel_choices_from_args(args)  # read by the target's runner
     sched = Scheduler(server_args)
@@ -399,19 +436,25 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         raise SystemExit(f"--prompt-len {args.prompt_len} leaves fewer than {want} tokens of the "
                          f"context length {sched.max_req_len}")
     _start(sched, args.prompt_len, want, args.warmup + 1)
-    spec = server_args.speculative_algorithm or "none"
-    print(f"{sched.device}, speculation {spec} (steps {server_args.speculative_num_steps}), "
-          f"prompt {args.prompt_len}, {args.steps} iterations")
+    mode = census_mode(server_args.speculative_algorithm, server_args.speculative_num_steps,
+                       sched.round_worker.proposed_per_round)
+    print(f"{sched.device}, {mode}, prompt {args.prompt_len}, {args.steps} iterations")
     try:
         if args.by == "phase":
-            return _print_phases(*run_phase_census(sched, args.steps))
+            phases = _print_phases(*run_phase_census(sched, args.steps))
+            record = {"label": args.label or mode, "mode": mode, "by": "phase",
+                      "device": sched.device.type, "prompt_len": args.prompt_len,
+                      "steps": args.steps, "round_tokens": per_step, **phases}
+            if args.result_filename:
+                with open(args.result_filename, "a") as f:
+                    f.write(json.dumps(record) + "\n")
+            return record
         before = sched.num_generated_tokens
         result = run_category_census(sched, args.steps)
         context = args.prompt_len + (before + sched.num_generated_tokens) // 2
     finally:
         sched.abort_request(AbortReq(abort_all=True))
     algo = server_args.speculative_algorithm
-    mode = f"NEXTN-{server_args.speculative_num_steps}" if algo == "NEXTN" else algo or "decode"
     runner = sched.tp_worker.model_runner
     cfg = sched.model_config.hf_config
     floors = category_floor_bytes(
@@ -432,6 +475,16 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         with open(args.result_filename, "a") as f:
             f.write(json.dumps(result) + "\n")
     return result
+
+
+def census_mode(algo: Optional[str], nextn_steps: Optional[int], proposed: int) -> str:
+    """The run's mode: ``decode``, ``NEXTN-<steps>``, ``DSPARK-<drafts per round>`` (block 7 and
+    15 rows stay apart) or another algorithm's name."""
+    if algo == "NEXTN":
+        return f"NEXTN-{nextn_steps}"
+    if algo == "DSPARK":
+        return f"DSPARK-{proposed}"
+    return algo or "decode"
 
 
 def _print_categories(result: Dict[str, Any], floors_note: bool) -> None:

@@ -78,3 +78,29 @@ def test_warm_up_runs_each_prompt_length_before_the_timed_runs(ckpt, monkeypatch
                           "--input-len", "12", "6", "12", "--output-len", "2"])
     # Warm-ups at every distinct length (compiles keyed by the token count happen there).
     assert calls == [(1, 12), (1, 6), (1, 12), (1, 6), (1, 12)]
+
+
+@pytest.mark.parametrize("spec,window", [
+    (["--speculative-algorithm", "DSPARK", "--speculative-dspark-block-size", "3"], 4),
+    (["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2"], 3)],
+    ids=["dspark", "nextn"])
+def test_bench_one_batch_times_speculative_rounds(tmp_path, spec, window):
+    """The bundled model (its MTP layer, its ``dspark/`` draft): the decode steps are the
+    algorithm's rounds, each request reaches ``--output-len`` tokens, the slots a round did
+    not keep are freed (the same pools serve both batch sizes) and the row says so."""
+    out = tmp_path / "spec.jsonl"
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        results = bench_one_batch.main([
+            "--device", "cpu", "--dtype", "float32", *spec, "--batch-size", "1", "2",
+            "--input-len", "16", "--output-len", "6", "--result-filename", str(out),
+            "--skip-warmup"])
+    finally:
+        torch.set_num_threads(n)
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["batch_size"] for r in rows] == [1, 2] == [r["batch_size"] for r in results]
+    for r in rows:
+        assert r["speculative_algorithm"] == spec[1] and r["round_tokens"] == window
+        assert 1.0 <= r["accept_length"] <= window and 1 <= r["decode_rounds"] <= 5
+        assert r["median_decode_latency"] > 0 and r["draft_weight_gb"] > 0

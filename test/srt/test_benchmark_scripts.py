@@ -208,3 +208,16 @@ def test_fp8_gemm_benchmark_smoke_run():
                       stdout, re.MULTILINE)
     assert [(r[0], r[1]) for r in rows] == [("mla kv_a", "36"), ("shared gate_up", "96")], stdout
     assert re.search(r"^\| 6 \| [\d.]+ ms \|", stdout, re.MULTILINE), stdout
+
+
+def test_graph_ab_times_a_dspark_round(tmp_path):
+    """graph_ab.py takes the DSPARK flags (the bundled model's ``dspark/`` draft, block 3): its
+    rows carry the default label ``dspark3`` and the verify window."""
+    out = tmp_path / "ab.jsonl"
+    stdout = _run("batch1/graph_ab.py", "--device", "cpu", "--dtype", "float32",
+                  "--speculative-algorithm", "DSPARK", "--speculative-dspark-block-size", "3",
+                  "--prompt-len", "16", "--steps", "2", "--result-filename", str(out))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [(r["mode"], r["overlap"]) for r in rows] == [("eager", True), ("eager", False)]
+    assert all(r["label"] == "dspark3" and r["round_tokens"] == 4 and r["tokens"] >= 5
+               for r in rows), stdout

@@ -269,3 +269,32 @@ def test_plot_census_rejects_bad_lines(tmp_path, capsys):
     with pytest.raises(SystemExit):
         pc.main([str(bad), "-o", str(tmp_path / "x.png")])
     assert "bad.jsonl:1: not JSON" in capsys.readouterr().err
+
+
+def test_dspark_round_is_split_into_its_phases(tmp_path):
+    """``--by phase`` on a DSPARK round of the bundled model (its ``dspark/`` draft, block 3):
+    every DSPARK phase gets work of its own, in the table and in the JSON line. A one-probe SPS
+    table is flat (every draft is verified) and makes the confidence head and the planner
+    run."""
+    sps = tmp_path / "flat_sps.json"
+    sps.write_text(json.dumps({"sample_batch_tokens": [1], "sample_steps_per_sec": [1.0],
+                               "max_batch_tokens": 4096}))
+    lines = tmp_path / "phases.jsonl"
+    out = _run("round_census.py", *RUN_ARGS, "--speculative-algorithm", "DSPARK",
+               "--speculative-dspark-block-size", "3", "--speculative-dspark-sps-table-path",
+               str(sps), "--by", "phase", "--result-filename", str(lines))
+    assert "DSPARK-3" in out
+    record = json.loads(lines.read_text())
+    assert (record["mode"], record["label"], record["by"], record["round_tokens"]) == \
+        ("DSPARK-3", "DSPARK-3", "phase", 4)
+    assert all(record["phases"][p]["ops"] > 0 for p in rc.DSPARK_PHASES)
+    ops = {}
+    for line in out.splitlines():
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if line.startswith("| ") and len(cells) == 4 and cells[1].replace(".", "").isdigit():
+            ops[cells[0]] = float(cells[1])
+    for phase in rc.DSPARK_PHASES:
+        assert ops.get(phase, 0) > 0, (phase, out)
+    assert "target forward" not in ops and "MTP forward" not in ops
+    assert rc.census_mode("DSPARK", None, 15) == "DSPARK-15"
+    assert rc.census_mode("NEXTN", 3, 3) == "NEXTN-3" and rc.census_mode(None, None, 0) == "decode"

@@ -20,6 +20,22 @@ which published checkpoints spell in several places. Each drafter key is looked 
 Defaults: ``block_size`` (= gamma, the number of draft tokens per round) 7, ``markov_rank`` 256,
 ``markov_head_type`` ``"vanilla"``, confidence head on and fed the Markov feature. Anything the
 engine cannot serve is a :class:`ConfigError` naming the field.
+
+Draft presets: ``configs/presets/<name>.json`` files whose ``architectures[0]`` is a DSpark
+draft are drafts without weights, usable as ``--speculative-draft-model-path <name>`` with
+``--load-format dummy`` (random weights of the real shape, as a target preset is for
+``--model-path``). ``ling-3.0-flash-dspark`` has the shape of the published Ling-3.0-flash draft:
+5 layers of hidden 2560 (the target's), SwiGLU 6144, 32 query heads, Markov rank 256, the
+confidence head, target layers ``[1, 11, 23, 29, 35]`` and the target's vocabulary. Its KV heads
+(32) and head_dim (128) are the target's ``num_key_value_heads`` / ``head_dim``: DeepSpec writes
+a draft config as a copy of the target's text config with the drafter keys on top, and the
+draft's MLP width 6144 is the target's ``intermediate_size``, which that copy explains; the
+reference facts give no other value. ``block_size`` is 15: the published "block 16" counts the
+anchor (DFlash's convention), i.e. 15 drafts and a verify window of 16, which is gamma 15 here
+(``--speculative-dspark-block-size 7`` gives the DeepSpec block-7 round). Its ``mask_token_id``
+is the last id of the padded vocabulary (a spare id, as Qwen3 drafts use one); with dummy
+weights any id costs the same. ``rope_theta`` and ``max_position_embeddings`` are the target's,
+by the same copy.
 """
 from __future__ import annotations
 
@@ -27,6 +43,7 @@ import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, Dict, List, Optional, Sequence
 
 from sglang.srt.configs.bailing_moe_v3 import ConfigError
@@ -39,7 +56,13 @@ __all__ = [
     "DSPARK_SUBFOLDER",
     "DSparkDraftConfig",
     "default_target_layer_ids",
+    "dspark_preset_file",
+    "dspark_preset_for_target",
+    "dspark_preset_needs_dummy",
     "find_dspark_draft",
+    "is_dspark_config_file",
+    "is_dspark_preset",
+    "list_dspark_presets",
 ]
 
 # Upstream's names for the same model: a DFlash draft plus Markov and confidence heads.
@@ -243,8 +266,10 @@ class DSparkDraftConfig:
     @classmethod
     def from_path(cls, path: str, target_config: Any = None,
                   block_size: Optional[int] = None) -> "DSparkDraftConfig":
-        """Read ``path/config.json`` (see :meth:`from_dict`)."""
-        cfg_path = os.path.join(path, "config.json")
+        """Read ``path/config.json``, or the preset's json when ``path`` names a draft preset
+        (see :meth:`from_dict`)."""
+        preset = dspark_preset_file(path)
+        cfg_path = str(preset) if preset is not None else os.path.join(path, "config.json")
         if not os.path.isfile(cfg_path):
             raise ConfigError(f"DSpark draft folder {path!r} has no config.json")
         try:
@@ -349,16 +374,70 @@ class DSparkDraftConfig:
 
 
 # ---------------------------------------------------------------------------------------------
+# Draft presets (configs without weights, beside the target presets)
+# ---------------------------------------------------------------------------------------------
+def _preset_dir() -> Path:
+    # Read at call time (model_config imports this module; tests point the presets elsewhere).
+    from sglang.srt.configs import model_config
+
+    return Path(model_config.PRESET_DIR)
+
+
+def is_dspark_config_file(path: Path) -> bool:
+    """Whether the config json at ``path`` describes a DSpark draft (``architectures[0]``)."""
+    return _architecture_of(path) in DSPARK_ARCHITECTURES
+
+
+def dspark_preset_file(name: Optional[str]) -> Optional[Path]:
+    """The json of draft preset ``name``, or ``None`` when ``name`` is a folder (folders win, as
+    for ``--model-path``), not a preset, or a preset of something other than a DSpark draft."""
+    if not name or os.path.isdir(name) or os.sep in name or "/" in name:
+        return None
+    path = _preset_dir() / f"{name}.json"
+    return path if path.is_file() and is_dspark_config_file(path) else None
+
+
+def is_dspark_preset(name: Optional[str]) -> bool:
+    """Whether ``name`` (a ``--speculative-draft-model-path`` value) is a DSpark draft preset."""
+    return dspark_preset_file(name) is not None
+
+
+def dspark_preset_needs_dummy(name: str, load_format: Optional[str]) -> str:
+    """The refusal of draft preset ``name`` under ``--load-format load_format`` (not dummy)."""
+    return (f"--speculative-draft-model-path {name!r} is a DSpark draft preset (a config "
+            f"without weights): pass --load-format dummy (got {load_format!r}), or point "
+            "--speculative-draft-model-path at a draft checkpoint folder")
+
+
+def list_dspark_presets() -> List[str]:
+    """Names usable as ``--speculative-draft-model-path`` without files (with dummy weights)."""
+    return sorted(p.stem for p in _preset_dir().glob("*.json") if is_dspark_config_file(p))
+
+
+def dspark_preset_for_target(target: Optional[str]) -> Optional[str]:
+    """The draft preset named ``<target>-dspark`` for target preset ``target``, if one ships."""
+    if not target:
+        return None
+    name = f"{target}-dspark"
+    return name if is_dspark_preset(name) else None
+
+
+# ---------------------------------------------------------------------------------------------
 # Locating the draft checkpoint
 # ---------------------------------------------------------------------------------------------
-def _architecture(folder: str) -> Optional[str]:
-    """``architectures[0]`` of ``folder/config.json``, or ``None`` when unreadable/absent."""
+def _architecture_of(config_file: Path) -> Optional[str]:
+    """``architectures[0]`` of a config json file, or ``None`` when unreadable/absent."""
     try:
-        with open(os.path.join(folder, "config.json")) as f:
+        with open(config_file) as f:
             archs = json.load(f).get("architectures") or [None]
     except (OSError, json.JSONDecodeError, AttributeError):
         return None
     return archs[0] if isinstance(archs, list) else None
+
+
+def _architecture(folder: str) -> Optional[str]:
+    """``architectures[0]`` of ``folder/config.json``, or ``None`` when unreadable/absent."""
+    return _architecture_of(Path(folder) / "config.json")
 
 
 def _bundles_draft_keys(folder: str) -> Sequence[str]:
@@ -375,15 +454,20 @@ def find_dspark_draft(target_path: Optional[str], draft_path: Optional[str]) -> 
     """The folder holding the DSpark draft checkpoint.
 
     ``draft_path`` (``--speculative-draft-model-path``) wins when its config.json is a DSpark
-    draft; when it is a target folder instead, its ``dspark/`` subfolder is used. Without
-    ``draft_path`` the target's ``dspark/`` subfolder is used. Anything else is an error that
-    says where it looked.
+    draft; when it is a target folder instead, its ``dspark/`` subfolder is used. A draft preset
+    name is returned as it is (:meth:`DSparkDraftConfig.from_path` reads it; its weights must be
+    dummy). Without ``draft_path`` the target's ``dspark/`` subfolder is used. Anything else is
+    an error that says where it looked.
     """
     candidates: List[str] = []
+    if draft_path and is_dspark_preset(draft_path):
+        return draft_path
     if draft_path:
         if not os.path.isdir(draft_path):
+            presets = ", ".join(list_dspark_presets()) or "none"
             raise ConfigError(f"--speculative-draft-model-path {draft_path!r} is not a folder "
-                              "(models are not downloaded)")
+                              "(models are not downloaded) nor a DSpark draft preset "
+                              f"({presets}, with --load-format dummy)")
         candidates += [draft_path, os.path.join(draft_path, DSPARK_SUBFOLDER)]
     elif target_path:
         candidates.append(os.path.join(target_path, DSPARK_SUBFOLDER))

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any, Dict, Optional, Union
 
 from sglang.srt.configs.bailing_moe_v3 import BailingMoeV3Config, ConfigError
+from sglang.srt.configs.dspark import is_dspark_config_file
 
 PRESET_DIR = Path(__file__).parent / "presets"
 # The bundled tiny model (trained by sglang.train); used when no --model-path is given.
@@ -22,8 +23,9 @@ BUNDLED_MODEL_DIR = Path(__file__).resolve().parents[2] / "assets" / "tiny-baili
 
 
 def list_presets() -> list:
-    """Names usable as ``--model-path`` without files on disk."""
-    return sorted(p.stem for p in PRESET_DIR.glob("*.json"))
+    """Names usable as ``--model-path`` without files on disk. DSpark draft presets
+    (``configs/dspark.py``) are ``--speculative-draft-model-path`` values: not listed."""
+    return sorted(p.stem for p in PRESET_DIR.glob("*.json") if not is_dspark_config_file(p))
 
 
 def resolve_model_path(model_path: Optional[str]) -> str:
@@ -40,7 +42,9 @@ def resolve_model_path(model_path: Optional[str]) -> str:
 
 
 def is_preset(model_path: str) -> bool:
-    return not os.path.isdir(model_path) and (PRESET_DIR / f"{model_path}.json").exists()
+    """Whether ``model_path`` names a target preset (a folder of that name wins)."""
+    path = PRESET_DIR / f"{model_path}.json"
+    return not os.path.isdir(model_path) and path.exists() and not is_dspark_config_file(path)
 
 
 # ``owner/name`` as the Hugging Face Hub spells a repo id (letters, digits, ``-``, ``_``, ``.``).
@@ -83,6 +87,11 @@ def load_raw_config(model_path: str) -> Dict[str, Any]:
             raise ConfigError(f"{model_path!r} has no config.json")
     elif is_preset(model_path):
         path = PRESET_DIR / f"{model_path}.json"
+    elif (PRESET_DIR / f"{model_path}.json").exists():
+        raise ConfigError(
+            f"--model-path {model_path!r} is a DSpark draft preset, not a target: pass it as "
+            "--speculative-draft-model-path with --speculative-algorithm DSPARK and "
+            f"--load-format dummy (targets: {', '.join(list_presets())})")
     else:
         raise ConfigError(missing_model_message(model_path))
     try:

@@ -38,7 +38,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from sglang.srt.configs.dspark import DSparkDraftConfig
+from sglang.srt.configs.dspark import (
+    DSparkDraftConfig,
+    dspark_preset_needs_dummy,
+    is_dspark_preset,
+)
 from sglang.srt.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
@@ -494,12 +498,16 @@ def load_dspark_draft(draft_path: str, target_config: Any, *, dtype: torch.dtype
                       block_size: Optional[int] = None, seed: int = 0) -> DSparkDraftModel:
     """Parse ``draft_path/config.json`` against the target, build the draft on ``device`` and
     fill it from the folder's safetensors (``load_format="auto"``; every missing, unexpected or
-    mis-shaped tensor is reported by name) or with dummy weights (``"dummy"``).
+    mis-shaped tensor is reported by name) or with dummy weights (``"dummy"``, the target's
+    initialiser). ``draft_path`` may name a draft preset (``configs/dspark.py``), which has no
+    weights: only ``"dummy"`` loads it.
 
     The embedding and LM head still have to be shared with :meth:`set_embed_and_head`.
     """
     if load_format not in ("auto", "safetensors", "dummy"):
         raise ValueError(f"DSpark draft: unknown load_format {load_format!r}")
+    if is_dspark_preset(draft_path) and load_format != "dummy":
+        raise ValueError(dspark_preset_needs_dummy(draft_path, load_format))
     config = DSparkDraftConfig.from_path(draft_path, target_config, block_size)
     from sglang.srt.models.registry import get_model_class  # the registry imports this module
 

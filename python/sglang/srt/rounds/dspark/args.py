@@ -84,20 +84,31 @@ def resolve_verify_mode(mode: Optional[str], has_sps_table: bool, overlap: bool)
 
 
 def check_args(a: Any) -> None:
-    """The draft is given or beside the target, the block size and verify mode are valid and
-    the planner's files exist and parse (their fit to the draft is checked by the worker)."""
-    from sglang.srt.configs.model_config import resolve_model_path
+    """The draft is given or beside the target (a draft preset only with dummy weights), the
+    block size and verify mode are valid and the planner's files exist and parse (their fit to
+    the draft is checked by the worker)."""
+    from sglang.srt.configs.dspark import (dspark_preset_for_target, dspark_preset_needs_dummy,
+                                           is_dspark_preset)
+    from sglang.srt.configs.model_config import is_preset, resolve_model_path
     from sglang.srt.rounds.dspark.setup import load_dspark_tables
 
-    if not a.speculative_draft_model_path:
+    draft = a.speculative_draft_model_path
+    if not draft:
         # Else the draft is the target checkpoint's dspark/ subfolder (configs/dspark.py
         # find_dspark_draft, which the worker runs with the full checks).
         target = resolve_model_path(a.model_path)
         if not os.path.isdir(os.path.join(target, "dspark")):
+            # A target preset has no folder to look in; its draft preset, when one ships, is
+            # what the user wants.
+            preset = dspark_preset_for_target(target) if is_preset(target) else None
+            hint = (f"; for the preset target {target!r} pass --speculative-draft-model-path "
+                    f"{preset} (a dummy draft of the published shape)") if preset else ""
             raise ValueError(
                 "--speculative-draft-model-path is required for --speculative-algorithm "
                 f"DSPARK unless the target checkpoint has a 'dspark/' draft subfolder "
-                f"(none in {target!r})")
+                f"(none in {target!r}){hint}")
+    elif is_dspark_preset(draft) and a.load_format != "dummy":
+        raise ValueError(dspark_preset_needs_dummy(draft, a.load_format))
     if a.speculative_dspark_block_size is not None:
         int_at_least("--speculative-dspark-block-size", a.speculative_dspark_block_size, 2)
     resolve_verify_mode(a.speculative_dspark_verify_mode,
