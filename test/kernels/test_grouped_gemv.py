@@ -244,3 +244,15 @@ def test_small_m_moe_bf16_on_cuda(triton_mode):
     exact = fused_moe_gather(hidden.float(), w13.float(), w2.float(), weights, ids, 7.0)
     # Both bf16 paths round h13, the activation and y alike; only the accumulation order differs.
     assert _rel(got, exact) <= 1.5 * _rel(ref, exact) + 1e-3
+
+
+def test_small_m_moe_is_batch_invariant(triton_mode):
+    """A token's MoE output is bit-identical alone and beside other tokens (a 1-token decode
+    and a 4-token verify): each (token, expert) pair is its own launch row with a tile chosen
+    from the weight's shape, never from the number of pairs (what bit-exact speculation
+    needs)."""
+    hidden, w13, w2, weights, ids = _moe_inputs(torch.float32, t=4)
+    together = fused_moe_small_m(hidden, w13, w2, weights, ids, 0.5)
+    for t in range(4):
+        alone = fused_moe_small_m(hidden[t:t + 1], w13, w2, weights[t:t + 1], ids[t:t + 1], 0.5)
+        assert torch.equal(alone[0], together[t]), f"token {t}"

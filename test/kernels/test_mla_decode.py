@@ -270,3 +270,56 @@ def test_equal_with_and_without_pdl_in_a_graph():
         return decode, mla_decode_fwd(q3, kv, req_to_token, rpi, pos3, v, dk ** -0.5)
 
     assert_bitwise_equal(outputs_without_and_with_pdl(step))
+
+
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_batch_invariant_split_is_bit_exact_across_launch_shapes(adaptive):
+    """With the fixed split boundaries of ``mla_decode_batch_invariant_split`` a query token's
+    output is bit-identical whether it runs alone (a 1-token decode), inside a 4-token verify
+    chain, or beside another request: keys it cannot see add exact zeros and the key groups
+    and their merge order are the same (what bit-exact speculation needs). The adaptive split
+    (from the request's longest query) groups the keys differently in the two launches, and
+    its results differ in the last bits.
+
+    16 heads: each token's rows fill one 16-row program, as Ling's 32 heads fill two. (On the
+    GPU the tensor-core product computes each row independently of its neighbours; the
+    interpreter's matmul may round a row differently at another row offset of the tile.)"""
+    heads = 16
+    from sgl_kernel.mla_decode import mla_decode_batch_invariant_split, mla_decode_fwd
+
+    cache = Cache(seed=5)
+    cap = cache.req_to_token.shape[1]
+    splits, split_len = mla_decode_batch_invariant_split(cap, cache.dk)
+    assert splits * split_len >= cap and splits > 1  # several groups even at this capacity
+    chain = [37, 38, 39, 40]
+    q = cache.query(1, len(chain) * heads)
+    other = cache.query(1, len(chain) * heads)
+
+    def run(rpi, pos, qq):
+        plan = {} if adaptive else dict(num_splits=splits, split_len=split_len)
+        return mla_decode_fwd(qq, cache.kv, cache.req_to_token, torch.tensor(rpi, device=DEVICE),
+                              torch.tensor(pos, device=DEVICE), V, SCALE, **plan)
+
+    verify = run([2], [chain], q)[0]
+    beside = run([3, 2], [[9, 10, 11, 12], chain], torch.cat([other, q]))[1]
+    alone = torch.cat([run([2], [[p]], q[:, t * heads:(t + 1) * heads])[0]
+                       for t, p in enumerate(chain)])
+    if adaptive:
+        assert not torch.equal(alone, verify)
+    else:
+        assert torch.equal(verify, beside) and torch.equal(alone, verify)
+    ref = cache.reference(q, torch.tensor([2], device=DEVICE), torch.tensor([chain], device=DEVICE))
+    assert _rel(verify.unsqueeze(0), ref) < TOL[torch.float32]
+
+
+def test_split_len_must_cover_the_capacity():
+    from sgl_kernel.mla_decode import mla_decode_fwd
+
+    cache = Cache(seed=6)
+    q = cache.query(1, H)
+    args = (q, cache.kv, cache.req_to_token, torch.tensor([1], device=DEVICE),
+            torch.tensor([[3]], device=DEVICE), V, SCALE)
+    with pytest.raises(ValueError, match="cover the capacity 64"):
+        mla_decode_fwd(*args, num_splits=2, split_len=16)
+    with pytest.raises(ValueError, match="split_len needs num_splits"):
+        mla_decode_fwd(*args, split_len=64)

@@ -1,7 +1,8 @@
 """Bit-exact speculation in bf16: with ``--enable-deterministic-inference`` the dense GEMMs of
-decode and verify batches run the batch-invariant small-M GEMM (``KernelChoices.small_m_gemm``),
-so a token's logits do not depend on how many rows share the launch (a 1-token decode, an
-``N``-token verify, a batch of requests). Greedy NEXTN-3 and DSPARK must then equal plain
+decode and verify batches run the batch-invariant small-M GEMM (``KernelChoices.small_m_gemm``)
+and the Triton MLA kernel splits the keys at fixed boundaries, so a token's logits do not depend
+on how many rows share the launch (a 1-token decode, an ``N``-token verify, a batch of
+requests). Greedy NEXTN-3 and DSPARK must then equal plain
 decoding byte for byte on the bundled model, at batch 1 and at batch 4 with staggered arrivals,
 10 held-out prompts x 256 tokens (the GPU gate of the deterministic path).
 
@@ -57,6 +58,14 @@ def test_flag_reaches_the_runner_and_the_draft():
     assert target.enable_deterministic_inference
     assert sched.draft_worker.draft_runner.enable_deterministic_inference
     assert not target.kernel_choices.small_m_gemm  # off CUDA the torch paths run regardless
+    # The Triton MLA kernel then splits keys at fixed boundaries (test/kernels/test_mla_decode.py
+    # shows a token's output bit-identical alone and in a verify chain).
+    triton = make_scheduler(MODEL, max_total_tokens=4096, max_running_requests=2,
+                            attention_backend="triton", enable_deterministic_inference=True)
+    assert triton.tp_worker.model_runner.attn_backend.full_attn_backend.batch_invariant
+    plain = make_scheduler(MODEL, max_total_tokens=4096, max_running_requests=2,
+                           attention_backend="triton")
+    assert not plain.tp_worker.model_runner.attn_backend.full_attn_backend.batch_invariant
 
 
 @pytest.mark.gpu

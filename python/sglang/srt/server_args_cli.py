@@ -240,10 +240,12 @@ def _kernel_flags(g: Any, d: Dict[str, Any]) -> None:
           words="auto: triton on CUDA, torch_native elsewhere",
           help="KDA decode/verify recurrence: triton = one kernel per layer.")
     _flag(g, "--enable-deterministic-inference", action="store_true",
-          help="Batch-invariant dense GEMMs for 16-bit weights on CUDA: the decode / verify "
-               "projections, router gate and LM head run the small-M Triton GEMM "
-               "(sgl_kernel.small_m_gemm), so a row rounds the same alone and beside other "
-               "rows. fp8 weights always use it; off CUDA the torch paths run regardless.")
+          help="Batch-invariant decode on CUDA, so that a token's logits are the same alone, in "
+               "a verify chain or beside other requests (bit-exact speculative decoding in "
+               "bf16): the decode / verify projections, router gate and LM head of 16-bit "
+               "weights run the small-M Triton GEMM (sgl_kernel.small_m_gemm; fp8 weights "
+               "always do), and the Triton MLA kernel splits keys at fixed boundaries. Off CUDA "
+               "the torch paths run regardless.")
     _flag(g, "--disable-cuda-graph", action="store_true",
           words="off on CUDA; always on without CUDA",
           help="Run every forward eagerly (no CUDA graph capture).")

@@ -28,6 +28,13 @@ Why this shape of kernel:
   uses few splits and a long one all of them. A split past the end writes nothing; the merge
   kernel reads, per query row, only the splits that hold a key the row can see, and combines
   them by log-sum-exp.
+* **Batch invariance on request** (``split_len``, :func:`mla_decode_batch_invariant_split`):
+  the adaptive split length depends on the request's longest query, so the same query token's
+  keys are grouped differently in a 1-token decode and in an ``N``-token verify, and its output
+  rounds differently. With a fixed split length (from the capacity only) every query row sees
+  the same key groups in the same order whatever shares the launch: keys a row cannot see
+  contribute exact zeros to its online softmax and splits past its length are never merged, so
+  its result is bit-identical at any ``N`` and batch size (``--enable-deterministic-inference``).
 * **One program, all its rows, one read of each key.** A program holds ``BLOCK_H`` query rows
   (heads, possibly of several chain tokens) and scores them against a ``BLOCK_N`` block of cache
   rows with two ``tl.dot``s (the latent part, padded to a power of two, and the rope part), then
@@ -51,8 +58,8 @@ import triton.language as tl
 from sgl_kernel import pdl
 from sgl_kernel._triton_mode import INTERPRETED, sm_count
 
-__all__ = ["mla_decode_fwd", "mla_decode_num_splits", "mla_decode_scratch_numel", "MAX_SPLITS",
-           "REFERENCE_NOTE"]
+__all__ = ["mla_decode_fwd", "mla_decode_num_splits", "mla_decode_batch_invariant_split",
+           "mla_decode_scratch_numel", "MAX_SPLITS", "REFERENCE_NOTE"]
 
 REFERENCE_NOTE = ("reference: sglang.srt.layers.attention.mla_ops.mla_decode_attention over the "
                   "padded cache gather (module docstring), compared in "
@@ -117,6 +124,17 @@ def mla_decode_num_splits(batch: int, rows: int, capacity: int, dk: int,
     return max(1, min(MAX_SPLITS, by_capacity, by_occupancy))
 
 
+def mla_decode_batch_invariant_split(capacity: int, dk: int) -> tuple:
+    """``(num_splits, split_len)`` with split boundaries fixed by the capacity alone: the
+    shortest split (a multiple of ``BLOCK_N``, at least ``SPLIT_MIN``) for which ``MAX_SPLITS``
+    splits cover ``capacity`` keys, so short sequences still spread over several programs. Pass
+    both to :func:`mla_decode_fwd` for results that do not depend on the batch shape."""
+    cfg = _config(dk)
+    per_split = triton.cdiv(max(capacity, 1), MAX_SPLITS)
+    split_len = max(cfg.split_min, triton.cdiv(per_split, cfg.block_n) * cfg.block_n)
+    return triton.cdiv(max(capacity, 1), split_len), split_len
+
+
 def mla_decode_scratch_numel(batch: int, rows: int, num_splits: int, v_dim: int) -> int:
     """fp32 elements of the split scratch: a ``v_dim`` partial output and a log-sum-exp per
     (request, query row, split)."""
@@ -125,9 +143,13 @@ def mla_decode_scratch_numel(batch: int, rows: int, num_splits: int, v_dim: int)
 
 @triton.jit
 def _split_len(pos_ptr, b, s_pb, s_pn, N, cap, num_splits,
-               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr):
-    """Keys per split of request ``b`` (the same in both kernels): from its longest query's
-    visible length, clamped to the cache capacity."""
+               BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, SPLIT_MIN: tl.constexpr,
+               FIXED_SPLIT: tl.constexpr):
+    """Keys per split of request ``b`` (the same in both kernels): ``FIXED_SPLIT`` when it is
+    set (batch-invariant boundaries), else from its longest query's visible length, clamped to
+    the cache capacity."""
+    if FIXED_SPLIT > 0:
+        return FIXED_SPLIT
     toks = tl.arange(0, BLOCK_T)
     pos = tl.load(pos_ptr + b * s_pb + toks * s_pn, mask=toks < N, other=-1)
     length = tl.minimum(tl.maximum(tl.max(pos, 0) + 1, 0), cap)
@@ -141,14 +163,15 @@ def _mla_split_kernel(q_ptr, kv_ptr, r2t_ptr, rpi_ptr, pos_ptr, part_ptr, lse_pt
                       s_qb, s_qr, s_kv, s_r2t, s_pb, s_pn,
                       V: tl.constexpr, DR: tl.constexpr, BLOCK_V: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_T: tl.constexpr, SPLIT_MIN: tl.constexpr, PRECISION: tl.constexpr,
-                      USE_PDL: tl.constexpr):
+                      BLOCK_T: tl.constexpr, SPLIT_MIN: tl.constexpr, FIXED_SPLIT: tl.constexpr,
+                      PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     split = tl.program_id(2)
     # Positions, queries, the cache and the request map are all written earlier in the step.
     pdl.wait(USE_PDL)
     pdl.launch_dependents(USE_PDL)
-    chunk = _split_len(pos_ptr, b, s_pb, s_pn, N, cap, num_splits, BLOCK_T, BLOCK_N, SPLIT_MIN)
+    chunk = _split_len(pos_ptr, b, s_pb, s_pn, N, cap, num_splits, BLOCK_T, BLOCK_N, SPLIT_MIN,
+                       FIXED_SPLIT)
     rows = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     row_ok = rows < R
     # Visible keys of each row: 0 .. positions[b, token] (padding rows of the block see none).
@@ -205,14 +228,15 @@ def _mla_split_kernel(q_ptr, kv_ptr, r2t_ptr, rpi_ptr, pos_ptr, part_ptr, lse_pt
 def _mla_merge_kernel(part_ptr, lse_ptr, pos_ptr, out_ptr, N, H, R, cap, num_splits,
                       s_pb, s_pn, s_ob, s_or,
                       V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_T: tl.constexpr, SPLIT_MIN: tl.constexpr, BLOCK_S: tl.constexpr,
-                      USE_PDL: tl.constexpr):
+                      BLOCK_T: tl.constexpr, SPLIT_MIN: tl.constexpr, FIXED_SPLIT: tl.constexpr,
+                      BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     r = tl.program_id(1)
     # The partials come from the split kernel just before; positions from earlier still.
     pdl.wait(USE_PDL)
     pdl.launch_dependents(USE_PDL)
-    chunk = _split_len(pos_ptr, b, s_pb, s_pn, N, cap, num_splits, BLOCK_T, BLOCK_N, SPLIT_MIN)
+    chunk = _split_len(pos_ptr, b, s_pb, s_pn, N, cap, num_splits, BLOCK_T, BLOCK_N, SPLIT_MIN,
+                       FIXED_SPLIT)
     limit = tl.minimum(tl.maximum(tl.load(pos_ptr + b * s_pb + (r // H) * s_pn) + 1, 0), cap)
     count = tl.cdiv(limit, chunk)  # splits holding at least one key this row sees
     base = (b * R + r).to(tl.int64) * num_splits
@@ -277,7 +301,8 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch
                    req_pool_indices: torch.Tensor, positions: torch.Tensor, v_dim: int,
                    scale: float, num_splits: Optional[int] = None,
                    out: Optional[torch.Tensor] = None,
-                   scratch: Optional[torch.Tensor] = None) -> torch.Tensor:
+                   scratch: Optional[torch.Tensor] = None,
+                   split_len: Optional[int] = None) -> torch.Tensor:
     """Attention of ``N`` query tokens per request over that request's latent cache rows.
 
     See the module docstring for the layout. ``positions [B, N]`` (integer, device) gives each
@@ -286,17 +311,27 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch
     ``num_splits`` defaults to :func:`mla_decode_num_splits` (shapes only). ``out`` (``[B, N*H,
     v_dim]`` in q's dtype) and ``scratch`` (fp32, contiguous, at least
     :func:`mla_decode_scratch_numel` elements) may be preallocated so that a CUDA graph reuses
-    them; the launches read no device value on the host. Returns ``out``.
+    them; the launches read no device value on the host. ``split_len`` (with ``num_splits``,
+    both from :func:`mla_decode_batch_invariant_split`) fixes the split boundaries so that a
+    query row's result does not depend on the other rows or requests of the launch. Returns
+    ``out``.
     """
     _check_inputs(q, kv_buffer, req_to_token, req_pool_indices, positions, v_dim)
     b, rows, dk = q.shape
     n = positions.shape[1]
     cap = req_to_token.shape[1]
+    if split_len is not None and num_splits is None:
+        raise ValueError("mla_decode_fwd: split_len needs num_splits (both from "
+                         "mla_decode_batch_invariant_split)")
     if num_splits is None:
         num_splits = mla_decode_num_splits(b, rows, cap, dk, q.device)
     elif not isinstance(num_splits, int) or not 1 <= num_splits <= MAX_SPLITS:
         raise ValueError(f"mla_decode_fwd: num_splits must be an int in 1..{MAX_SPLITS}, "
                          f"got {num_splits!r}")
+    if split_len is not None and (not isinstance(split_len, int) or split_len < 1
+                                  or num_splits * split_len < cap):
+        raise ValueError(f"mla_decode_fwd: {num_splits} splits of split_len {split_len!r} must "
+                         f"cover the capacity {cap}")
     if out is None:
         out = torch.empty(b, rows, v_dim, dtype=q.dtype, device=q.device)
     elif tuple(out.shape) != (b, rows, v_dim) or out.dtype != q.dtype or out.stride(2) != 1 \
@@ -323,7 +358,8 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     req_pool_indices = req_pool_indices.contiguous()  # indexed densely by request
     common = dict(BLOCK_V=max(16, triton.next_power_of_2(v_dim)), BLOCK_N=cfg.block_n,
-                  BLOCK_T=triton.next_power_of_2(n), SPLIT_MIN=cfg.split_min)
+                  BLOCK_T=triton.next_power_of_2(n), SPLIT_MIN=cfg.split_min,
+                  FIXED_SPLIT=split_len or 0)
     launch = {} if INTERPRETED else dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     grid = (b, triton.cdiv(rows, cfg.block_h), num_splits)
     pdl_on = pdl.use_pdl(b * n)  # the query tokens; the same for both launches

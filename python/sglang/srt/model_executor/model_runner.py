@@ -332,7 +332,8 @@ class ModelRunner:
                          kda_state_pool)
         self.attn_backend = create_attn_backend(
             attention_backend, kda_prefill_impl=kda_prefill_impl,
-            linear_attn_decode_backend=linear_attn_decode_backend)
+            linear_attn_decode_backend=linear_attn_decode_backend,
+            batch_invariant=self.enable_deterministic_inference)
         self._grow_rope_tables()
         set_vars = set_env_values()
         if set_vars and tp_rank == 0:  # what a set SGLANG_* variable resolved to, once

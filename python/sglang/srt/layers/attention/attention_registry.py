@@ -14,7 +14,8 @@ ATTENTION_BACKENDS = ATTENTION_BACKEND_CHOICES
 
 
 def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto",
-                        linear_attn_decode_backend: str = "auto") -> AttentionBackend:
+                        linear_attn_decode_backend: str = "auto",
+                        batch_invariant: bool = False) -> AttentionBackend:
     """Build the attention backend called ``name`` for a hybrid KDA + MLA model.
 
     * ``"torch_native"``: plain PyTorch for both MLA and KDA, the reference. Here ``"auto"`` means
@@ -29,6 +30,10 @@ def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto",
     (``sgl_kernel.kda_recurrent``; CUDA, or Triton's interpreter on CPU) or the torch step
     (``"torch_native"``; the model runner resolves ``"auto"`` by device first, and an unresolved
     ``"auto"`` here means the torch step).
+
+    ``batch_invariant`` (``--enable-deterministic-inference``): the Triton MLA kernel splits
+    the keys at fixed boundaries, so a token's attention does not depend on the launch's other
+    rows (the torch MLA path is the reference and makes no such promise).
     """
     if linear_attn_decode_backend not in KERNEL_BACKEND_CHOICES:
         raise ValueError(f"linear_attn_decode_backend must be one of {KERNEL_BACKEND_CHOICES}, "
@@ -44,5 +49,5 @@ def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto",
     if name == "triton":
         from sglang.srt.layers.attention.triton_backend import TritonMLABackend  # imports triton
 
-        return HybridLinearAttnBackend(TritonMLABackend(), kda)
+        return HybridLinearAttnBackend(TritonMLABackend(batch_invariant=batch_invariant), kda)
     return HybridLinearAttnBackend(TorchNativeMLABackend(), kda)

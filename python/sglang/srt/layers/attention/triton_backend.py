@@ -16,12 +16,17 @@ values through SDPA's fused kernels), short ones the torch absorbed form.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Optional, Tuple
 
 import torch
 
 from sgl_kernel._triton_mode import INTERPRETED
-from sgl_kernel.mla_decode import mla_decode_fwd, mla_decode_num_splits, mla_decode_scratch_numel
+from sgl_kernel.mla_decode import (
+    mla_decode_batch_invariant_split,
+    mla_decode_fwd,
+    mla_decode_num_splits,
+    mla_decode_scratch_numel,
+)
 from sglang.srt.layers.attention.extend_layout import extend_layout
 from sglang.srt.layers.attention.torch_native_mla import (
     TorchNativeMLABackend,
@@ -59,8 +64,11 @@ class TritonMLABackend(TorchNativeMLABackend):
     # The result does not depend on ForwardBatch.seq_lens_upper_bound (the kernel never gathers).
     width_independent = True
 
-    def __init__(self):
+    def __init__(self, batch_invariant: bool = False):
         super().__init__()
+        # Fixed split boundaries (--enable-deterministic-inference): a token's attention rounds
+        # the same in a decode, a verify and any batch (sgl_kernel.mla_decode's docstring).
+        self.batch_invariant = batch_invariant
         self._graph_max_bs = 0  # 0: init_cuda_graph_state not called
         self._graph_max_tokens = 0
         self._scratch: Optional[torch.Tensor] = None
@@ -117,15 +125,24 @@ class TritonMLABackend(TorchNativeMLABackend):
         pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k)
         req_to_token = forward_batch.req_to_token_pool.req_to_token
         cap = req_to_token.shape[1]
-        splits = mla_decode_num_splits(b, rows * h, cap, dk, q.device)
+        splits, split_len = self._split_plan(b, rows * h, cap, dk, q.device)
         scratch = self._graph_scratch(q.device, h, dv, cap, dk)
         if scratch is not None \
                 and scratch.numel() < mla_decode_scratch_numel(b, rows * h, splits, dv):
             scratch = None  # larger than any captured batch: a temporary one for this call
         out = mla_decode_fwd(q.reshape(b, rows * h, dk), buf, req_to_token,
                              forward_batch.req_pool_indices, forward_batch.positions.view(b, rows),
-                             dv, layer.scaling, num_splits=splits, scratch=scratch)
+                             dv, layer.scaling, num_splits=splits, scratch=scratch,
+                             split_len=split_len)
         return out.view(b * rows, h, dv)
+
+    def _split_plan(self, batch: int, rows: int, cap: int, dk: int,
+                    device: torch.device) -> Tuple[int, Optional[int]]:
+        """``(num_splits, split_len)`` of a launch: the batch-invariant plan, or the adaptive
+        split count (``split_len`` None: chosen on the device from each request's length)."""
+        if self.batch_invariant:
+            return mla_decode_batch_invariant_split(cap, dk)
+        return mla_decode_num_splits(batch, rows, cap, dk, device), None
 
     # ---- CUDA graphs ------------------------------------------------------------------------
     def _graph_scratch(self, device: torch.device, heads: int, v_dim: int, cap: int,
@@ -140,7 +157,7 @@ class TritonMLABackend(TorchNativeMLABackend):
             need = 0
             for bs in range(1, self._graph_max_bs + 1):
                 for n in range(1, self._graph_max_tokens // bs + 1):
-                    splits = mla_decode_num_splits(bs, n * heads, cap, dk, device)
+                    splits = self._split_plan(bs, n * heads, cap, dk, device)[0]
                     need = max(need, mla_decode_scratch_numel(bs, n * heads, splits, v_dim))
             self._scratch = torch.empty(need, dtype=torch.float32, device=device)
         return self._scratch if self._scratch.device == device else None
