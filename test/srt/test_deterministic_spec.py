@@ -11,13 +11,16 @@ here, the equality itself needs CUDA.
 """
 from __future__ import annotations
 
+import os
 from typing import Dict, List
 
 import pytest
 
-from engine_test_utils import make_scheduler, request, submit_staggered
+from engine_test_utils import make_scheduler, request, server_args, submit_staggered
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR
+from sglang.srt.layers.kernel_choices import KernelChoices
 from sglang.srt.managers.io_struct import BatchTokenIDOutput
+from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.server_args import prepare_server_args
 from sglang.train.data import HELD_OUT_FILES, stdlib_root
 
@@ -36,8 +39,9 @@ def _prompts(tokenizer) -> List[List[int]]:
     return out
 
 
-def _greedy(sched, prompts: List[List[int]], stagger: int = 0) -> Dict[str, List[int]]:
-    reqs = [request(f"p{i}", p, max_new_tokens=GEN, temperature=0, ignore_eos=True)
+def _greedy(sched, prompts: List[List[int]], stagger: int = 0,
+            gen: int = GEN) -> Dict[str, List[int]]:
+    reqs = [request(f"p{i}", p, max_new_tokens=gen, temperature=0, ignore_eos=True)
             for i, p in enumerate(prompts)]
     submit_staggered(sched, reqs, stagger)
     ids: Dict[str, List[int]] = {}
@@ -66,6 +70,28 @@ def test_flag_reaches_the_runner_and_the_draft():
     plain = make_scheduler(MODEL, max_total_tokens=4096, max_running_requests=2,
                            attention_backend="triton")
     assert not plain.tp_worker.model_runner.attn_backend.full_attn_backend.batch_invariant
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="the grouped mat-vec on CPU needs Triton's interpreter")
+def test_absorbed_mla_as_grouped_gemv_serves_the_same_tokens():
+    """MLA's absorbed products as grouped mat-vecs (``KernelChoices.mla_absorb_gemv``, the
+    deterministic path's) give the bundled model's greedy tokens, plain and NEXTN, as torch.bmm
+    does (fp32 on CPU)."""
+    kw = dict(max_total_tokens=4096, max_running_requests=4)
+    base = make_scheduler(MODEL, **kw)
+    prompts = _prompts(base.tokenizer)[:2]
+    want = {}
+    for i, p in enumerate(prompts):
+        want[f"p{i}"] = _greedy(base, [p], gen=24)["p0"]
+    for spec in ({}, dict(speculative_algorithm="NEXTN", speculative_num_steps=3)):
+        args = server_args(MODEL, **kw, **spec)
+        args.kernel_choices = KernelChoices(mla_absorb_gemv=True)  # read by the runner
+        sched = Scheduler(args)
+        runner = sched.tp_worker.model_runner
+        assert runner.kernel_choices.mla_absorb_gemv
+        got = {f"p{i}": _greedy(sched, [p], gen=24)["p0"] for i, p in enumerate(prompts)}
+        assert got == want, spec
 
 
 @pytest.mark.gpu

@@ -38,8 +38,8 @@ def test_defaults_off_cuda_are_the_torch_paths(quantized):
                                     enable_deterministic_inference=deterministic)
         assert kc == KernelChoices(rmsnorm=False, mla_rope=False, router=False,
                                    moe_combine=False, small_m_gemm=False,
-                                   kda_norm_in_o_proj=False, moe_grouped_mm=False,
-                                   pdl_weight_prefetch=True)
+                                   mla_absorb_gemv=False, kda_norm_in_o_proj=False,
+                                   moe_grouped_mm=False, pdl_weight_prefetch=True)
 
 
 def test_triton_moe_backend_brings_router_and_combine_anywhere():
@@ -55,6 +55,10 @@ def test_deterministic_inference_turns_on_the_small_m_gemm_for_16_bit_weights():
                                   enable_deterministic_inference=True).small_m_gemm
     assert default_kernel_choices("cuda", quantized=True,
                                   enable_deterministic_inference=True).small_m_gemm
+    # ... and MLA's absorbed products as grouped mat-vecs (only then).
+    assert not default_kernel_choices("cuda", quantized=True).mla_absorb_gemv
+    assert default_kernel_choices("cuda", quantized=False,
+                                  enable_deterministic_inference=True).mla_absorb_gemv
 
 
 def test_forced_fields_win_and_the_rest_keep_their_defaults():
@@ -124,7 +128,7 @@ def _layer_state(runner):
     from sglang.srt.layers.moe.moe_layer import FusedMoE
     from sglang.srt.layers.moe.topk import MoEGate
     from sglang.srt.layers.rotary_embedding import RotaryEmbedding
-    from sglang.srt.models.bailing_moe_v3 import BailingKDA
+    from sglang.srt.models.bailing_moe_v3 import BailingKDA, BailingMLA
 
     mods = list(runner.model.modules())
 
@@ -141,6 +145,7 @@ def _layer_state(runner):
         moe_grouped_mm=one(m.grouped_mm for m in mods if isinstance(m, FusedMoE)),
         small_m_gemm=one(m.small_m_gemm for m in mods if hasattr(m, "small_m_gemm")),
         kda_norm_in_o_proj=one(m.norm_in_o_proj for m in mods if isinstance(m, BailingKDA)),
+        mla_absorb_gemv=one(m.absorb_gemv for m in mods if isinstance(m, BailingMLA)),
     )
 
 
@@ -156,12 +161,13 @@ def test_runner_on_cpu_takes_the_torch_paths_by_default(tiny_path):
                     reason="forcing Triton kernels on CPU needs the interpreter (test/conftest.py)")
 def test_runner_applies_forced_choices_to_every_layer(tiny_path):
     forced = KernelChoices(rmsnorm=True, mla_rope=True, router=True, small_m_gemm=True,
-                           kda_norm_in_o_proj=True, moe_grouped_mm=True)
+                           kda_norm_in_o_proj=True, moe_grouped_mm=True, mla_absorb_gemv=True)
     runner = _runner(tiny_path, kernel_choices=forced)
     assert runner.requested_kernel_choices is forced
     state = _layer_state(runner)
     assert state == dict(rmsnorm=True, mla_rope=True, router=True, moe_combine=False,
-                         moe_grouped_mm=True, small_m_gemm=True, kda_norm_in_o_proj=True)
+                         moe_grouped_mm=True, small_m_gemm=True, kda_norm_in_o_proj=True,
+                         mla_absorb_gemv=True)
     # the one-kernel combine only exists on the Triton MoE runner
     triton = _runner(tiny_path, moe_runner_backend="triton",
                      kernel_choices=KernelChoices(router=False))

@@ -244,8 +244,9 @@ def _kernel_flags(g: Any, d: Dict[str, Any]) -> None:
                "a verify chain or beside other requests (bit-exact speculative decoding in "
                "bf16): the decode / verify projections, router gate and LM head of 16-bit "
                "weights run the small-M Triton GEMM (sgl_kernel.small_m_gemm; fp8 weights "
-               "always do), and the Triton MLA kernel splits keys at fixed boundaries. Off CUDA "
-               "the torch paths run regardless.")
+               "always do), MLA's absorbed per-head products run as grouped mat-vecs, and the "
+               "Triton MLA kernel splits keys at fixed boundaries. Off CUDA the torch paths run "
+               "regardless.")
     _flag(g, "--disable-cuda-graph", action="store_true",
           words="off on CUDA; always on without CUDA",
           help="Run every forward eagerly (no CUDA graph capture).")

@@ -19,6 +19,11 @@ knows (:func:`default_kernel_choices`):
   weights on CUDA when ``enable_deterministic_inference`` asks for batch-invariant results
   (upstream's ``--enable-deterministic-inference``): a row then rounds the same alone and beside
   other rows, so that bf16 speculative decoding equals plain decoding.
+* ``mla_absorb_gemv`` (MLA's absorbed per-head products, ``q_nope @ W_UK`` and ``o @ W_UV``,
+  as one grouped mat-vec each: ``sgl_kernel.grouped_gemv``, a tile fixed by the weight's shape)
+  instead of ``torch.bmm``, whose library kernel may round a token differently at another
+  batch size: on for CUDA with ``enable_deterministic_inference``, off otherwise (its cost on
+  the decode step is not measured).
 * ``kda_norm_in_o_proj`` (KDA's output norm inside o_proj's loads; measured slower than its own
   launch) and ``moe_grouped_mm`` (the torch-native MoE's large batches through
   ``torch._grouped_mm``; never measured): off. ``pdl_weight_prefetch`` (the small-M GEMM's
@@ -61,6 +66,7 @@ class KernelChoices:
     router: Optional[bool] = None
     moe_combine: Optional[bool] = None
     small_m_gemm: Optional[bool] = None
+    mla_absorb_gemv: Optional[bool] = None
     kda_norm_in_o_proj: Optional[bool] = None
     moe_grouped_mm: Optional[bool] = None
     pdl_weight_prefetch: Optional[bool] = None
@@ -136,6 +142,7 @@ def default_kernel_choices(device_type: str, *, quantized: bool, moe_runner_back
         router=triton_moe,
         moe_combine=triton_moe,
         small_m_gemm=cuda and (quantized or bool(enable_deterministic_inference)),
+        mla_absorb_gemv=cuda and bool(enable_deterministic_inference),
         kda_norm_in_o_proj=False,
         moe_grouped_mm=False,
         pdl_weight_prefetch=True,

@@ -55,7 +55,7 @@ from sglang.srt.mem_cache.memory_pool import (
 )
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_loader.loader import get_model, model_weight_bytes
-from sglang.srt.models.bailing_moe_v3 import set_kda_norm_in_o_proj
+from sglang.srt.models.bailing_moe_v3 import set_kda_norm_in_o_proj, set_mla_absorb_gemv
 
 if TYPE_CHECKING:
     from sglang.srt.configs.bailing_moe_v3 import BailingMoeV3Config
@@ -365,6 +365,7 @@ class ModelRunner:
         self.triton_rope = set_rope_backend(self.model, kc.mla_rope, self.device)
         self.small_m_gemm = set_linear_backend(self.model, kc.small_m_gemm, self.device)
         set_kda_norm_in_o_proj(self.model, kc.kda_norm_in_o_proj)
+        set_mla_absorb_gemv(self.model, kc.mla_absorb_gemv)
         self.pdl = self._init_pdl(kc.pdl_weight_prefetch)
         if quantized and self.device.type == "cuda" and not self.small_m_gemm:
             logger.warning("fp8 weights with KernelChoices(small_m_gemm=False): every dense "

@@ -201,6 +201,16 @@ def set_kda_norm_in_o_proj(model: nn.Module, on: bool) -> bool:
     return bool(on)
 
 
+def set_mla_absorb_gemv(model: nn.Module, on: bool) -> bool:
+    """Run every :class:`BailingMLA` layer's absorbed per-head products as grouped mat-vecs
+    (``on``: batch-invariant, ``KernelChoices.mla_absorb_gemv``) or through ``torch.bmm``;
+    returns ``on``."""
+    for module in model.modules():
+        if isinstance(module, BailingMLA):
+            module.absorb_gemv = bool(on)
+    return bool(on)
+
+
 # ============================================================================================
 # MLA (docs/model.md §4), absorbed form for prefill and decode alike
 # ============================================================================================
@@ -249,6 +259,10 @@ class BailingMLA(nn.Module):
         self.rotary_emb = rope
         self.attn = RadixAttention(layer_id, h, self.kv_lora_rank, self.qk_rope_head_dim,
                                    scaling=config.qk_head_dim ** -0.5)
+        # set_mla_absorb_gemv: the absorbed products as grouped mat-vecs over copies of w_kc /
+        # w_vc with rows along the reduced dim (made at the first such forward, after loading).
+        self.absorb_gemv = False
+        self._absorb_rows: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
 
     def _load_kv_b(self, param: nn.Parameter, loaded: LazyWeight, shard_id=None) -> None:
         """``kv_b_proj.weight [H*(nope+v), r]``: this rank's heads, split into w_kc and w_vc."""
@@ -311,10 +325,29 @@ class BailingMLA(nn.Module):
                          forward_batch: ForwardBatch) -> torch.Tensor:
         """Absorbed form: W_UK folded into the query, W_UV applied to the latent output.
         Returns head outputs ``[T, h, v]``."""
-        q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)  # [T, h, r]
+        if self.absorb_gemv:
+            q_latent = self._per_head_gemv(q_nope, 0)
+        else:
+            q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)  # [T, h, r]
         q, k = self.rotary_emb.assemble_mla(positions, q_latent, q_rope, latent, k_rope)
         o_latent = self.attn(q, k, forward_batch)
+        if self.absorb_gemv:
+            return self._per_head_gemv(o_latent, 1)
         return torch.bmm(o_latent.transpose(0, 1), self.w_vc).transpose(0, 1)  # [T, h, v]
+
+    def _per_head_gemv(self, x: torch.Tensor, which: int) -> torch.Tensor:
+        """``x[t, i] @ W[i]`` for every (token, head) of ``x [T, h, d]`` as one grouped mat-vec
+        (``W`` = ``w_kc`` for ``which`` 0, ``w_vc`` for 1): each row's sum runs in an order set
+        by the weight's shape alone, so a token rounds alike in a decode and in a verify."""
+        from sgl_kernel.grouped_gemv import grouped_gemv
+
+        if self._absorb_rows is None:
+            self._absorb_rows = (self.w_kc.data.transpose(1, 2).contiguous(),
+                                 self.w_vc.data.transpose(1, 2).contiguous())
+        w = self._absorb_rows[which]  # [h, d_out, d]
+        t, h, d = x.shape
+        heads = torch.arange(h, device=x.device).repeat(t)  # (token, head) -> head's weight
+        return grouped_gemv(x.reshape(t * h, d).contiguous(), w, heads).view(t, h, -1)
 
     def _attend_normal(self, positions: torch.Tensor, q_nope: torch.Tensor,
                        q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
