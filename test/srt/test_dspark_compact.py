@@ -69,7 +69,7 @@ def test_greedy_is_lossless_and_rounds_shrink_to_their_tier(ckpts, prompts, ref,
         assert (host["accept_len"] <= tier + 1).all()
         assert (host["tokens"][:, tier + 1:] == -1).all()  # the block's width, padded
     state = worker.internal_state()
-    assert state["dspark_ragged_verify_mode"] == "compact"
+    assert state["dspark_verify_mode"] == "compact"
     assert state["dspark_planner"] == "lagged-top-k"
 
 

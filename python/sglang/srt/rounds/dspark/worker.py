@@ -186,14 +186,14 @@ class DSparkWorker(BaseSpecWorker):
             pool.req_to_token, t.token_to_kv_pool.size, cfg.num_hidden_layers,
             cfg.num_key_value_heads, cfg.head_dim, t.dtype, self.device)
         self.overlap = not getattr(server_args, "disable_overlap_schedule", False)
-        self.ragged_mode = resolve_verify_mode(
+        self.verify_mode = resolve_verify_mode(
             getattr(server_args, "speculative_dspark_verify_mode", None),
             setup.sps_table is not None, self.overlap)
-        self.planner = None if self.ragged_mode == "static" else DSparkPlanner(
+        self.planner = None if self.verify_mode == "static" else DSparkPlanner(
             self.gamma, setup.sps_table, setup.sts_temperatures, self.device)
         # compact: drafts verified per request this round (a tier, host-chosen from the budget
         # hint of the latest round consumed); otherwise always the whole block.
-        self.tiers = verify_tiers(self.gamma) if self.ragged_mode == "compact" else [self.gamma]
+        self.tiers = verify_tiers(self.gamma) if self.verify_mode == "compact" else [self.gamma]
         self.verify_drafts = self.gamma
         self._budget_hint: Optional[int] = None
         lagged = self.planner is not None and self.overlap
@@ -205,7 +205,7 @@ class DSparkWorker(BaseSpecWorker):
         logger.info("DSPARK: draft %s (%d layers), block size %d, verify window %s, planner %s "
                     "(%s), context store %.1f MiB", setup.draft_path, cfg.num_hidden_layers,
                     self.gamma, "/".join(str(t + 1) for t in self.tiers), self.planner_mode,
-                    self.ragged_mode, self.context.nbytes / 2**20)
+                    self.verify_mode, self.context.nbytes / 2**20)
 
     @property
     def round_tokens(self) -> int:
@@ -229,7 +229,7 @@ class DSparkWorker(BaseSpecWorker):
         holds the planner's budget for it. That budget comes from the confidences of the round
         two launches earlier, which the host has consumed when it launches this one (the overlap
         schedule), so the choice reads nothing from the device; before any hint, the block."""
-        if self.ragged_mode != "compact":
+        if self.verify_mode != "compact":
             return None
         return tier_for_budget(self.tiers, self._budget_hint)
 
@@ -249,7 +249,7 @@ class DSparkWorker(BaseSpecWorker):
             "speculative_dspark_block_size": self.gamma,
             "speculative_num_draft_tokens": self.gamma + 1,
             "dspark_planner": self.planner_mode,
-            "dspark_ragged_verify_mode": self.ragged_mode,
+            "dspark_verify_mode": self.verify_mode,
             "dspark_num_verify_reqs": s.request_rounds,
             "dspark_avg_planned_verify_len": s.planned_drafts / max(s.request_rounds, 1),
             "dspark_avg_correct_drafts": s.correct_drafts / max(s.request_rounds, 1),
@@ -429,7 +429,7 @@ class DSparkWorker(BaseSpecWorker):
         lag1, lag2 = self.future_map.gather(slots, "conf_lag1", "conf_lag2")
         budget = self.planner.capacity(lag2, active)
         self.future_map.scatter(slots, conf_lag1=conf, conf_lag2=lag1)
-        if self.ragged_mode != "compact":
+        if self.verify_mode != "compact":
             return self.planner.plan_top_k(conf, budget, active), None
         cap = torch.full((b,), self.verify_drafts, dtype=torch.int64, device=self.device)
         hint = self.planner.capacity(conf, active).reshape(1).expand(b).contiguous()
