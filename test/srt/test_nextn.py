@@ -457,9 +457,10 @@ def test_async_host_copy_on_cpu():
                                            ("bfloat16", "triton")])
 def test_greedy_lossless_on_cuda(prompts, dtype, kernels):
     """On CUDA (side-stream copies, copy-done events, one-round-late host): speculative greedy
-    equals plain greedy. fp32 checks the algorithm; bf16 is the GPU gate of losslessness (a verify over
-    N tokens and a 1-token decode must round alike for it to hold); ``kernels="triton"`` runs
-    the MoE and the KDA recurrence through the project's Triton kernels."""
+    equals plain greedy. fp32 checks the algorithm; bf16 is the GPU gate of losslessness (a
+    verify over N tokens and a 1-token decode must round alike for it to hold);
+    ``kernels="triton"`` runs the MoE and the KDA recurrence through the project's Triton
+    kernels."""
     kw = dict(device="cuda", dtype=dtype, max_total_tokens=8192, max_running_requests=8,
               moe_runner_backend=kernels, linear_attn_decode_backend=kernels)
     plain = make_scheduler(MODEL, **kw)
