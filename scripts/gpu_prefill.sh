@@ -17,6 +17,9 @@
 #   STAGE=conc      12-layer bf16 server (default flags), random-ids 1024 / 128 at concurrency
 #                   CONCS (default "1 4 16 64"); $OUT/conc.jsonl
 #   STAGE=gates     the gpu-marked graph gates (test/srt/test_cuda_graph_runner.py; GATES: others)
+#   STAGE=interference a decoding request's ITL while an 8192-token prompt is prefilled
+#                   (benchmark/batch1/prefill_interference.py), 12-layer bf16 server per
+#                   --chunked-prefill-size in CHUNKS (default "8192 2048"); $OUT/interference.jsonl
 #   STAGE=determinism  the bit-exact bf16 speculation gate (test/srt/test_deterministic_spec.py:
 #                   NEXTN-3 and DSPARK == plain with --enable-deterministic-inference), then the
 #                   flag's cost: bench_one_batch decode (64 steps after 1024 tokens) of the
@@ -132,6 +135,16 @@ conc)
 gates)
   timeout 540 python3 -m pytest -q -m gpu ${GATES:-test/srt/test_cuda_graph_runner.py} 2>&1 \
     | tee "$OUT/gates.log" | tail -6
+  ;;
+interference)
+  for c in ${CHUNKS:-8192 2048}; do
+    echo "== 12-layer bf16, --chunked-prefill-size $c"
+    serve 30712 "$OUT/server_interference_$c.log" $FLASH12 --chunked-prefill-size $c || continue
+    timeout 200 python3 benchmark/batch1/prefill_interference.py --port 30712 \
+      --prefill-len 8192 --decode-output-len 512 --label "chunk$c" \
+      --output-file "$OUT/interference.jsonl" 2>&1 | tee "$OUT/interference_$c.log" | grep -E ":"
+    stop_server
+  done
   ;;
 determinism)
   timeout ${GATE_TIMEOUT:-300} python3 -m pytest -q -s -m gpu test/srt/test_deterministic_spec.py \
