@@ -51,3 +51,32 @@ def test_tables_cover_every_variable_and_flag():
     for line in (env_md + flags_md).splitlines():
         if line.startswith("| "):  # a row that broke across lines would lose its cells
             assert line.endswith(" |"), line
+
+
+def _load_graph_script() -> ModuleType:
+    path = os.path.join(REPO_ROOT, "scripts", "gen_import_graph.py")
+    spec = importlib.util.spec_from_file_location("gen_import_graph", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_architecture_import_graph_is_current():
+    """docs/architecture.md's package import graph equals a fresh generation (rerun
+    ``python3 scripts/gen_import_graph.py`` after changing what a package imports)."""
+    graph = _load_graph_script()
+    with open(graph.DOC) as f:
+        doc = f.read()
+    assert graph.render(doc) == doc
+
+
+def test_lower_layers_import_nothing_from_rounds_or_managers():
+    """The layering docs/architecture.md states: the model, its layers, the pools and the runner
+    never import the round workers or the scheduler at import time; the rounds never import the
+    scheduler."""
+    edges = _load_graph_script().package_edges()
+    lower = {"models", "layers", "mem_cache", "model_executor", "sampling", "configs",
+             "model_loader", "distributed"}
+    bad = sorted((a, b) for a, b in edges if a in lower and b in ("rounds", "managers"))
+    assert not bad
+    assert ("rounds", "managers") not in edges
