@@ -59,10 +59,11 @@ def test_future_map_assign_round_uses_either_path_alike(monkeypatch):
     r2t, seq_lens, tokens = _state(7)
     maps = []
     for fused in (False, True):
-        fm = FutureMap(6, DEVICE)
+        # fused: the CUDA default; the interpreter runs the same kernel here
+        fm = FutureMap(6, DEVICE, fused_prep=fused)
+        assert fm.fused_prep is fused
         fm.seq_lens.copy_(seq_lens)
         fm.tokens.copy_(tokens)
-        fm._fused_prep = fused  # the CUDA default; the interpreter runs the same kernel here
         out_map = r2t.clone()
         prefix, toks = fm.assign_round(out_map, torch.tensor([2, 4], device=DEVICE),
                                        torch.tensor([[7, 8], [9, 10]], device=DEVICE),
