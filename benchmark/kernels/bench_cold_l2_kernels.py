@@ -35,6 +35,8 @@ from typing import Callable, Dict, Iterator, List, NamedTuple, Optional, Sequenc
 
 import torch
 
+from sglang.test.kernel_shapes import TINY_KERNEL_DIMS, KernelDims, flash_kernel_dims
+
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cold_l2, beside this file
 from cold_l2 import cold_time_us, flush_buffer  # noqa: E402
 
@@ -43,63 +45,12 @@ DEFAULT_OUT = REPO / "benchmark" / "results" / "cold_l2_kernels.jsonl"
 
 
 @dataclass(frozen=True)
-class Dims:
-    """The model sizes the kernels see (Ling-3.0-flash's, or tiny ones of the same structure)."""
-
-    hidden: int
-    heads: int
-    head_dim: int  # KDA's head
-    conv_kernel: int
-    qk_nope: int
-    qk_rope: int
-    kv_lora_rank: int
-    experts: int
-    topk: int
-    moe_inter: int
-    groups: int
-    topk_group: int
-    routed_scale: float
-    expert_limit: float  # the config's largest routed SwiGLU clamp
-    eps: float
-    rope_theta: float
-    rope_interleave: bool
-    lower_bound: float  # KDA's safe gate
-    context: int  # positions and request->token map width
-    verify_chain: int  # tokens of a NEXTN verify
-
-
-def flash_dims() -> Dims:
-    """Ling-3.0-flash's sizes from the preset the engine ships."""
-    from sglang.srt.configs.engine_defaults import NEXTN_DEFAULT_SPEC
-    from sglang.srt.configs.model_config import load_raw_config
-
-    c = load_raw_config("ling-3.0-flash")
-    return Dims(hidden=c["hidden_size"], heads=c["num_attention_heads"], head_dim=c["head_dim"],
-                conv_kernel=c["short_conv_kernel_size"], qk_nope=c["qk_nope_head_dim"],
-                qk_rope=c["qk_rope_head_dim"], kv_lora_rank=c["kv_lora_rank"],
-                experts=c["num_experts"], topk=c["num_experts_per_tok"],
-                moe_inter=c["moe_intermediate_size"], groups=c["n_group"],
-                topk_group=c["topk_group"], routed_scale=c["routed_scaling_factor"],
-                expert_limit=max(c["expert_swiglu_limit_list"]), eps=c["rms_norm_eps"],
-                rope_theta=c["rope_theta"], rope_interleave=c["rope_interleave"],
-                lower_bound=c["kda_lower_bound"], context=min(8192, c["max_position_embeddings"]),
-                verify_chain=NEXTN_DEFAULT_SPEC[2])
-
-
-# The interpreter's cost is per program and per op: small widths, the config's scalars kept.
-TINY = Dims(hidden=192, heads=2, head_dim=16, conv_kernel=4, qk_nope=16, qk_rope=8,
-            kv_lora_rank=24, experts=16, topk=4, moe_inter=32, groups=4, topk_group=2,
-            routed_scale=2.5, expert_limit=4.0, eps=1e-6, rope_theta=6e6,
-            rope_interleave=True, lower_bound=-5.0, context=64, verify_chain=3)
-
-
-@dataclass(frozen=True)
 class Env:
     """Device, dtype, sizes and the row counts of one run."""
 
     device: str
     dtype: torch.dtype
-    dims: Dims
+    dims: KernelDims
     decode_rows: Tuple[int, ...]
     prefill_rows: Tuple[int, ...]
     gen: torch.Generator
@@ -503,7 +454,7 @@ def main(argv: Optional[List[str]] = None) -> List[dict]:
     elif not torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("bench_cold_l2_kernels needs CUDA with compiled Triton "
                          "(or --device cpu --tiny for a smoke run)")
-    dims = TINY if args.tiny else flash_dims()
+    dims = TINY_KERNEL_DIMS if args.tiny else flash_kernel_dims()
     env = Env(device=args.device,
               dtype=torch.bfloat16 if args.device == "cuda" else torch.float32, dims=dims,
               decode_rows=tuple(args.decode_rows or ((1, 3) if args.tiny else (1, 4, 16))),

@@ -34,7 +34,6 @@ add of ``rmsnorm``, the copies of ``kda_conv``'s windows, ``round_prep``) are co
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 from dataclasses import dataclass
@@ -43,73 +42,9 @@ from typing import Optional, Tuple
 import pytest
 import torch
 
+from sglang.test.kernel_shapes import TINY_KERNEL_DIMS, KernelDims, flash_kernel_dims
+
 INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-
-
-@dataclass(frozen=True)
-class Dims:
-    """The model sizes a kernel test needs (Ling-3.0-flash's, or a tiny set of the same
-    structure: powers of two where a kernel needs them, several heads / groups / pieces)."""
-
-    hidden: int
-    heads: int
-    head_dim: int  # KDA's head (q, k, v, gate)
-    conv_kernel: int
-    qk_nope: int
-    qk_rope: int
-    kv_lora_rank: int
-    experts: int
-    topk: int
-    moe_inter: int
-    groups: int
-    topk_group: int
-    routed_scale: float
-    expert_limit: float  # the largest SwiGLU clamps of the config (routed, shared)
-    shared_limit: float
-    eps: float
-    vocab: int
-    lower_bound: float
-    rope_theta: float
-    rope_interleave: bool
-    context: int  # positions / cache columns used
-    decode_rows: Tuple[int, ...]  # decode and verify batches (tokens)
-    prefill_rows: int
-    verify_chain: int  # tokens of a NEXTN verify (the engine's default chain)
-
-
-@functools.lru_cache(maxsize=None)
-def flash_dims() -> Dims:
-    """Ling-3.0-flash's sizes from the shipped preset (no number copied by hand)."""
-    from sglang.srt.configs.engine_defaults import NEXTN_DEFAULT_SPEC
-    from sglang.srt.configs.model_config import load_raw_config
-
-    c = load_raw_config("ling-3.0-flash")
-    return Dims(
-        hidden=c["hidden_size"], heads=c["num_attention_heads"], head_dim=c["head_dim"],
-        conv_kernel=c["short_conv_kernel_size"], qk_nope=c["qk_nope_head_dim"],
-        qk_rope=c["qk_rope_head_dim"], kv_lora_rank=c["kv_lora_rank"],
-        experts=c["num_experts"], topk=c["num_experts_per_tok"],
-        moe_inter=c["moe_intermediate_size"], groups=c["n_group"], topk_group=c["topk_group"],
-        routed_scale=c["routed_scaling_factor"],
-        expert_limit=max(c["expert_swiglu_limit_list"]),
-        shared_limit=max(c["share_expert_swiglu_limit_list"]), eps=c["rms_norm_eps"],
-        vocab=c["vocab_size"], lower_bound=c["kda_lower_bound"], rope_theta=c["rope_theta"],
-        rope_interleave=c["rope_interleave"],
-        # 8 K: a long decode's positions and request->token map width, inside
-        # max_position_embeddings (the RoPE table and the map cost memory, not coverage).
-        context=min(8192, c["max_position_embeddings"]),
-        # batch-1 decode, NEXTN verify (3 drafts + 1), DSpark's 16-wide verify; a 2 K prefill
-        decode_rows=(1, 4, 16), prefill_rows=2048, verify_chain=NEXTN_DEFAULT_SPEC[2])
-
-
-# Tiny sizes for the interpreter (its cost is per program and per op): same structure, the
-# config's scalars (eps, limits, bound, theta) unchanged; hidden 192 spans two 128-column fp8
-# scale blocks, the second ragged, and is no power of two (masked tails).
-TINY = Dims(hidden=192, heads=2, head_dim=16, conv_kernel=4, qk_nope=16, qk_rope=8,
-            kv_lora_rank=24, experts=16, topk=4, moe_inter=32, groups=4, topk_group=2,
-            routed_scale=2.5, expert_limit=4.0, shared_limit=7.0, eps=1e-6, vocab=100,
-            lower_bound=-5.0, rope_theta=6e6, rope_interleave=True, context=64,
-            decode_rows=(1, 3), prefill_rows=9, verify_chain=3)
 
 
 @dataclass(frozen=True)
@@ -121,8 +56,18 @@ class Target:
     dtype: torch.dtype
 
     @property
-    def dims(self) -> Dims:
-        return flash_dims() if self.device == "cuda" else TINY
+    def dims(self) -> KernelDims:
+        return flash_kernel_dims() if self.device == "cuda" else TINY_KERNEL_DIMS
+
+    @property
+    def decode_rows(self) -> Tuple[int, ...]:
+        """Decode and verify batches (tokens): batch-1 decode, a NEXTN verify (3 drafts + 1),
+        DSpark's 16-wide verify; fewer under the interpreter."""
+        return (1, 4, 16) if self.device == "cuda" else (1, 3)
+
+    @property
+    def prefill_rows(self) -> int:
+        return 2048 if self.device == "cuda" else 9
 
     @property
     def rel(self) -> float:
@@ -226,7 +171,7 @@ def test_small_m_gemm_projections(target):
 
     d, gen = target.dims, target.gen(1)
     hd = d.heads * d.head_dim
-    m = max(d.decode_rows)
+    m = max(target.decode_rows)
     x = target.randn(m, d.hidden, gen=gen)
     w_qkv, s_qkv, rows_qkv = _fp8_pieces(target, (hd, hd, hd, d.heads, hd, hd), d.hidden, gen)
     w_o, s_o = _fp8_weight(target, (d.hidden, hd), gen)
@@ -266,7 +211,7 @@ def test_grouped_gemv_moe_experts(target):
 
     d, gen = target.dims, target.gen(2)
     e, h, i, k = d.experts, d.hidden, d.moe_inter, d.topk
-    t = d.decode_rows[1]  # a NEXTN verify's tokens: several pairs per expert row block
+    t = target.decode_rows[1]  # a NEXTN verify's tokens: several pairs per expert row block
     x = target.randn(t, h, gen=gen, scale=2.0)  # x 2: gates past the clamp occur
     ids = target.rand(t, e, gen=gen).argsort(-1)[:, :k].reshape(-1)  # k distinct experts
     for fp8 in (False, True):
@@ -392,7 +337,7 @@ def test_mla_rope_assembly(target):
     neox = not d.rope_interleave
     rope = RotaryEmbedding(dr, dr, d.context, d.rope_theta, is_neox_style=neox)
     table = rope.cos_sin_cache(torch.device(target.device))
-    for t in (*d.decode_rows, d.prefill_rows):
+    for t in (*target.decode_rows, target.prefill_rows):
         positions = (target.rand(t, gen=gen) * d.context).long()
         q_latent = target.randn(h, t, r, gen=gen).transpose(0, 1)  # the absorbed bmm's layout
         q_rope = target.randn(t, h, d.qk_nope + dr, gen=gen)[..., d.qk_nope:]
@@ -411,7 +356,7 @@ def test_moe_combine(target):
     from sgl_kernel.moe_combine import moe_combine, moe_combine_reference
 
     d, gen = target.dims, target.gen(6)
-    for t in (*d.decode_rows, d.prefill_rows):
+    for t in (*target.decode_rows, target.prefill_rows):
         y = target.randn(t * d.topk + t, d.hidden, gen=gen)
         weights = target.rand(t, d.topk, gen=gen)
         weights = weights / weights.sum(-1, keepdim=True) * d.routed_scale  # as the router's
@@ -435,7 +380,7 @@ def test_moe_router(target):
 
     d, gen = target.dims, target.gen(7)
     bias = target.randn(d.experts, gen=gen, scale=0.3, dtype=torch.float32)
-    for t in (*d.decode_rows, d.prefill_rows):
+    for t in (*target.decode_rows, target.prefill_rows):
         logits = target.randn(t, d.experts, gen=gen, scale=2.0, dtype=torch.float32)
         args = (d.topk, bias, d.groups, d.topk_group, True, d.routed_scale)
         weights, ids = moe_router_topk(logits, *args)
@@ -461,7 +406,7 @@ def test_rmsnorm_model_norms(target):
     w = 1.0 + target.randn(d.hidden, gen=gen, scale=0.1)
     w_kv = 1.0 + target.randn(d.kv_lora_rank, gen=gen, scale=0.1)
     w_o = 1.0 + target.randn(d.head_dim, gen=gen, scale=0.1)
-    for t in (*d.decode_rows, d.prefill_rows):
+    for t in (*target.decode_rows, target.prefill_rows):
         x, res = (target.randn(t, d.hidden, gen=gen, scale=3.0) for _ in "xr")
         out, new_res = rmsnorm(x, w, d.eps, residual=res)
         assert torch.equal(new_res, x + res)
@@ -483,7 +428,7 @@ def test_round_prep_index_chain(target):
 
     d, gen = target.dims, target.gen(9)
     reqs, cap = 8, d.context
-    for b, n in ((1, 1), (1, d.verify_chain), (1, max(d.decode_rows)), (4, d.verify_chain)):
+    for b, n in ((1, 1), (1, d.verify_chain), (1, max(target.decode_rows)), (4, d.verify_chain)):
         r2t = (target.rand(reqs + 1, cap, gen=gen) * 1e6).to(torch.int32)
         seq_lens = (target.rand(reqs + 1, gen=gen) * (cap - n)).long()
         seq_lens[0] = 0  # the padding slot
@@ -496,3 +441,13 @@ def test_round_prep_index_chain(target):
         prefix, toks = assign_round_cache_locs(r2t, seq_lens, slots, loc, tokens)
         assert torch.equal(prefix, prefix_ref) and torch.equal(toks, tokens_ref), (b, n)
         assert torch.equal(r2t, ref_map), (b, n)
+
+
+def test_flash_sizes_come_from_the_preset():
+    """The CUDA cases' sizes (read here on CPU too, so a broken reader fails before a GPU run)."""
+    from sglang.srt.configs.model_config import load_raw_config
+
+    d, c = flash_kernel_dims(), load_raw_config("ling-3.0-flash")
+    assert (d.hidden, d.heads, d.experts, d.vocab) == (
+        c["hidden_size"], c["num_attention_heads"], c["num_experts"], c["vocab_size"])
+    assert d.verify_chain >= 2 and d.context <= c["max_position_embeddings"]
