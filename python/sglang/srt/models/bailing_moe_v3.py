@@ -325,29 +325,31 @@ class BailingMLA(nn.Module):
                          forward_batch: ForwardBatch) -> torch.Tensor:
         """Absorbed form: W_UK folded into the query, W_UV applied to the latent output.
         Returns head outputs ``[T, h, v]``."""
-        if self.absorb_gemv:
-            q_latent = self._per_head_gemv(q_nope, 0)
-        else:
+        if not self.absorb_gemv:
             q_latent = torch.bmm(q_nope.transpose(0, 1), self.w_kc).transpose(0, 1)  # [T, h, r]
+            q, k = self.rotary_emb.assemble_mla(positions, q_latent, q_rope, latent, k_rope)
+            o_latent = self.attn(q, k, forward_batch)
+            return torch.bmm(o_latent.transpose(0, 1), self.w_vc).transpose(0, 1)  # [T, h, v]
+        t, h = q_nope.shape[:2]
+        heads = torch.arange(h, device=q_nope.device).repeat(t)  # (token, head) -> head's weight
+        q_latent = self._per_head_gemv(q_nope, 0, heads)
         q, k = self.rotary_emb.assemble_mla(positions, q_latent, q_rope, latent, k_rope)
         o_latent = self.attn(q, k, forward_batch)
-        if self.absorb_gemv:
-            return self._per_head_gemv(o_latent, 1)
-        return torch.bmm(o_latent.transpose(0, 1), self.w_vc).transpose(0, 1)  # [T, h, v]
+        return self._per_head_gemv(o_latent, 1, heads)
 
-    def _per_head_gemv(self, x: torch.Tensor, which: int) -> torch.Tensor:
+    def _per_head_gemv(self, x: torch.Tensor, which: int, heads: torch.Tensor) -> torch.Tensor:
         """``x[t, i] @ W[i]`` for every (token, head) of ``x [T, h, d]`` as one grouped mat-vec
-        (``W`` = ``w_kc`` for ``which`` 0, ``w_vc`` for 1): each row's sum runs in an order set
-        by the weight's shape alone, so a token rounds alike in a decode and in a verify."""
+        (``W`` = ``w_kc`` for ``which`` 0, ``w_vc`` for 1; ``heads [T * h]``: each row's head):
+        each row's sum runs in an order set by the weight's shape alone, so a token rounds alike
+        in a decode and in a verify."""
         from sgl_kernel.grouped_gemv import grouped_gemv
 
         if self._absorb_rows is None:
             self._absorb_rows = (self.w_kc.data.transpose(1, 2).contiguous(),
                                  self.w_vc.data.transpose(1, 2).contiguous())
-        w = self._absorb_rows[which]  # [h, d_out, d]
         t, h, d = x.shape
-        heads = torch.arange(h, device=x.device).repeat(t)  # (token, head) -> head's weight
-        return grouped_gemv(x.reshape(t * h, d).contiguous(), w, heads).view(t, h, -1)
+        out = grouped_gemv(x.reshape(t * h, d).contiguous(), self._absorb_rows[which], heads)
+        return out.view(t, h, -1)
 
     def _attend_normal(self, positions: torch.Tensor, q_nope: torch.Tensor,
                        q_rope: torch.Tensor, latent: torch.Tensor, k_rope: torch.Tensor,
