@@ -212,12 +212,15 @@ def test_fp8_gemm_benchmark_smoke_run():
 
 def test_graph_ab_times_a_dspark_round(tmp_path):
     """graph_ab.py takes the DSPARK flags (the bundled model's ``dspark/`` draft, block 3): its
-    rows carry the default label ``dspark3`` and the verify window."""
+    rows carry the default label ``dspark3`` and the verify window. Each of the 2 + 3 timed
+    iterations consumes a round of at least one token, except the first with overlap (it only
+    launches), so a row has at least 4 tokens (the prompt is random ids: the seed fixes it)."""
     out = tmp_path / "ab.jsonl"
     stdout = _run("batch1/graph_ab.py", "--device", "cpu", "--dtype", "float32",
                   "--speculative-algorithm", "DSPARK", "--speculative-dspark-block-size", "3",
-                  "--prompt-len", "16", "--steps", "2", "--result-filename", str(out))
+                  "--prompt-len", "16", "--steps", "2", "--random-seed", "0",
+                  "--result-filename", str(out))
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     assert [(r["mode"], r["overlap"]) for r in rows] == [("eager", True), ("eager", False)]
-    assert all(r["label"] == "dspark3" and r["round_tokens"] == 4 and r["tokens"] >= 5
+    assert all(r["label"] == "dspark3" and r["round_tokens"] == 4 and r["tokens"] >= 4
                for r in rows), stdout
