@@ -85,6 +85,18 @@ class Collected:
         return self
 
 
+def take_token_ids(sched: Scheduler) -> Dict[str, List[int]]:
+    """The output ids per rid in ``sched``'s outbox (other messages, such as a speculative
+    server's metrics, skipped), emptying it."""
+    ids: Dict[str, List[int]] = {}
+    for msg in sched.outbox:
+        if isinstance(msg, BatchTokenIDOutput):
+            for i, rid in enumerate(msg.rids):
+                ids.setdefault(rid, []).extend(msg.decode_ids[i])
+    sched.outbox.clear()
+    return ids
+
+
 def run_requests(sched: Scheduler, reqs: List[TokenizedGenerateReqInput]) -> Collected:
     for r in reqs:
         sched.submit(r)

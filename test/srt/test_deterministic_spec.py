@@ -16,10 +16,10 @@ from typing import Dict, List
 
 import pytest
 
-from engine_test_utils import make_scheduler, request, server_args, submit_staggered
+from engine_test_utils import (make_scheduler, request, server_args, submit_staggered,
+                               take_token_ids)
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR
 from sglang.srt.layers.kernel_choices import KernelChoices
-from sglang.srt.managers.io_struct import BatchTokenIDOutput
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.server_args import prepare_server_args
 from sglang.train.data import HELD_OUT_FILES, stdlib_root
@@ -44,13 +44,7 @@ def _greedy(sched, prompts: List[List[int]], stagger: int = 0,
     reqs = [request(f"p{i}", p, max_new_tokens=gen, temperature=0, ignore_eos=True)
             for i, p in enumerate(prompts)]
     submit_staggered(sched, reqs, stagger)
-    ids: Dict[str, List[int]] = {}
-    for msg in sched.outbox:
-        if isinstance(msg, BatchTokenIDOutput):
-            for i, rid in enumerate(msg.rids):
-                ids.setdefault(rid, []).extend(msg.decode_ids[i])
-    sched.outbox.clear()
-    return ids
+    return take_token_ids(sched)
 
 
 def test_flag_reaches_the_runner_and_the_draft():

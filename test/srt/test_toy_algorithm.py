@@ -15,9 +15,8 @@ from typing import Any, Dict, List, Optional, Sequence
 import pytest
 import torch
 
-from engine_test_utils import make_scheduler, request, submit_staggered
+from engine_test_utils import make_scheduler, request, submit_staggered, take_token_ids
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR
-from sglang.srt.managers.io_struct import BatchTokenIDOutput
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.rounds import registry
 from sglang.srt.rounds.chain_verify import chain_pending_round, verify_chain
@@ -107,13 +106,7 @@ def _run(sched, prompts: List[List[int]], n: int, stagger: int = 0, **sp: Any):
     reqs = [request(f"r{i}", p, max_new_tokens=n, ignore_eos=True, **sp)
             for i, p in enumerate(prompts)]
     submit_staggered(sched, reqs, stagger)
-    ids: Dict[str, List[int]] = {}
-    for msg in sched.outbox:
-        if isinstance(msg, BatchTokenIDOutput):
-            for i, rid in enumerate(msg.rids):
-                ids.setdefault(rid, []).extend(msg.decode_ids[i])
-    sched.outbox.clear()
-    return ids
+    return take_token_ids(sched)
 
 
 def test_registered_toy_is_lossless_eager_and_in_emulated_graphs():
