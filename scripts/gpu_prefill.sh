@@ -16,14 +16,15 @@
 #                   with NEXTN (SPECS, default "0 3"); one JSON line per run in $OUT/served.jsonl
 #   STAGE=conc      12-layer bf16 server (default flags), random-ids 1024 / 128 at concurrency
 #                   CONCS (default "1 4 16 64"); $OUT/conc.jsonl
-#   STAGE=gates     the gpu-marked graph gates (test/srt/test_cuda_graph_runner.py; GATES: others)
+#   STAGE=gates     the gpu-marked graph gates (test/srt/test_cuda_graph_runner.py; GATES: other
+#                   files and pytest options, GATES_LOG: the log's name, GATES_TIMEOUT: seconds)
 #   STAGE=interference a decoding request's ITL while an 8192-token prompt is prefilled
 #                   (benchmark/batch1/prefill_interference.py), 12-layer bf16 server per
 #                   --chunked-prefill-size in CHUNKS (default "8192 2048"); $OUT/interference.jsonl
 #   STAGE=determinism  the bit-exact bf16 speculation gate (test/srt/test_deterministic_spec.py:
 #                   NEXTN-3 and DSPARK == plain with --enable-deterministic-inference), then the
 #                   flag's cost: bench_one_batch decode (64 steps after 1024 tokens) of the
-#                   12-layer bf16 model without and with it, in one call
+#                   12-layer bf16 model without and with it, in one call (DET_GATE=0: cost only)
 # Wheels: `bash scripts/gpu_wheels.sh` stages what the host lacks (opentelemetry-api included,
 # which fastapi imports at start-up: a server from wheels without it exits at once).
 set -uo pipefail
@@ -41,12 +42,14 @@ one_batch() {
   grep -E "input_len|Prefill|Decode" "$OUT/one_batch_$label.log" | sed "s/^/$label: /"
 }
 
+# census LABEL ARGS...: one process (one model load) censuses every length in CENSUS_LENS.
 census() {
-  local label=$1 len=$2; shift 2
-  timeout ${CENSUS_TIMEOUT:-200} python3 benchmark/batch1/prefill_census.py "$@" --prompt-len $len \
-    --label "$label $len" --result-filename "$OUT/prefill_census.jsonl" \
-    > "$OUT/census_${label}_$len.log" 2>&1
-  grep "^|" "$OUT/census_${label}_$len.log" | sed "s/^/$label $len: /"
+  local label=$1; shift
+  [ -n "${CENSUS_LENS-1024 8192}" ] || return 0
+  timeout ${CENSUS_TIMEOUT:-200} python3 benchmark/batch1/prefill_census.py "$@" \
+    --prompt-len ${CENSUS_LENS:-1024 8192} --label "$label" \
+    --result-filename "$OUT/prefill_census.jsonl" > "$OUT/census_${label}.log" 2>&1
+  grep -E "^\||^prefill of" "$OUT/census_${label}.log" | sed "s/^/$label: /"
 }
 
 # serve PORT LOG ARGS...: start a server in its own process group (SERVER = its pid), wait until
@@ -84,11 +87,11 @@ kernels)
   [ "${FP8BENCH:-1}" = 1 ] && { timeout 120 python3 benchmark/kernels/bench_fp8_gemm.py \
     > "$OUT/fp8_gemm.log" 2>&1; grep "^|" "$OUT/fp8_gemm.log" | tail -25; }
   ;;
-prefill12)
-  one_batch flash12-new $FLASH12
+prefill12)  # ONE_BATCH=0: the census alone (its unprofiled wall time is the prefill time)
+  [ "${ONE_BATCH:-1}" = 1 ] && one_batch flash12-new $FLASH12
   [ -n "${OLD_LENS-1024}" ] && LENS=${OLD_LENS:-1024} one_batch flash12-torchmoe $FLASH12 \
     --moe-runner-backend torch_native
-  for len in ${CENSUS_LENS-1024 8192}; do census flash12-new $len $FLASH12 --disable-cuda-graph; done
+  census flash12-new $FLASH12 --disable-cuda-graph
   ;;
 peer)  # transformers' bailing_hybrid on the 12-layer shape (its wheel staged in .whl_peer)
   python3 -m pip install -q --no-index --no-deps --target /tmp/peer .whl_peer/*.whl 2>&1 | tail -1
@@ -98,10 +101,8 @@ peer)  # transformers' bailing_hybrid on the 12-layer shape (its wheel staged in
   grep -E "^\||transformers|kda|fla" "$OUT/hf_peer.log" | head -20
   ;;
 prefill42)
-  one_batch flash42fp8-new $FLASH42 --max-running-requests 2
-  for len in ${CENSUS_LENS-1024 8192}; do
-    census flash42fp8-new $len $FLASH42 --max-running-requests 2 --disable-cuda-graph
-  done
+  [ "${ONE_BATCH:-1}" = 1 ] && one_batch flash42fp8-new $FLASH42 --max-running-requests 2
+  census flash42fp8-new $FLASH42 --max-running-requests 2 --disable-cuda-graph
   ;;
 served)
   for steps in ${SPECS:-0 3}; do
@@ -133,8 +134,9 @@ conc)
   stop_server
   ;;
 gates)
-  timeout 540 python3 -m pytest -q -m gpu ${GATES:-test/srt/test_cuda_graph_runner.py} 2>&1 \
-    | tee "$OUT/gates.log" | tail -6
+  timeout ${GATES_TIMEOUT:-540} python3 -m pytest -q -m gpu -rfE \
+    ${GATES:-test/srt/test_cuda_graph_runner.py} 2>&1 | tee "$OUT/${GATES_LOG:-gates}.log" \
+    | grep -E "^(FAILED|ERROR)|passed|failed|[0-9.]+s (call|setup)"
   ;;
 interference)
   for c in ${CHUNKS:-8192 2048}; do
@@ -146,8 +148,8 @@ interference)
     stop_server
   done
   ;;
-determinism)
-  timeout ${GATE_TIMEOUT:-300} python3 -m pytest -q -s -m gpu test/srt/test_deterministic_spec.py \
+determinism)  # DET_GATE=0: the cost only (the gate ran with the other gpu tests)
+  [ "${DET_GATE:-1}" = 1 ] && timeout ${GATE_TIMEOUT:-300} python3 -m pytest -q -s -m gpu test/srt/test_deterministic_spec.py \
     2>&1 | tee "$OUT/determinism.log" | grep -E "first differing|passed|failed"
   LENS=1024 OUTLEN=64 one_batch flash12-plain $FLASH12
   LENS=1024 OUTLEN=64 one_batch flash12-deterministic $FLASH12 --enable-deterministic-inference

@@ -361,23 +361,26 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="benchmark/batch1/prefill_census.py",
                                      description=__doc__.splitlines()[0])
     ServerArgs.add_cli_args(parser)
-    parser.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens")
+    parser.add_argument("--prompt-len", type=int, nargs="+", default=[1024],
+                        help="prompt tokens; several lengths run one after another on one "
+                             "loaded model, one JSON line each")
     parser.add_argument("--timed", type=int, default=1,
                         help="unprofiled timed prefills after the warm-up (their median)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
     parser.add_argument("--label", type=str, default="",
-                        help="run name (default: '<layers>L <dtype> <prompt-len>')")
+                        help="run name, followed by the prompt length "
+                             "(default: '<layers>L <dtype> <prompt-len>')")
     parser.add_argument("--result-filename", type=str, default=None,
                         help="append one JSON line with every number")
     add_kernel_choices_arg(parser)
     return parser
 
 
-def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
-    """Command line; returns the JSON line's dict."""
+def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
+    """Command line; returns the JSON line's dict of each prompt length."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if args.prompt_len < 1 or args.timed < 0:
+    if min(args.prompt_len) < 1 or args.timed < 0:
         parser.error(f"--prompt-len must be >= 1 and --timed >= 0, got {args.prompt_len}, "
                      f"{args.timed}")
     try:
@@ -388,35 +391,39 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         parser.error("the census runs one rank: --tp-size 1")
     # A prefill runs eager: no graphs to capture (time and memory the census would not use).
     server_args = dataclasses.replace(server_args, disable_cuda_graph=True)
-    bench_args = BenchArgs(run_name=args.label, batch_size=[1], input_len=[args.prompt_len],
+    bench_args = BenchArgs(run_name=args.label, batch_size=[1], input_len=list(args.prompt_len),
                            output_len=[1], seed=args.seed, kernel_choices=args.kernel_choices)
     worker = build_worker(server_args, bench_args, 0, None)
     runner = worker.model_runner
-    if args.prompt_len + 1 > runner.context_len:
-        raise SystemExit(f"--prompt-len {args.prompt_len} plus one output token exceeds the "
+    longest = max(args.prompt_len)
+    if longest + 1 > runner.context_len:
+        raise SystemExit(f"--prompt-len {longest} plus one output token exceeds the "
                          f"context length {runner.context_len} (raise --context-length)")
-    measured = run_prefill_census(worker, args.prompt_len, args.seed, args.timed)
     cfg = runner.model_config.hf_config
     dtype = str(runner.dtype).replace("torch.", "")
     quant = server_args.quantization or (
         (runner.model_config.quantization_config or {}).get("quant_method"))
     layers = cfg.num_hidden_layers
-    result = {"label": args.label or f"{layers}L {dtype}{' ' + quant if quant else ''} "
-                                     f"{args.prompt_len}",
-              "device": runner.device.type,
-              "counts": "kernels" if runner.device.type == "cuda" else "aten ops",
-              "prompt_len": args.prompt_len, "layers": layers, "dtype": dtype,
-              "quantization": quant, "model_path": server_args.model_path,
-              "moe_runner_backend": server_args.moe_runner_backend,
-              "attention_backend": server_args.attention_backend,
-              "kda_prefill_impl": server_args.kda_prefill_impl,
-              "kernel_choices": runner.kernel_choices.describe(),
-              **git_commit(), **measured}
-    _print(result)
-    if args.result_filename:
-        with open(args.result_filename, "a") as f:
-            f.write(json.dumps(result) + "\n")
-    return result
+    results = []
+    for prompt_len in args.prompt_len:
+        measured = run_prefill_census(worker, prompt_len, args.seed, args.timed)
+        default_label = f"{layers}L {dtype}{' ' + quant if quant else ''}"
+        result = {"label": f"{args.label or default_label} {prompt_len}",
+                  "device": runner.device.type,
+                  "counts": "kernels" if runner.device.type == "cuda" else "aten ops",
+                  "prompt_len": prompt_len, "layers": layers, "dtype": dtype,
+                  "quantization": quant, "model_path": server_args.model_path,
+                  "moe_runner_backend": server_args.moe_runner_backend,
+                  "attention_backend": server_args.attention_backend,
+                  "kda_prefill_impl": server_args.kda_prefill_impl,
+                  "kernel_choices": runner.kernel_choices.describe(),
+                  **git_commit(), **measured}
+        _print(result)
+        if args.result_filename:
+            with open(args.result_filename, "a") as f:
+                f.write(json.dumps(result) + "\n")
+        results.append(result)
+    return results
 
 
 if __name__ == "__main__":

@@ -42,12 +42,15 @@ def census(tmp_path_factory):
     env_path = os.pathsep.join([str(ROOT / "python"), str(ROOT / "sgl-kernel/python"),
                                 os.environ.get("PYTHONPATH", "")])
     out = subprocess.run([sys.executable, str(BATCH1 / "prefill_census.py"), "--device", "cpu",
-                          "--dtype", "float32", "--prompt-len", str(PROMPT), "--label", "tiny",
+                          "--dtype", "float32", "--prompt-len", str(PROMPT), str(PROMPT // 2), "--label", "tiny",
                           "--result-filename", str(path)], capture_output=True, text=True,
                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": env_path})
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(line) for line in path.read_text().splitlines()]
-    assert len(lines) == 1
+    # One model load, one line per prompt length, in the order given.
+    assert [(r["label"], r["prompt_len"]) for r in lines] == [
+        (f"tiny {PROMPT}", PROMPT), (f"tiny {PROMPT // 2}", PROMPT // 2)]
+    assert lines[1]["total"]["kernels"] > 0
     return {"rec": lines[0], "stdout": out.stdout, "path": path}
 
 
@@ -103,7 +106,7 @@ def test_cpu_census_json_line(census):
     assert sum(r["kernels"] for r in cats.values()) == rec["total"]["kernels"]
     assert sum(r["ms"] for r in cats.values()) == pytest.approx(rec["total"]["ms"], rel=1e-9)
     assert sum(r["share"] for r in cats.values()) == pytest.approx(1.0)
-    assert rec["label"] == "tiny" and rec["device"] == "cpu" and rec["counts"] == "aten ops"
+    assert rec["label"] == f"tiny {PROMPT}" and rec["device"] == "cpu" and rec["counts"] == "aten ops"
     assert rec["prompt_len"] == PROMPT and rec["layers"] == _tiny_config().num_hidden_layers
     assert rec["dtype"] == "float32" and rec["quantization"] is None
     assert re.fullmatch(r"[0-9a-f]{40}|unknown", rec["commit"])
@@ -111,7 +114,8 @@ def test_cpu_census_json_line(census):
     assert 0 < rec["busy_ms"] <= rec["wall_ms"]
     assert rec["host_gap_ms"] == pytest.approx(rec["wall_ms"] - rec["busy_ms"])
     table = census["stdout"]
-    assert table.count("\n| ") == len(pc.CATEGORIES) + 2  # the header and the total row
+    # Two tables (one per prompt length), each with its header and total row.
+    assert table.count("\n| ") == 2 * (len(pc.CATEGORIES) + 2)
     assert f"| **total** | {rec['total']['kernels']} |" in table
     assert "the device is the CPU" in table and "host gaps" in table
 
@@ -210,10 +214,10 @@ def test_plot_writes_png_and_svg_of_the_census(census, tmp_path, capsys):
     data = png.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
     table = capsys.readouterr().out
-    assert re.search(r"^\| tiny \| .* \| 1\.00 \| ", table, re.MULTILINE), table
+    assert re.search(rf"^\| tiny {PROMPT} \| .* \| 1\.00 \| ", table, re.MULTILINE), table
     assert "| tiny x2 |" in table
     runs = plot.load_runs([str(census["path"])])
-    assert [r.label for r in runs] == ["tiny", "tiny x2"]
+    assert [r.label for r in runs] == [f"tiny {PROMPT}", f"tiny {PROMPT // 2}", "tiny x2"]
     assert list(runs[0].categories) == list(pc.CATEGORIES)
     svg = tmp_path / "p.svg"
     assert plot.main([str(census["path"]), "-o", str(svg), "--metric", "share"]) == 0
