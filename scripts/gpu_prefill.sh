@@ -60,7 +60,7 @@ serve() {
   setsid python3 -m sglang.launch_server "$@" --port $port > "$log" 2>&1 &
   SERVER=$!
   trap 'kill -9 -- -$SERVER 2>/dev/null' EXIT
-  for i in $(seq 1 400); do
+  for i in $(seq 1 ${SERVE_WAIT:-400}); do
     curl -sf localhost:$port/health > /dev/null && { echo "ready after ${i}s"; return 0; }
     kill -0 $SERVER 2>/dev/null || { echo "server exited:"; tail -5 "$log"; return 1; }
     sleep 1
@@ -109,7 +109,7 @@ served)
     spec=""; [ "$steps" != 0 ] && spec="--speculative-algorithm NEXTN --speculative-num-steps $steps"
     echo "== fp8 42 layers, spec=$steps"
     serve 30710 "$OUT/server_fp8_$steps.log" $FLASH42 --cuda-graph-max-bs 4 $spec || continue
-    timeout 200 python3 -m sglang.bench_serving --backend sglang --port 30710 \
+    timeout ${BENCH_TIMEOUT:-200} python3 -m sglang.bench_serving --backend sglang --port 30710 \
       --dataset-name random-ids --random-input-len 8192 --random-output-len 1024 \
       --random-range-ratio 1.0 --num-prompts ${PROMPTS:-4} --max-concurrency 1 --disable-tqdm \
       --output-file "$OUT/served.jsonl" 2>&1 | tee "$OUT/bench_fp8_$steps.log" \
@@ -151,8 +151,10 @@ interference)
 determinism)  # DET_GATE=0: the cost only (the gate ran with the other gpu tests)
   [ "${DET_GATE:-1}" = 1 ] && timeout ${GATE_TIMEOUT:-300} python3 -m pytest -q -s -m gpu test/srt/test_deterministic_spec.py \
     2>&1 | tee "$OUT/determinism.log" | grep -E "first differing|passed|failed"
-  LENS=1024 OUTLEN=64 one_batch flash12-plain $FLASH12
-  LENS=1024 OUTLEN=64 one_batch flash12-deterministic $FLASH12 --enable-deterministic-inference
+  # Batch 1 is what is measured: one graph, not the default capture ladder.
+  LENS=1024 OUTLEN=64 one_batch flash12-plain $FLASH12 --cuda-graph-max-bs 1
+  LENS=1024 OUTLEN=64 one_batch flash12-deterministic $FLASH12 --cuda-graph-max-bs 1 \
+    --enable-deterministic-inference
   ;;
 *) echo "unknown STAGE=${STAGE}"; exit 2 ;;
 esac

@@ -147,14 +147,15 @@ def _split_len(pos_ptr, b, s_pb, s_pn, N, cap, num_splits,
                FIXED_SPLIT: tl.constexpr):
     """Keys per split of request ``b`` (the same in both kernels): ``FIXED_SPLIT`` when it is
     set (batch-invariant boundaries), else from its longest query's visible length, clamped to
-    the cache capacity."""
+    the cache capacity. Both branches return int32: the compiler refuses a function whose
+    returns differ in type, and int64 positions would make the computed one int64."""
     if FIXED_SPLIT > 0:
-        return FIXED_SPLIT
+        return tl.full((), FIXED_SPLIT, tl.int32)
     toks = tl.arange(0, BLOCK_T)
     pos = tl.load(pos_ptr + b * s_pb + toks * s_pn, mask=toks < N, other=-1)
     length = tl.minimum(tl.maximum(tl.max(pos, 0) + 1, 0), cap)
     chunk = tl.cdiv(tl.cdiv(length, num_splits), BLOCK_N) * BLOCK_N
-    return tl.maximum(chunk, SPLIT_MIN)
+    return tl.maximum(chunk, SPLIT_MIN).to(tl.int32)
 
 
 @triton.jit
