@@ -25,7 +25,6 @@ tensor (the largest is the embedding or the LM head), not one shard or the whole
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import shlex
@@ -253,11 +252,12 @@ def draw_unit(unit: Unit, device: str, seed: int) -> List[Any]:
 
 def _write_bytes(f, t: Any) -> None:
     """Append the raw bytes of the CPU tensor ``t`` to ``f`` without copying it."""
-    n = t.numel() * t.element_size()
-    if n:
-        # A ctypes view of the tensor's memory: f.write reads it in place (no bytes copy, no
-        # numpy). ``t`` stays referenced by the caller until the write returns.
-        f.write((ctypes.c_ubyte * n).from_address(t.data_ptr()))
+    import torch
+
+    if t.numel():
+        # A byte view of the tensor's memory (numpy has no bf16 / fp8, but it has uint8):
+        # f.write reads the buffer in place, no copy.
+        f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
 
 
 def write_shard(path: str, units: Sequence[Unit], device: str, seed: int) -> int:
