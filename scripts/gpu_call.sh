@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# One device call, several stages, one archive back. The device returns at most 8 files from
+# $OUT, and a stage writes many logs, so every stage writes into a scratch folder and the call
+# ends by packing it into $OUT/logs.tgz (also when a stage ran out of time).
+#
+#   bash scripts/gpu_call.sh "SECONDS SCRIPT VAR=value ..." ...
+#
+# Each argument is one stage: its time limit in seconds, the stage script under scripts/
+# (gpu_prefill.sh or gpu_graphs.sh) and the environment it takes (STAGE=... and the stage's own
+# variables). Stages run in order; one that exceeds its limit is stopped with what it
+# started, and the next one runs. Example, the gpu-marked gates, then the
+# deterministic gate's cost:
+#
+#   bash scripts/gpu_call.sh "300 gpu_prefill.sh STAGE=gates GATES=-v" \
+#       "150 gpu_prefill.sh STAGE=determinism DET_GATE=0"
+#
+# Plan a call's limits to end well inside the device's limit for one command: a machine starts
+# with an empty Triton cache, so the first run of every kernel compiles (minutes on the 42-layer
+# model; docs/performance.md).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+RESULTS=${OUT:-out}
+SCRATCH=${SCRATCH:-/tmp/gpu_call_logs}
+mkdir -p "$RESULTS" "$SCRATCH"
+for stage in "$@"; do  # check every stage before the first one spends device time
+  read -r limit script vars <<< "$stage"
+  case "$limit" in ''|*[!0-9]*) echo "gpu_call.sh: '$stage' must start with seconds"; exit 2 ;; esac
+  [ -f "scripts/$script" ] || { echo "gpu_call.sh: no scripts/$script"; exit 2; }
+done
+for stage in "$@"; do
+  read -r limit script vars <<< "$stage"
+  echo "== $script $vars (limit ${limit}s)"
+  # GNU timeout signals its whole process group, so pytest and benchmarks stop with the stage;
+  # servers started with setsid (the stage scripts' serve) escape it: pkill below.
+  # shellcheck disable=SC2086  # vars is a list of VAR=value words
+  timeout -s KILL "$limit" env OUT="$SCRATCH" $vars bash "scripts/$script"
+  rc=$?
+  [ $rc = 137 ] && echo "== stopped at ${limit}s"
+  pkill -9 -f "sglang.launch_serve[r]" 2>/dev/null
+done
+tar czf "$RESULTS/logs.tgz" -C "$SCRATCH" . && echo "packed $(ls "$SCRATCH" | wc -l) files into logs.tgz"

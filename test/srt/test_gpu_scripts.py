@@ -1,0 +1,35 @@
+"""The GPU-host entry points under scripts/: every shell script parses, and gpu_call.sh checks all
+of its stages before it runs the first one (a malformed stage must not cost device time)."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPTS = sorted((ROOT / "scripts").glob("*.sh"))
+
+pytestmark = pytest.mark.skipif(shutil.which("bash") is None, reason="needs bash")
+
+
+@pytest.mark.parametrize("script", SCRIPTS, ids=[s.name for s in SCRIPTS])
+def test_shell_script_parses(script):
+    out = subprocess.run(["bash", "-n", str(script)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+
+
+@pytest.mark.parametrize("stages, message", [
+    (["5 gpu_prefill.sh STAGE=gates", "x gpu_prefill.sh"], "must start with seconds"),
+    (["5 gpu_prefill.sh STAGE=gates", "5 gpu_nosuch.sh STAGE=a"], "no scripts/gpu_nosuch.sh"),
+])
+def test_gpu_call_refuses_a_bad_stage_before_running_any(tmp_path, stages, message):
+    scratch = tmp_path / "scratch"
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_call.sh"), *stages],
+                         capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"),
+                              "SCRATCH": str(scratch)})
+    assert out.returncode == 2 and message in out.stdout, out.stdout + out.stderr
+    assert "==" not in out.stdout  # no stage started
+    assert not any(scratch.iterdir())
