@@ -8,8 +8,9 @@ Per chain length (1: the decode step, state updated in place; above: a verify st
 after every position) each (BV, num_warps) is timed with L2 flushed before each call and its
 bandwidth counted over the state bytes it moves (read, then written once for decode or per
 position for verify). At every num_warps the outputs and staged states of each BV are compared
-bit for bit with the first BV's: the tile must be a launch choice only (``launch_config``'s
-promise). Without CUDA (``TRITON_INTERPRET=1``, fp32, scaled-down heads) it is only a smoke run.
+bit for bit with the first BV's and the table says where they differ: on the GPU they may (the
+tile changes the reductions' register layout), so a new tile must serve decode and verify
+alike (``launch_config`` has one). Without CUDA (``TRITON_INTERPRET=1``, fp32, scaled-down heads) it is only a smoke run.
 """
 from __future__ import annotations
 

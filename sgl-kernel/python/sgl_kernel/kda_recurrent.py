@@ -26,10 +26,12 @@ from sgl_kernel._triton_mode import INTERPRETED, NO_FP_FUSION, LaunchConfig, com
 
 __all__ = ["kda_recurrent_update", "kda_recurrent_reference", "launch_config"]
 
-# Value-dim tile and warps of the GPU launch. Every value column is computed by the same
-# arithmetic whatever the tile (the state's reductions run over K), so the tile only changes
-# the launch's parallelism; test_kda_recurrent checks the outputs bit for bit across tiles at
-# these warps and ``benchmark/kernels/tune_kda_recurrent.py`` times the choices (cold L2).
+# Value-dim tile and warps of the GPU launch, one pair for decode and verify alike. Under the
+# interpreter every tile gives the same bits; on the GPU the tile changes the register layout
+# of the state's reductions over K and with it their rounding (seen on the H200), so what keeps
+# a verify position equal to the decode of the same token is that both launch with this one
+# tile (test_kda_recurrent checks that at every tile on CUDA);
+# ``benchmark/kernels/tune_kda_recurrent.py`` times the choices (cold L2).
 BLOCK_V, NUM_WARPS = 32, 4
 
 
