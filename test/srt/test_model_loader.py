@@ -406,13 +406,15 @@ def test_request_slots_from_memory():
     gib, mib = 1 << 30, 1 << 20
     kw = dict(total_bytes=100 * gib, fraction=0.5, used_bytes=31 * gib, bytes_per_token=1024,
               min_kv_tokens=1 << 20, cap=10_000)
-    # 19 GiB left: the states get 0.9 / 1.9 of it, ~9 GiB of 64 MiB slots.
+    # 19 GiB left: the states get 0.9 / 1.9 of it, ~9 GiB of 64 MiB slots, the pools' padding
+    # slot among them.
     assert request_slots_from_memory(slot_bytes=64 * mib, **kw) == int(19 * gib * 0.9 / 1.9) // (
-        64 * mib)
+        64 * mib) - 1
     assert request_slots_from_memory(slot_bytes=64 * mib, **{**kw, "cap": 100}) == 100
-    # The KV cache keeps room for one full-context request (18 GiB of 1 KiB tokens here).
+    # The KV cache keeps room for one full-context request (18 GiB of 1 KiB tokens here, and the
+    # KV pool's padding slot): under 1 GiB is left for 64 MiB slots plus a padding slot.
     assert request_slots_from_memory(slot_bytes=64 * mib,
-                                     **{**kw, "min_kv_tokens": 18 * (1 << 20)}) == 16
+                                     **{**kw, "min_kv_tokens": 18 * (1 << 20)}) == 14
     # Never fewer than one slot (the KV sizing then reports a budget too small), no state = cap.
     assert request_slots_from_memory(slot_bytes=64 * gib, **kw) == 1
     assert request_slots_from_memory(slot_bytes=0, **kw) == 10_000
@@ -470,7 +472,7 @@ def test_cuda_kv_plan_is_capped_by_request_slots(monkeypatch, tmp_path):
     fake = SimpleNamespace(hf_config=cfg, device=torch.device("cuda"), context_len=512,
                            max_running_requests=4, position_headroom=8, spec_num_draft_tokens=0,
                            dtype=torch.bfloat16, reserved_weight_bytes=0,
-                           draft_bytes_per_kv_slot=0)
+                           draft_bytes_per_kv_slot=0, draft_bytes_per_req_slot=0)
     plan = ModelRunner._plan_kv_tokens
     mla, kda = cfg.full_attention_layer_ids, cfg.kda_layer_ids
     assert plan(fake, mla, kda, cfg.num_attention_heads, None, 0.85) == 4 * (512 + 8)
@@ -501,7 +503,8 @@ def test_cuda_kv_plan_keeps_room_for_the_nextn_draft(monkeypatch):
         fake = SimpleNamespace(hf_config=cfg, device=torch.device("cuda"), context_len=1 << 20,
                                max_running_requests=4, position_headroom=8,
                                spec_num_draft_tokens=4, dtype=torch.bfloat16,
-                               reserved_weight_bytes=reserved, draft_bytes_per_kv_slot=0)
+                               reserved_weight_bytes=reserved, draft_bytes_per_kv_slot=0,
+                               draft_bytes_per_req_slot=0)
         slots[reserved] = plan(fake, mla, kda, cfg.num_attention_heads, None, 0.8)
     per_token = kv_bytes_per_token(cfg, len(mla), torch.bfloat16)
     assert slots[0] - slots[draft] in range(draft // per_token - 1, draft // per_token + 2)
@@ -520,7 +523,8 @@ def test_cuda_kv_plan_reserves_a_draft_store_per_kv_slot(monkeypatch, tmp_path):
         fake = SimpleNamespace(hf_config=cfg, device=torch.device("cuda"), context_len=1 << 20,
                                max_running_requests=4, position_headroom=8,
                                spec_num_draft_tokens=4, dtype=torch.bfloat16,
-                               reserved_weight_bytes=0, draft_bytes_per_kv_slot=extra)
+                               reserved_weight_bytes=0, draft_bytes_per_kv_slot=extra,
+                               draft_bytes_per_req_slot=0)
         slots.append(ModelRunner._plan_kv_tokens(fake, mla, kda, cfg.num_attention_heads,
                                                  None, 0.85))
     assert slots[1] < slots[0]

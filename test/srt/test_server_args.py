@@ -241,7 +241,9 @@ def test_upstream_nextn_command_parses_and_validates():
     assert a.attention_backend == DEFAULT_BACKEND
     assert a.flashinfer_allreduce_fusion_backend == "auto"
     assert a.mem_fraction_static == 0.85
-    assert a.max_running_requests == 48  # upstream's speculative default
+    # Not upstream's fixed 48: the runner sizes the slots from memory, counting what the
+    # algorithm adds per slot, up to SPECULATIVE_MAX_RUNNING_REQUESTS (48).
+    assert a.max_running_requests is None
     assert not a.disable_radix_cache
 
 

@@ -35,8 +35,8 @@ is captured in a CUDA graph, as the server captures its rounds, and the replays 
 probe whose capture fails (or exceeds the model's graph token limit) is timed eagerly, recorded
 in ``timed_in_cuda_graph``.
 
-**Default probes.** Powers of two up to ``(gamma + 1) * --max-running-requests`` (48 by default
-for DSPARK), plus that maximum, which is also the table's ``max_batch_tokens`` (the largest
+**Default probes.** Powers of two up to ``(gamma + 1) * --max-running-requests`` (by default
+48, the most request slots a DSPARK server sizes from memory), plus that maximum, which is also the table's ``max_batch_tokens`` (the largest
 batch the deployment runs; the last probe when a larger one is given).
 
 **Output** (what :class:`~sglang.srt.rounds.dspark.sps.SPSTable` loads, which ignores the
@@ -57,6 +57,8 @@ import time
 from typing import Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
+
+from sglang.srt.configs.engine_defaults import SPECULATIVE_MAX_RUNNING_REQUESTS
 
 logger = logging.getLogger(__name__)
 
@@ -325,7 +327,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     if ns.prefix_len + window > context:
         raise SystemExit(f"--prefix-len {ns.prefix_len} + the verify window {window} exceeds "
                          f"the context length {context}")
-    deploy_max = window * server_args.max_running_requests
+    # Without --max-running-requests a deployment sizes its slots from memory, never above
+    # the speculative cap: the table must cover the largest batch it could run.
+    slots = server_args.max_running_requests or SPECULATIVE_MAX_RUNNING_REQUESTS
+    deploy_max = window * slots
     probes = sorted(set(ns.batch_tokens or default_batch_tokens(deploy_max)))
     requests = max(verify_layout(b, window)[0] for b in probes)
 

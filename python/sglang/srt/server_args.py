@@ -214,8 +214,10 @@ class ServerArgs(*arg_classes()):
         if self.served_model_name is None:
             self.served_model_name = self.model_path or BUNDLED_MODEL_DIR.name
         resolve_algorithm_args(self)
-        if self.is_speculative() and self.max_running_requests is None:
-            self.max_running_requests = SPECULATIVE_MAX_RUNNING_REQUESTS
+        # max_running_requests stays None unless given, with speculation too: the target's
+        # runner then sizes the request slots from memory on CUDA, counting what the algorithm
+        # adds per slot, up to SPECULATIVE_MAX_RUNNING_REQUESTS (upstream's fixed speculative
+        # default, 48 slots, left no KV cache for Ling-3.0-flash fp8 on one H200).
         if self.cuda_graph_max_bs is None:
             self.cuda_graph_max_bs = self._default_cuda_graph_max_bs()
 

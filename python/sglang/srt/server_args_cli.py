@@ -182,9 +182,10 @@ def _runtime_flags(g: Any, d: Dict[str, Any]) -> None:
           words=str(DEFAULT_MEM_FRACTION_STATIC),
           help="Fraction of GPU memory for weights, KV cache and recurrent states.")
     _flag(g, "--max-running-requests", type=int, default=d["max_running_requests"],
-          words=f"on CUDA sized from memory (at most {AUTO_MAX_RUNNING_REQUESTS}), "
-                f"{DEFAULT_MAX_RUNNING_REQUESTS} elsewhere; {SPECULATIVE_MAX_RUNNING_REQUESTS} "
-                "with speculative decoding",
+          words=f"on CUDA sized from memory (at most {AUTO_MAX_RUNNING_REQUESTS}; at most "
+                f"{SPECULATIVE_MAX_RUNNING_REQUESTS} with speculative decoding, whose per-slot "
+                f"state is counted), elsewhere {DEFAULT_MAX_RUNNING_REQUESTS} "
+                f"({SPECULATIVE_MAX_RUNNING_REQUESTS} with speculative decoding)",
           help="Requests decoded together at most (request slots).")
     _flag(g, "--max-total-tokens", type=int, default=d["max_total_tokens"],
           words="on CUDA what --mem-fraction-static leaves for the KV cache; elsewhere "

@@ -53,12 +53,16 @@ DEFAULT_MEM_FRACTION_STATIC = 0.85
 # Request slots when --max-running-requests is not given and speculation is off, off CUDA (on
 # CUDA the slots are sized from memory, see below).
 DEFAULT_MAX_RUNNING_REQUESTS = 16
-# On CUDA without --max-running-requests: the KDA state slots may take up to this ratio of the
-# memory the KV cache gets (upstream's default --mamba-full-memory-ratio, 0.9), i.e. 0.9 / 1.9
-# of what the weights leave, and no more slots than this cap.
+# On CUDA without --max-running-requests: the request slots (KDA state, its speculative copies
+# and the algorithm's own per-slot state) may take up to this ratio of the memory the KV cache
+# gets (upstream's default --mamba-full-memory-ratio, 0.9), i.e. 0.9 / 1.9 of what the weights
+# leave, while the KV cache keeps room for one request of the full context length; no more
+# slots than this cap (SPECULATIVE_MAX_RUNNING_REQUESTS with speculation).
 STATE_TO_KV_MEMORY_RATIO = 0.9
 AUTO_MAX_RUNNING_REQUESTS = 256
-# Upstream resets the default running-request cap to this when speculation is on.
+# Upstream resets the default running-request cap to this when speculation is on. Here it caps
+# the slots sized from memory on CUDA (each slot then also holds the speculative algorithm's
+# per-slot state: rounds/contract.py, SpecRequirements), and is the slot count off CUDA.
 SPECULATIVE_MAX_RUNNING_REQUESTS = 48
 # Tokens per prefill chunk (--chunked-prefill-size; -1 disables chunking).
 DEFAULT_CHUNKED_PREFILL_SIZE = 8192

@@ -24,7 +24,8 @@ owns slot bookkeeping: it allocates KV slots and records them in ``req_to_token`
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, List, Optional, Union
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Union
 
 import torch
 
@@ -106,9 +107,10 @@ def kv_slots_from_memory(*, total_bytes: int, fraction: float, used_bytes: int,
                          req_map_bytes: int, state_bytes: int, bytes_per_token: int,
                          free_bytes: int, max_total_tokens: Optional[int] = None) -> int:
     """KV slots that fit in ``fraction * total_bytes`` after what is already allocated
-    (``used_bytes``: the weights), the request map and the KDA state slots; capped by
-    ``max_total_tokens``. Raises ``ValueError`` when nothing remains or the device lacks the
-    free memory for the result (e.g. another process holds it)."""
+    (``used_bytes``: the weights), the request map and the request slots' states
+    (``state_bytes``: KDA state, its speculative copies, the speculative worker's per-slot
+    state); capped by ``max_total_tokens``. Raises ``ValueError`` when nothing remains or the
+    device lacks the free memory for the result (e.g. another process holds it)."""
     if bytes_per_token <= 0:
         raise ValueError("no MLA layer to size a KV cache for")
     gib = float(1 << 30)
@@ -119,7 +121,8 @@ def kv_slots_from_memory(*, total_bytes: int, fraction: float, used_bytes: int,
         raise ValueError(
             f"mem_fraction_static={fraction} allows {budget / gib:.2f} GiB but the weights take "
             f"{used_bytes / gib:.2f} GiB, the request map {req_map_bytes / gib:.2f} GiB and the "
-            f"KDA state slots {state_bytes / gib:.2f} GiB: no memory is left for the KV cache; "
+            f"KDA state slots {state_bytes / gib:.2f} GiB (with any speculative copies): no "
+            "memory is left for the KV cache; "
             "raise --mem-fraction-static or lower --max-running-requests / --context-length")
     if max_total_tokens is not None:
         tokens = min(tokens, int(max_total_tokens))
@@ -131,37 +134,175 @@ def kv_slots_from_memory(*, total_bytes: int, fraction: float, used_bytes: int,
     return int(tokens)
 
 
+def _fmt_bytes(n: float) -> str:
+    """``n`` bytes in the largest binary unit that keeps it >= 1 (log lines)."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if abs(n) >= 1 << shift:
+            return f"{n / (1 << shift):.2f} {unit}"
+    return f"{int(n)} B"
+
+
+@dataclass(frozen=True)
+class SlotCost:
+    """Bytes one request slot takes, by part: the sizing counts them all, the log names them.
+
+    ``kda_state``: the slot's KDA conv windows and fp32 state over all KDA layers;
+    ``spec_copies``: staged copies of that state per slot (the KDA pool's stage-then-commit
+    scratch, one per chain position of a speculative round: ``SpecRequirements
+    .kda_scratch_depth``); ``draft_state``: what the speculative worker itself keeps per slot
+    (its relay payload and chain buffers: ``SpecRequirements.draft_*_per_request_slot``);
+    ``req_map_row``: the slot's row of the request->token map.
+    """
+
+    kda_state: int
+    spec_copies: int = 0
+    draft_state: int = 0
+    req_map_row: int = 0
+
+    @property
+    def total(self) -> int:
+        """Bytes of one slot, every part included."""
+        return self.kda_state * (1 + self.spec_copies) + self.draft_state + self.req_map_row
+
+    def describe(self) -> str:
+        """``"<total> per slot = KDA state <x> x (1 + N speculative copies) + ..."``."""
+        kda = f"KDA state {_fmt_bytes(self.kda_state)}"
+        if self.spec_copies:
+            kda += f" x (1 + {self.spec_copies} speculative copies)"
+        parts = [kda]
+        if self.draft_state:
+            parts.append(f"speculative worker state {_fmt_bytes(self.draft_state)}")
+        parts.append(f"request map row {_fmt_bytes(self.req_map_row)}")
+        return f"{_fmt_bytes(self.total)} per slot = " + " + ".join(parts)
+
+
+@dataclass(frozen=True)
+class RequestSlotPlan:
+    """How :func:`plan_request_slots` chose ``slots`` (kept for the start-up log and tests).
+
+    ``by_share``: the slots whose states fit in ``ratio / (1 + ratio)`` of ``left_bytes``;
+    ``by_kv``: the slots that still leave the KV cache ``min_kv_tokens`` slots; ``cap``: the
+    most allowed. ``slots`` is the smallest of the three, but at least 1.
+    """
+
+    slots: int
+    cost: SlotCost
+    left_bytes: int  # the budget minus the weights
+    bytes_per_token: int
+    min_kv_tokens: int
+    ratio: float
+    by_share: int
+    by_kv: int
+    cap: int
+
+    @property
+    def limited_by(self) -> str:
+        """Which bound set :attr:`slots`."""
+        bound = min(self.by_share, self.by_kv, self.cap)
+        if bound < 1:
+            return "the minimum of one slot (no slot fits within the bounds)"
+        if bound == self.cap:
+            return "the cap"
+        if bound == self.by_share:
+            return f"the state share {self.ratio:g}/{1 + self.ratio:g}"
+        return "the KV room for one full-context request"
+
+    def describe(self) -> str:
+        """One log line: the count, what it came from and which bound set it."""
+        return (f"{self.slots} of {_fmt_bytes(self.left_bytes)} the weights leave, "
+                f"{self.cost.describe()}; at most {self.by_share} by the state share "
+                f"{self.ratio:g}/{1 + self.ratio:g}, {self.by_kv} leaving the KV cache "
+                f"{self.min_kv_tokens} tokens x {self.bytes_per_token} B (one request of the "
+                f"full context), cap {self.cap}: set by {self.limited_by}")
+
+
+def plan_request_slots(*, total_bytes: int, fraction: float, used_bytes: int, cost: SlotCost,
+                       bytes_per_token: int, min_kv_tokens: int,
+                       cap: int = AUTO_MAX_RUNNING_REQUESTS,
+                       ratio: float = STATE_TO_KV_MEMORY_RATIO) -> RequestSlotPlan:
+    """Request slots when ``--max-running-requests`` is not given on CUDA.
+
+    What the weights (``used_bytes``, a draft's still-to-load weights included) leave of
+    ``fraction * total_bytes`` is shared between the request slots (``cost.total`` bytes each:
+    KDA state, its speculative copies, the speculative worker's own per-slot state, the request
+    map row) and the KV cache (``bytes_per_token`` per KV slot, a draft's per-KV-slot store
+    included). The slots take at most ``ratio / (1 + ratio)`` of it and leave the KV cache at
+    least ``min_kv_tokens`` slots (one request at the full context); both bounds count the
+    padding slot every pool has. At least 1 slot, at most ``cap``: when even one does not fit,
+    :func:`kv_slots_from_memory` then reports the budget as too small.
+    """
+    left = int(total_bytes * fraction) - used_bytes
+    slot_bytes = cost.total
+    if slot_bytes <= 0:
+        return RequestSlotPlan(cap, cost, left, bytes_per_token, min_kv_tokens, ratio,
+                               cap, cap, cap)
+    # "- 1": the padding slot 0 of the request map, the KDA pool and the worker's relay.
+    by_share = int(left * ratio / (1.0 + ratio)) // slot_bytes - 1
+    # The KV pool has a padding slot too: one full-context request needs min_kv_tokens + 1.
+    by_kv = (left - (min_kv_tokens + 1) * bytes_per_token) // slot_bytes - 1
+    slots = int(max(1, min(cap, by_share, by_kv)))
+    return RequestSlotPlan(slots, cost, left, bytes_per_token, min_kv_tokens, ratio,
+                           int(by_share), int(by_kv), int(cap))
+
+
 def request_slots_from_memory(*, total_bytes: int, fraction: float, used_bytes: int,
                               slot_bytes: int, bytes_per_token: int, min_kv_tokens: int,
                               cap: int = AUTO_MAX_RUNNING_REQUESTS,
                               ratio: float = STATE_TO_KV_MEMORY_RATIO) -> int:
-    """Request slots when ``--max-running-requests`` is not given on CUDA: what the weights
-    (``used_bytes``) leave of ``fraction * total_bytes`` is shared between the per-slot state
-    (``slot_bytes``: KDA conv windows and state, with any speculative scratch, plus the slot's
-    row of the request map) and the KV cache, the states taking at most ``ratio / (1 + ratio)``
-    of it and leaving the KV cache at least ``min_kv_tokens`` slots (one request at the full
-    context). At least 1, at most ``cap``; the KV sizing that follows reports a budget that is
-    too small."""
-    left = int(total_bytes * fraction) - used_bytes
-    if slot_bytes <= 0:
-        return cap
-    by_share = int(left * ratio / (1.0 + ratio)) // slot_bytes
-    by_kv = (left - min_kv_tokens * bytes_per_token) // slot_bytes
-    return int(max(1, min(cap, by_share, by_kv)))
+    """:func:`plan_request_slots`'s count for slots of ``slot_bytes`` bytes each (all parts
+    together)."""
+    return plan_request_slots(total_bytes=total_bytes, fraction=fraction, used_bytes=used_bytes,
+                              cost=SlotCost(kda_state=slot_bytes),
+                              bytes_per_token=bytes_per_token, min_kv_tokens=min_kv_tokens,
+                              cap=cap, ratio=ratio).slots
+
+
+def request_slot_cost(config: "BailingMoeV3Config", *, num_kda_layers: int, local_heads: int,
+                      dtype: torch.dtype, span: int, spec_copies: int = 0,
+                      draft_state_bytes: int = 0) -> SlotCost:
+    """One request slot of a runner over ``config``: ``num_kda_layers`` KDA layers of
+    ``local_heads`` heads (conv windows in ``dtype``), ``spec_copies`` staged copies of that
+    state, ``draft_state_bytes`` of the speculative worker's own, and a request-map row of
+    ``span`` int32 positions."""
+    return SlotCost(kda_state=kda_bytes_per_slot(config, num_kda_layers, local_heads, dtype),
+                    spec_copies=spec_copies if num_kda_layers else 0,
+                    draft_state=draft_state_bytes, req_map_row=span * 4)
+
+
+class DeviceMemory(NamedTuple):
+    """What the memory plan reads of a device: free and total bytes, bytes already allocated
+    (the weights loaded so far)."""
+
+    free: int
+    total: int
+    allocated: int
+
+
+def device_memory(device: torch.device) -> Optional[DeviceMemory]:
+    """The memory the pools are sized from: the CUDA device's figures, None elsewhere (the
+    pools then take fixed sizes). Tests replace this function to plan a CPU runner's pools
+    from a fake budget."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    return DeviceMemory(int(free), int(total), int(torch.cuda.memory_allocated(device)))
 
 
 def _sizes_from_memory(runner: Any, mem_fraction_static, max_total_tokens) -> bool:
-    """Whether ``runner``'s pools are sized from device memory: on CUDA, unless
-    ``max_total_tokens`` alone (no ``mem_fraction_static``) sizes them."""
-    return runner.device.type == "cuda" and not (mem_fraction_static is None
-                                                 and max_total_tokens)
+    """Whether ``runner``'s pools are sized from device memory: when the device reports its
+    memory (CUDA), unless ``max_total_tokens`` alone (no ``mem_fraction_static``) sizes them."""
+    return (device_memory(runner.device) is not None
+            and not (mem_fraction_static is None and max_total_tokens))
 
 
-def _slot_state_bytes(runner: Any, kda_ids, local_heads) -> int:
-    """KDA state of one request slot; the spec scratch holds one more copy of it per chain
-    position."""
-    return (1 + runner.spec_num_draft_tokens) * kda_bytes_per_slot(
-        runner.hf_config, len(kda_ids), local_heads, runner.dtype)
+def _slot_cost(runner: Any, kda_ids, local_heads) -> SlotCost:
+    """One request slot of ``runner``: its KDA state, the spec scratch (one more copy of that
+    state per chain position), the speculative worker's per-slot state, its request-map row."""
+    return request_slot_cost(runner.hf_config, num_kda_layers=len(kda_ids),
+                             local_heads=local_heads, dtype=runner.dtype,
+                             span=runner.context_len + runner.position_headroom,
+                             spec_copies=runner.spec_num_draft_tokens,
+                             draft_state_bytes=runner.draft_bytes_per_req_slot)
 
 
 def _token_bytes(runner: Any, mla_ids) -> int:
@@ -170,9 +311,9 @@ def _token_bytes(runner: Any, mla_ids) -> int:
             + runner.draft_bytes_per_kv_slot)
 
 
-def _used_bytes(runner: Any) -> int:
+def _used_bytes(runner: Any, mem: DeviceMemory) -> int:
     """Weights (+ any earlier runner), and weights still to come (an MTP draft's)."""
-    return torch.cuda.memory_allocated(runner.device) + runner.reserved_weight_bytes
+    return mem.allocated + runner.reserved_weight_bytes
 
 
 def _itemsize(dtype: torch.dtype) -> int:
@@ -220,9 +361,13 @@ class ModelRunner:
     the budget for everything allocated statically (weights, request map, KDA state slots, MLA
     KV slots); what the weights leave is split into ``max_running_requests`` state slots and as
     many KV slots as fit, capped by ``max_total_tokens`` if given, else by
-    ``max_running_requests * context_len`` (more can never be used). On CPU, or on CUDA with only
-    ``max_total_tokens`` given, that many KV slots are allocated (CPU default:
-    ``min(context_len * max_running_requests, 16384)``).
+    ``max_running_requests * context_len`` (more can never be used). Without
+    ``max_running_requests`` the slots are sized first (:func:`plan_request_slots`: every
+    per-slot cost counted, speculative ones included; at most ``request_slot_cap``, else
+    :data:`AUTO_MAX_RUNNING_REQUESTS`; the KV cache keeps room for one full-context request).
+    On CPU, or on CUDA with only ``max_total_tokens`` given, that many KV slots are allocated
+    (CPU default: ``min(context_len * max_running_requests, 16384)``) and
+    ``request_slot_cap`` (else :data:`DEFAULT_MAX_RUNNING_REQUESTS`) request slots.
 
     A draft runner (``is_draft``) may reuse the target's pools by passing them in; the target
     must then have been built with ``draft_extra_mla_layers=True`` so its MLA pool covers the
@@ -233,8 +378,9 @@ class ModelRunner:
     ``spec_num_draft_tokens = N > 0`` the KDA pool gets the stage-then-commit scratch for ``N``
     chain positions (counted in the CUDA memory plan, as are the weights of
     ``draft_model_config``'s draft, which loads after the pools, or ``draft_weight_elems`` weight
-    elements and ``draft_elems_per_kv_slot`` elements of a draft store per KV slot), and the
-    request->token map and
+    elements and ``draft_elems_per_kv_slot`` elements of a draft store per KV slot, and the
+    worker's own ``draft_elems_per_request_slot`` elements plus ``draft_bytes_per_request_slot``
+    bytes per request slot), and the request->token map and
     the RoPE tables get ``position_headroom`` positions beyond the context length, because the
     device may run one round past a request's finish before the host notices (the scheduler's
     admission still limits requests to the context length).
@@ -276,6 +422,9 @@ class ModelRunner:
         draft_model_config: Optional[ModelConfig] = None,
         draft_weight_elems: int = 0,
         draft_elems_per_kv_slot: int = 0,
+        draft_elems_per_request_slot: int = 0,
+        draft_bytes_per_request_slot: int = 0,
+        request_slot_cap: Optional[int] = None,
         quantization: Optional[str] = None,
         draft_quantization: Optional[str] = None,
         enable_deterministic_inference: bool = False,
@@ -296,6 +445,11 @@ class ModelRunner:
             raise ValueError("spec_num_draft_tokens belongs to the target runner, not the draft")
         if not isinstance(position_headroom, int) or position_headroom < 0:
             raise ValueError(f"position_headroom must be an int >= 0, got {position_headroom!r}")
+        if request_slot_cap is not None and request_slot_cap < 1:
+            raise ValueError(f"request_slot_cap must be >= 1, got {request_slot_cap}")
+        self.request_slot_cap = request_slot_cap
+        # How the request slots were sized from memory (None: given, shared, or fixed).
+        self.request_slot_plan: Optional[RequestSlotPlan] = None
         self.spec_num_draft_tokens = spec_num_draft_tokens
         self.position_headroom = position_headroom
         self.model_config = model_config
@@ -319,6 +473,10 @@ class ModelRunner:
         # A draft's own per-KV-slot store (a block drafter's context K/V), allocated after
         # the pools.
         self.draft_bytes_per_kv_slot = draft_elems_per_kv_slot * elem
+        # The speculative worker's own state per request slot (its relay payload, chain
+        # buffers), allocated after the pools: part of what a request slot costs.
+        self.draft_bytes_per_req_slot = draft_elems_per_request_slot * elem \
+            + draft_bytes_per_request_slot
         # --quantization (a draft runner gets the draft's choice as its ``quantization``).
         self.model = get_model(model_config, load_format=load_format, dtype=self.dtype,
                                device=self.device, is_draft=is_draft, seed=random_seed,
@@ -477,21 +635,24 @@ class ModelRunner:
 
     def _plan_request_slots(self, mla_ids, kda_ids, local_heads, mem_fraction_static,
                             max_total_tokens) -> int:
-        """Request slots without ``--max-running-requests``: :data:`DEFAULT_MAX_RUNNING_REQUESTS`
-        unless the pools are sized from memory, then :func:`request_slots_from_memory`."""
+        """Request slots without ``--max-running-requests``: :func:`plan_request_slots` when the
+        pools are sized from memory (at most ``request_slot_cap``, else
+        :data:`AUTO_MAX_RUNNING_REQUESTS`); otherwise ``request_slot_cap``, else
+        :data:`DEFAULT_MAX_RUNNING_REQUESTS`."""
         if not _sizes_from_memory(self, mem_fraction_static, max_total_tokens):
-            return DEFAULT_MAX_RUNNING_REQUESTS
+            return self.request_slot_cap or DEFAULT_MAX_RUNNING_REQUESTS
         span = self.context_len + self.position_headroom
-        _, total = torch.cuda.mem_get_info(self.device)
-        slots = request_slots_from_memory(
-            total_bytes=total, fraction=mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC,
-            used_bytes=_used_bytes(self),
-            slot_bytes=span * 4 + _slot_state_bytes(self, kda_ids, local_heads),
+        mem = device_memory(self.device)
+        plan = plan_request_slots(
+            total_bytes=mem.total, fraction=mem_fraction_static or DEFAULT_MEM_FRACTION_STATIC,
+            used_bytes=_used_bytes(self, mem), cost=_slot_cost(self, kda_ids, local_heads),
             bytes_per_token=_token_bytes(self, mla_ids),
-            min_kv_tokens=min(span, int(max_total_tokens or span)))
-        logger.info("request slots sized from memory: %d (--max-running-requests sets them)",
-                    slots)
-        return slots
+            min_kv_tokens=min(span, int(max_total_tokens or span)),
+            cap=self.request_slot_cap or AUTO_MAX_RUNNING_REQUESTS)
+        self.request_slot_plan = plan
+        logger.info("request slots sized from memory (--max-running-requests sets them): %s",
+                    plan.describe())
+        return plan.slots
 
     def _plan_kv_tokens(self, mla_ids, kda_ids, local_heads, max_total_tokens,
                         mem_fraction_static) -> int:
@@ -508,14 +669,15 @@ class ModelRunner:
         # cap a tiny model would take nearly the whole GPU for its KV cache.
         cap = (int(max_total_tokens) if max_total_tokens is not None
                else self.max_running_requests * span)
-        free, total = torch.cuda.mem_get_info(self.device)
+        mem = device_memory(self.device)
+        cost = _slot_cost(self, kda_ids, local_heads)
+        slots = self.max_running_requests + 1  # + the padding slot of every per-slot buffer
         tokens = kv_slots_from_memory(
-            total_bytes=total, fraction=fraction, used_bytes=_used_bytes(self),
-            req_map_bytes=(self.max_running_requests + 1) * span * 4,
-            state_bytes=(self.max_running_requests + 1)
-            * _slot_state_bytes(self, kda_ids, local_heads),
+            total_bytes=mem.total, fraction=fraction, used_bytes=_used_bytes(self, mem),
+            req_map_bytes=slots * cost.req_map_row,
+            state_bytes=slots * (cost.total - cost.req_map_row),
             bytes_per_token=_token_bytes(self, mla_ids),
-            free_bytes=free - self.reserved_weight_bytes, max_total_tokens=cap)
+            free_bytes=mem.free - self.reserved_weight_bytes, max_total_tokens=cap)
         if tokens < self.context_len:
             logger.warning("only %d KV slots fit; fewer than context_len %d", tokens,
                            self.context_len)

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
 
 import torch
 
+from sglang.srt.configs.engine_defaults import SPECULATIVE_MAX_RUNNING_REQUESTS
 from sglang.srt.environ import envs
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, RoundPhase, run_phases
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
@@ -249,6 +250,16 @@ class SpecRequirements:
     # target's dtype and allocated after the target's pools.
     draft_weight_elems: int = 0
     draft_elems_per_kv_slot: int = 0
+    # What the worker itself keeps per request slot of the target's pools (its relay payload,
+    # chain buffers), allocated after them: elements in the target's dtype, plus bytes of
+    # fixed-dtype buffers (token ids, fp32 distributions). Together with the KDA scratch
+    # (``kda_scratch_depth`` copies of a slot's state) this is what speculation adds to a
+    # request slot, which the target's memory plan counts when it sizes the slots.
+    draft_elems_per_request_slot: int = 0
+    draft_bytes_per_request_slot: int = 0
+    # The most request slots sized from memory without --max-running-requests (the slot count
+    # off CUDA): upstream's speculative default.
+    max_request_slots: int = SPECULATIVE_MAX_RUNNING_REQUESTS
 
     def runner_kwargs(self) -> dict:
         """Keyword arguments of the target's :class:`ModelRunner` that size its pools."""
@@ -257,7 +268,10 @@ class SpecRequirements:
                     draft_extra_mla_layers=self.draft_extra_mla_layers,
                     draft_model_config=self.draft_model_config,
                     draft_weight_elems=self.draft_weight_elems,
-                    draft_elems_per_kv_slot=self.draft_elems_per_kv_slot)
+                    draft_elems_per_kv_slot=self.draft_elems_per_kv_slot,
+                    draft_elems_per_request_slot=self.draft_elems_per_request_slot,
+                    draft_bytes_per_request_slot=self.draft_bytes_per_request_slot,
+                    request_slot_cap=self.max_request_slots)
 
 
 class BaseSpecWorker(RoundWorker):

@@ -143,8 +143,9 @@ class DSparkWorker(BaseSpecWorker):
     def requirements(cls, server_args: Any, target_config: ModelConfig) -> SpecRequirements:
         """``g + 1`` KV slots and KDA scratch positions per round; two windows of headroom (the
         host sees a finish one round late, after the device committed up to ``g + 1`` tokens
-        past it and launched one more round). The draft has no MLA layer; its weights and its
-        context store are allocated after the target's pools, which reserve room for both."""
+        past it and launched one more round). The draft has no MLA layer; its weights, its
+        context store and the relay's per-slot confidences are allocated after the target's
+        pools, which reserve room for them."""
         setup = dspark_setup(server_args, target_config)
         n = setup.gamma + 1
         cfg = setup.config
@@ -155,7 +156,10 @@ class DSparkWorker(BaseSpecWorker):
             draft_extra_mla_layers=False, draft_weight_elems=weights,
             # PagedDSparkContext: K and V per draft layer for every target KV slot.
             draft_elems_per_kv_slot=2 * cfg.num_hidden_layers * cfg.num_key_value_heads
-            * cfg.head_dim)
+            * cfg.head_dim,
+            # The lagged planner's relay: two rounds of g fp32 confidences per request slot
+            # (counted whether or not that planner runs: it is decided after the pools).
+            draft_bytes_per_request_slot=2 * setup.gamma * 4)
 
     def __init__(self, server_args: Any, target_worker: TpModelWorker,
                  requirements: Optional[SpecRequirements] = None):

@@ -69,7 +69,8 @@ from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["NEXTNWorker", "nextn_draft_model_config", "nextn_token_headroom"]
+__all__ = ["NEXTNWorker", "nextn_draft_model_config", "nextn_request_slot_state",
+           "nextn_token_headroom"]
 
 
 def nextn_token_headroom(num_draft_tokens: int) -> int:
@@ -107,19 +108,33 @@ def nextn_draft_model_config(server_args: Any, target_config: ModelConfig) -> Mo
     return cfg
 
 
+def nextn_request_slot_state(draft_config: ModelConfig, num_draft_tokens: int
+                             ) -> Tuple[int, int]:
+    """What :class:`NEXTNWorker` keeps per request slot, as ``(elements in the target's dtype,
+    bytes)``: the relay's draft hidden state (``hidden_size`` elements), its next draft token
+    (int64) and the distribution that draft came from (``vocab_size`` fp32, allocated once a
+    sampled request runs), and the chain buffer's row (``N`` int64)."""
+    cfg = draft_config.hf_config
+    return cfg.hidden_size, 8 + 4 * cfg.vocab_size + 8 * int(num_draft_tokens)
+
+
 class NEXTNWorker(BaseSpecWorker):
     """Owns the draft runner (the MTP layer over the target's pools) and runs NEXTN rounds."""
 
     @classmethod
     def requirements(cls, server_args: Any, target_config: ModelConfig) -> SpecRequirements:
         """The chain's KV slots and KDA scratch (``N`` positions), two chains of headroom (see
-        :func:`nextn_token_headroom`), the MTP layer's latent cache in the target's MLA pool and
-        its weights loading after the pools."""
+        :func:`nextn_token_headroom`), the MTP layer's latent cache in the target's MLA pool,
+        its weights loading after the pools, and this worker's per-slot relay and chain buffer
+        (:func:`nextn_request_slot_state`)."""
         n = int(server_args.speculative_num_draft_tokens)
+        draft = nextn_draft_model_config(server_args, target_config)
+        elems, nbytes = nextn_request_slot_state(draft, n)
         return SpecRequirements(
             kda_scratch_depth=n, position_headroom=nextn_token_headroom(n),
             token_headroom=nextn_token_headroom(n), draft_extra_mla_layers=True,
-            draft_model_config=nextn_draft_model_config(server_args, target_config))
+            draft_model_config=draft, draft_elems_per_request_slot=elems,
+            draft_bytes_per_request_slot=nbytes)
 
     def __init__(self, server_args: Any, target_worker: TpModelWorker,
                  requirements: Optional[SpecRequirements] = None):
