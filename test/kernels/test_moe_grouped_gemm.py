@@ -270,6 +270,44 @@ def test_launch_config_table_lookup(mgg, tmp_path, monkeypatch):
     assert (small.block_m, small.block_n, small.block_k) == (16, 64, 64)
 
 
+def test_plan_helpers_agree_with_launch_config(mgg, tmp_path, monkeypatch):
+    """select_config is launch_config's choice without a GPU; config_change_points finds every
+    pair count where that choice changes (brute force; two buckets with equal tiles are one
+    config), with and without a table entry; launch_int_args is the kernel's max_blocks."""
+    import json
+
+    key = mgg.config_key(512, 1536, 2560, False)
+    tiles = {"block_m": 32, "block_n": 128, "block_k": 128, "group_m": 8, "num_warps": 8,
+             "num_stages": 4}
+    table = {"1024": tiles, "8192": tiles, "32768": {**tiles, "block_m": 128},
+             "65536": {**tiles, "block_m": 128, "num_stages": 3}}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"Fake GPU": {key: table}}))
+    monkeypatch.setattr(mgg, "INTERPRETED", False)
+    monkeypatch.setattr(mgg, "_device_name", lambda index: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    cuda = torch.device("cuda", 0)
+    entry = mgg.table_entry(512, 1536, 2560, False, "Fake GPU", str(path))
+    assert entry == table and mgg.table_entry(512, 1536, 2560, True, "Fake GPU", str(path)) is None
+    hi = 70000
+    for fp8, buckets in ((False, entry), (True, None)):
+        picks = [mgg.select_config(buckets, 512, p, fp8) for p in range(hi + 1)]
+        for p in range(1, hi + 1, 97):
+            assert picks[p] == mgg.launch_config(512, 1536, 2560, p, fp8, cuda,
+                                                 table_path=str(path))
+        brute = [p for p in range(1025, hi + 1) if picks[p] != picks[p - 1]]
+        assert mgg.config_change_points(buckets, 512, fp8, 1024, hi) == brute
+        # The table: 1024 and 8192 share their tiles, then 32768, then 65536; without an
+        # entry the fallback's row block: 16 -> 32 -> 64.
+        assert len(brute) == 2
+    assert mgg.config_change_points(entry, 512, False, 1024, hi)[0] == 16385  # 8192 | 32768
+    gen = torch.Generator().manual_seed(0)
+    for t, k, e, block_m in ((3, 2, 6, 16), (40, 8, 512, 32), (300, 8, 64, 128)):
+        ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
+        al = mgg.moe_align(ids, e, block_m)
+        assert mgg.launch_int_args(t * k, e, block_m) == (t * k, al.block_expert.shape[0])
+
+
 # ------------------------------------------------------------------------------ the MoE block
 def _moe_inputs(dtype, t, e, h, i, k, seed=0):
     gen = torch.Generator().manual_seed(seed)

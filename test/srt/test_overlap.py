@@ -148,7 +148,8 @@ def test_generic_layers_name_no_algorithm():
                root / "rounds" / "contract.py", root / "rounds" / "plain.py",
                root / "rounds" / "relay.py", root / "model_executor" / "model_runner.py",
                root / "model_executor" / "cuda_graph_runner.py",
-               root / "model_executor" / "graph_refill.py"]
+               root / "model_executor" / "graph_refill.py",
+               root / "model_executor" / "prefill_warmup.py"]
     for path in generic:
         text = path.read_text().replace("num_nextn_predict_layers", "")
         found = re.findall(r"(?i)\w*(?:nextn|dspark|eagle)\w*", text)

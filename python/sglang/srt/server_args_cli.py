@@ -164,7 +164,8 @@ def _http_flags(g: Any, d: Dict[str, Any]) -> None:
     _flag(g, "--api-key", type=str, default=d["api_key"], words="none: no authentication",
           help="Require this bearer token on every request.")
     _flag(g, "--skip-server-warmup", action="store_true",
-          help="Report ready without first running one short generate request.")
+          help="Report ready without the warm-ups: one short generate request and, on "
+               "CUDA, the start-up prefills that compile the prefill kernels.")
 
 
 def _runtime_flags(g: Any, d: Dict[str, Any]) -> None:

@@ -61,7 +61,7 @@ import functools
 import json
 import math
 import os
-from typing import Dict, NamedTuple, Optional
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
 
 import torch
 import triton
@@ -72,7 +72,9 @@ from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
 
 __all__ = ["MoEAlignment", "moe_align", "max_padded_pairs", "moe_grouped_gemm",
            "moe_grouped_gemm_reference", "launch_config", "fallback_config", "config_key",
-           "config_fields", "load_config_table", "CONFIG_PATH", "DEFAULT_CONFIG", "LaunchConfig"]
+           "config_fields", "load_config_table", "table_entry", "nearest_bucket",
+           "select_config", "config_change_points", "launch_int_args", "CONFIG_PATH",
+           "DEFAULT_CONFIG", "LaunchConfig"]
 
 CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "moe_grouped_gemm.json")
 
@@ -294,12 +296,77 @@ def launch_config(num_experts: int, n: int, k: int, pairs: int, fp8: bool = Fals
                             block_m=16, group_m=1)
     dev = torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    buckets = load_config_table(table_path).get(_device_name(index), {}).get(
-        config_key(num_experts, n, k, fp8))
+    buckets = table_entry(num_experts, n, k, fp8, _device_name(index), table_path)
+    return select_config(buckets, num_experts, pairs, fp8)
+
+
+def table_entry(num_experts: int, n: int, k: int, fp8: bool, device_name: str,
+                table_path: str = CONFIG_PATH) -> Optional[Dict[str, dict]]:
+    """The table's ``{pairs bucket (str): config fields}`` for a weight ``[E, N, K]`` on the GPU
+    called ``device_name`` (``torch.cuda.get_device_name``), None without an entry."""
+    return load_config_table(table_path).get(device_name, {}).get(
+        config_key(num_experts, n, k, fp8)) or None
+
+
+def nearest_bucket(buckets: Iterable[str], pairs: int) -> str:
+    """The bucket (a table key: a pair count as a string) nearest ``pairs`` on a log scale; a
+    tie goes to the first of ``buckets`` in their order (the table's)."""
+    return min(buckets, key=lambda b: abs(math.log(max(int(b), 1)) - math.log(max(pairs, 1))))
+
+
+def select_config(buckets: Optional[Mapping[str, dict]], num_experts: int, pairs: int,
+                  fp8: bool) -> LaunchConfig:
+    """What :func:`launch_config` returns on a CUDA device whose table entry is ``buckets``
+    (:func:`table_entry`; None or empty: :func:`fallback_config`) for ``pairs`` pairs. Needs no
+    GPU, so a plan of the compiles a batch size causes can be made anywhere."""
     if buckets:
-        best = min(buckets, key=lambda b: abs(math.log(max(int(b), 1)) - math.log(max(pairs, 1))))
-        return _from_fields(buckets[best])
+        return _from_fields(buckets[nearest_bucket(buckets, pairs)])
     return fallback_config(num_experts, pairs, fp8)
+
+
+def _config_rank(buckets: Optional[Mapping[str, dict]], num_experts: int, pairs: int,
+                 fp8: bool) -> int:
+    """A number that never decreases with ``pairs`` and changes wherever
+    :func:`select_config`'s choice may: the chosen bucket (each bucket wins one contiguous
+    range of pair counts on the log scale, the ranges in the buckets' order) or, without a
+    table entry, the fallback's row block (a power of two growing with the pairs)."""
+    if buckets:
+        return int(nearest_bucket(buckets, pairs))
+    return fallback_config(num_experts, pairs, fp8).block_m
+
+
+def config_change_points(buckets: Optional[Mapping[str, dict]], num_experts: int, fp8: bool,
+                         lo_pairs: int, hi_pairs: int) -> List[int]:
+    """The pair counts ``p`` in ``(lo_pairs, hi_pairs]`` where :func:`select_config` picks a
+    different config than for ``p - 1`` (sorted): between two of them every batch launches
+    the same tiles. Buckets with equal fields are one config (no change point between them).
+    Found by bisection of :func:`_config_rank`, a few dozen evaluations per change."""
+    def rank(p: int) -> int:
+        return _config_rank(buckets, num_experts, p, fp8)
+
+    points: List[int] = []
+
+    def split(lo: int, hi: int) -> None:  # every rank change in (lo, hi]; rank is monotone
+        if hi <= lo or rank(lo) == rank(hi):
+            return
+        if hi == lo + 1:
+            points.append(hi)
+            return
+        mid = (lo + hi) // 2
+        split(lo, mid)
+        split(mid, hi)
+
+    split(max(lo_pairs, 1), hi_pairs)
+    return [p for p in points if select_config(buckets, num_experts, p, fp8)
+            != select_config(buckets, num_experts, p - 1, fp8)]
+
+
+def launch_int_args(num_pairs: int, num_experts: int, block_m: int) -> Tuple[int, int]:
+    """The integer arguments of a :func:`moe_grouped_gemm` launch that follow the batch:
+    ``(num_pairs, max_blocks)`` (the others follow the weight). Triton compiles one variant of
+    the kernel per class of each (equal to 1, divisible by 16, other), so these say which
+    variant a batch of ``num_pairs`` pairs needs."""
+    return num_pairs, max_padded_pairs(num_pairs, num_experts, block_m) // block_m
 
 
 def _check_config(cfg: LaunchConfig, fp8: bool) -> None:

@@ -39,6 +39,7 @@ import torch
 from sglang.srt.rounds.relay import PendingRound
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
 from sglang.srt.model_executor.cuda_graph_runner import capture_batch_sizes
+from sglang.srt.model_executor.prefill_warmup import warm_up_prefill
 from sglang.srt.rounds.registry import get_spec_worker_class
 from sglang.srt.speculative.spec_info import SpecMetricsOutput
 
@@ -84,6 +85,10 @@ class SchedulerRoundMixin:
         if not args.disable_cuda_graph and self.tp_worker.device.type == "cuda":
             self.round_worker.init_cuda_graphs(capture_batch_sizes(
                 args, self.tp_worker.model_runner.req_to_token_pool.size))
+        # The model and its graphs are ready: compile the prefill kernels now, before the rank
+        # reports ready, rather than inside the first user prefills (CUDA only; skipped with
+        # --skip-server-warmup). Plain prefill of the target only; the slots come back.
+        warm_up_prefill(self.tp_worker.model_runner, args)
         self.token_headroom = (self.spec_requirements.token_headroom
                                if self.spec_requirements is not None
                                else self.round_worker.round_tokens)

@@ -65,6 +65,11 @@ class AttentionBackend(ABC):
         """
         return False
 
+    def mla_normal_form_min_tokens(self) -> Optional[int]:
+        """The fewest new tokens of an EXTEND batch that :meth:`mla_normal_form` runs in normal
+        form (a start-up warm-up compiles both forms' kernels); None: never normal form."""
+        return None
+
     def forward_extend_normal(self, q: torch.Tensor, k: torch.Tensor, w_kc: torch.Tensor,
                               w_vc: torch.Tensor, layer: Any, forward_batch: "ForwardBatch",
                               save_kv_cache: bool = True) -> torch.Tensor:

@@ -2,7 +2,7 @@
 linear-attention backend (routing by the layer descriptor's ``kind``)."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
 
@@ -59,6 +59,10 @@ class HybridLinearAttnBackend(AttentionBackend):
     def mla_normal_form(self, forward_batch: "ForwardBatch") -> bool:
         """The full-attention backend decides (MLA layers are its own)."""
         return self.full_attn_backend.mla_normal_form(forward_batch)
+
+    def mla_normal_form_min_tokens(self) -> Optional[int]:
+        """The full-attention backend's threshold (it decides :meth:`mla_normal_form`)."""
+        return self.full_attn_backend.mla_normal_form_min_tokens()
 
     def forward_extend_normal(self, q, k, w_kc, w_vc, layer, forward_batch, save_kv_cache=True):
         """Normal-form MLA prefill of the full-attention backend (MLA layers only)."""

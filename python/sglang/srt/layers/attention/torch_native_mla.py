@@ -163,6 +163,11 @@ class TorchNativeMLABackend(AttentionBackend):
                 and not mode.is_target_verify() and not mode.is_draft_extend()
                 and forward_batch.num_tokens >= self.normal_form_min_tokens)
 
+    def mla_normal_form_min_tokens(self) -> Optional[int]:
+        """``normal_form_min_tokens``: plain EXTEND batches of at least this many new tokens
+        take the normal form (None: none does)."""
+        return self.normal_form_min_tokens
+
     def forward_extend_normal(self, q, k, w_kc, w_vc, layer, forward_batch, save_kv_cache=True):
         """Prefill / chunked prefill in normal form (see the base class for the contract).
 
