@@ -3,8 +3,9 @@
 # JSONL under $OUT.
 #   STAGE=kernels   the CUDA tests of the prefill kernels (MoE grouped GEMM, dense block-fp8 GEMM,
 #                   MLA prefill attention), the MoE grouped GEMM tile sweep (bf16 + fp8, written to
-#                   $OUT/moe_grouped_gemm.json for sgl-kernel/python/sgl_kernel/configs/) and the
-#                   dense fp8 GEMM benchmark
+#                   $OUT/moe_grouped_gemm.json for sgl-kernel/python/sgl_kernel/configs/), the
+#                   KDA prefill conv's tile sweep (CONVSWEEP=0 skips it) and the dense fp8 GEMM
+#                   benchmark
 #   STAGE=prefill12 bench_one_batch prefill of 1024 and 8192 tokens on the 12-layer dummy
 #                   Ling-3.0-flash in bf16, defaults vs the torch MoE (the per-expert loop), and
 #                   the prefill census of both at 1024 / 8192 tokens ($OUT/prefill_census.jsonl)
@@ -84,6 +85,8 @@ kernels)
       > "$OUT/moe_sweep_$dt.log" 2>&1; grep "^|" "$OUT/moe_sweep_$dt.log" | tail -20
   done
   cp sgl-kernel/python/sgl_kernel/configs/moe_grouped_gemm.json "$OUT/"
+  [ "${CONVSWEEP:-1}" = 1 ] && { timeout 150 python3 benchmark/kernels/tune_kda_prefill_conv.py \
+    > "$OUT/kda_prefill_conv_sweep.log" 2>&1; grep "^|" "$OUT/kda_prefill_conv_sweep.log" | tail -4; }
   [ "${FP8BENCH:-1}" = 1 ] && { timeout 120 python3 benchmark/kernels/bench_fp8_gemm.py \
     > "$OUT/fp8_gemm.log" 2>&1; grep "^|" "$OUT/fp8_gemm.log" | tail -25; }
   ;;

@@ -198,6 +198,20 @@ def test_kda_recurrent_sweep_checks_bits_across_value_tiles():
     assert [(c, eq) for c, _, eq in rows[-2:]] == [("1", "True"), ("3", "True")], stdout
 
 
+def test_kda_prefill_conv_sweep_times_the_default_and_checks_bits():
+    """benchmark/kernels/tune_kda_prefill_conv.py in the interpreter (48 channels as a view of
+    rows of 80): the default tile is always timed, every tile is compared bit for bit with it,
+    and the summary row names the best tile."""
+    stdout = _run("kernels/tune_kda_prefill_conv.py", "--tokens", "40", "--block-t", "8",
+                  "--block-c", "16", "--num-warps", "4", "--channels", "48", "--row-width", "80",
+                  "--iters", "1", TRITON_INTERPRET="1")
+    rows = re.findall(r"^\| 40 \| (\d+)/(\d+)/4 [\d.]+ µs .*\| [\d.]+ µs \([\d.]+x\) \| "
+                      r"(True|False) \| (.*) \|$", stdout, re.MULTILINE)
+    assert rows and rows[-1][2] == "True", stdout
+    timed = rows[-1][3]
+    assert "32/64/4" in timed and "8/16/4" in timed, stdout  # the default (rounded) and the sweep
+
+
 def test_fp8_gemm_benchmark_smoke_run():
     """benchmark/kernels/bench_fp8_gemm.py on two scaled-down shapes in the interpreter: the
     kernel is checked against the reference, each shape gets a row with every column and the

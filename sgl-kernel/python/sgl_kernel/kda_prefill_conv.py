@@ -104,7 +104,8 @@ def _kda_prefill_conv_kernel(x_ptr, w_ptr, win_ptr, y_ptr, T, C,
 
 def kda_prefill_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
                      out: Optional[torch.Tensor] = None, block_t: Optional[int] = None,
-                     block_c: Optional[int] = None) -> torch.Tensor:
+                     block_c: Optional[int] = None,
+                     num_warps: Optional[int] = None) -> torch.Tensor:
     """Causal depthwise conv + SiLU of one request's ``T`` new tokens, in one launch.
 
     ``x [T, Cx]`` (rows may be strided, the last dim must be contiguous: e.g. a column block of
@@ -113,8 +114,9 @@ def kda_prefill_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor
     first): read, then overwritten in place with the last ``K-1`` inputs of ``window ‖ x``,
     rounded through x's dtype into the window's. Returns ``y [T, Cx]`` in x's dtype, written
     into ``out`` when given (same shape and dtype, last dim contiguous). ``T == 0`` launches
-    nothing and leaves the window as it is. ``block_t`` / ``block_c`` override the tile
-    (rounded up to powers of two; ``block_t`` to at least ``K-1``). No host synchronisation.
+    nothing and leaves the window as it is. ``block_t`` / ``block_c`` / ``num_warps`` override
+    the tile (rounded up to powers of two; ``block_t`` to at least ``K-1``) and the warps, for
+    ``benchmark/kernels/tune_kda_prefill_conv.py``. No host synchronisation.
     """
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"kda_prefill_conv: x must be [T, Cx] with a contiguous last dim, got "
@@ -142,5 +144,5 @@ def kda_prefill_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor
         x, weight, window, out, t, c, x.stride(0), weight.stride(0), weight.stride(1),
         window.stride(0), window.stride(1), out.stride(0), KW=kw, BLOCK_T=bt, BLOCK_C=bc,
         BLOCK_W=triton.next_power_of_2(max(kw - 1, 1)), PRECISE_EXP=not INTERPRETED,
-        **NO_FP_FUSION, **compiler_options(_NUM_WARPS, None))
+        **NO_FP_FUSION, **compiler_options(num_warps or _NUM_WARPS, None))
     return out
