@@ -66,6 +66,9 @@ serve() {
     kill -0 $SERVER 2>/dev/null || { echo "server exited:"; tail -5 "$log"; return 1; }
     sleep 1
   done
+  # Not ready in time: stop it, or it would hold the port (and the GPU) for the next stage.
+  echo "not ready after ${SERVE_WAIT:-400}s:"; tail -3 "$log"
+  kill -9 -- -"$SERVER" 2>/dev/null; sleep 3
   return 1
 }
 
