@@ -1,6 +1,6 @@
 """Cold-L2 kernel-vs-reference timings of the sgl_kernel kernels that had no cold-L2
 microbenchmark of their own: ``kda_conv``, ``kda_prefill_conv``, ``mla_rope``, ``moe_combine``,
-``moe_router``, ``rmsnorm``, ``round_prep`` and ``moe_grouped_gemm`` (whose tuning sweep times
+``moe_router``, ``rmsnorm``, ``round_prep``, ``moe_align`` and ``moe_grouped_gemm`` (whose tuning sweep times
 CUDA-graph replays without the L2 flush), and ``kda_recurrent`` (whose tile sweep times no
 reference), at Ling-3.0-flash's shapes (read from the shipped preset), decode / verify sizes
 (1..16 tokens) and, where a kernel runs there, prefill sizes.
@@ -399,6 +399,28 @@ def bench_moe_grouped_gemm(env: Env) -> Iterator[Case]:
                            weight_bytes + nbytes(inp) + t * k * out_cols * inp.element_size())
 
 
+def bench_moe_align(env: Env) -> Iterator[Case]:
+    """The grouped MoE GEMM's expert sort at prefill sizes (all experts, top-k routes), at the
+    row block the engine's fp8 up-projection tile takes there: :func:`moe_align_triton` (three
+    launches) against ``moe_align`` (the torch ops it replaces; the outputs must be equal, so
+    ``max_rel_err`` is 0)."""
+    from sgl_kernel.moe_align import moe_align_triton
+    from sgl_kernel.moe_grouped_gemm import launch_config, moe_align
+
+    d = env.dims
+    e, k = d.experts, d.topk
+    for t in env.prefill_rows:
+        ids = env.rand(t, e).argsort(-1)[:, :k].to(torch.int32)
+        block_m = launch_config(e, 2 * d.moe_inter, d.hidden, t * k, True,
+                                torch.device(env.device), swiglu=True).block_m
+        out = moe_align(ids, e, block_m)
+        yield Case("moe_align", f"block_m {block_m}", t,
+                   lambda ids=ids, b=block_m: moe_align_triton(ids, e, b)[:3],
+                   lambda ids=ids, b=block_m: moe_align(ids, e, b)[:3],
+                   "moe_grouped_gemm.moe_align",
+                   nbytes(ids) + nbytes(out.sorted_pairs, out.block_expert, out.num_blocks))
+
+
 def _fp8_weight(env: Env, shape: Tuple[int, ...], split: Optional[int] = None
                 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Random block-fp8 experts ``(q e4m3, fp32 scales)`` in the checkpoints' layout, built
@@ -416,6 +438,7 @@ KERNELS: Dict[str, Callable[[Env], Iterator[Case]]] = {
     "kda_prefill_conv": bench_kda_prefill_conv,
     "kda_recurrent": bench_kda_recurrent,
     "mla_rope": bench_mla_rope,
+    "moe_align": bench_moe_align,
     "moe_combine": bench_moe_combine,
     "moe_grouped_gemm": bench_moe_grouped_gemm,
     "moe_router": bench_moe_router,

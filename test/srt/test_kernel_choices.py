@@ -29,6 +29,7 @@ def test_defaults_on_cuda(quantized, backend):
     assert all(getattr(kc, name) == triton_moe for name in MOE_FOLLOWERS)
     assert kc.small_m_gemm == quantized  # fp8 weights: read in place by the small-M GEMM
     assert not kc.kda_norm_in_o_proj and not kc.moe_grouped_mm and kc.pdl_weight_prefetch
+    assert not kc.moe_align_kernel  # unmeasured: opt-in
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -39,7 +40,8 @@ def test_defaults_off_cuda_are_the_torch_paths(quantized):
         assert kc == KernelChoices(rmsnorm=False, mla_rope=False, router=False,
                                    moe_combine=False, small_m_gemm=False,
                                    mla_absorb_gemv=False, kda_norm_in_o_proj=False,
-                                   moe_grouped_mm=False, pdl_weight_prefetch=True)
+                                   moe_grouped_mm=False, pdl_weight_prefetch=True,
+                                   moe_align_kernel=False)
 
 
 def test_triton_moe_backend_brings_router_and_combine_anywhere():

@@ -24,6 +24,10 @@ knows (:func:`default_kernel_choices`):
   instead of ``torch.bmm``, whose library kernel may round a token differently at another
   batch size: on for CUDA with ``enable_deterministic_inference``, off otherwise (its cost on
   the decode step is not measured).
+* ``moe_align_kernel`` (the expert sort of the Triton MoE's grouped GEMM path, above the
+  small-M batches, as three Triton launches: ``sgl_kernel.moe_align``, instead of the 28
+  torch ops of ``moe_grouped_gemm.moe_align``, a multi-pass radix sort among them; the same
+  alignment bit for bit): off, its speed is not measured yet. Only the Triton MoE backend's grouped GEMM path reads it.
 * ``kda_norm_in_o_proj`` (KDA's output norm inside o_proj's loads; measured slower than its own
   launch) and ``moe_grouped_mm`` (the torch-native MoE's large batches through
   ``torch._grouped_mm``; never measured): off. ``pdl_weight_prefetch`` (the small-M GEMM's
@@ -70,6 +74,7 @@ class KernelChoices:
     kda_norm_in_o_proj: Optional[bool] = None
     moe_grouped_mm: Optional[bool] = None
     pdl_weight_prefetch: Optional[bool] = None
+    moe_align_kernel: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name, value in self.items().items():
@@ -146,6 +151,7 @@ def default_kernel_choices(device_type: str, *, quantized: bool, moe_runner_back
         kda_norm_in_o_proj=False,
         moe_grouped_mm=False,
         pdl_weight_prefetch=True,
+        moe_align_kernel=False,
     )
 
 

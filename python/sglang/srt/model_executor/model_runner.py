@@ -518,7 +518,8 @@ class ModelRunner:
         self.kernel_choices = kc
         self.moe_runner_backend = set_moe_runner_backend(
             self.model, moe_runner_backend, self.device, router=kc.router,
-            fused_combine=kc.moe_combine, grouped_mm=kc.moe_grouped_mm)
+            fused_combine=kc.moe_combine, grouped_mm=kc.moe_grouped_mm,
+            align_kernel=kc.moe_align_kernel)
         self.triton_norms = set_norm_backend(self.model, kc.rmsnorm, self.device)
         self.triton_rope = set_rope_backend(self.model, kc.mla_rope, self.device)
         self.small_m_gemm = set_linear_backend(self.model, kc.small_m_gemm, self.device)

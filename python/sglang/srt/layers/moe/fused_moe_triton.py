@@ -81,7 +81,7 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       shared: Optional[torch.Tensor] = None,
                       w13_scale: Optional[torch.Tensor] = None,
                       w2_scale: Optional[torch.Tensor] = None,
-                      combine_kernel: bool = True) -> torch.Tensor:
+                      combine_kernel: bool = True, align_kernel: bool = False) -> torch.Tensor:
     """``sum_i w_i * Expert_{id_i}(x) (+ shared)`` per token ``[T, H]`` for large batches.
 
     The pairs sorted by expert on the device (:func:`sgl_kernel.moe_grouped_gemm.moe_align`),
@@ -91,8 +91,12 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     with ``combine_kernel=False`` its torch reference): the roundings of
     :func:`~sglang.srt.layers.moe.fused_moe_native.fused_moe_gather`. Block-fp8 experts pass
     their scales and are dequantised tile by tile inside the GEMMs. No host sync.
+    ``align_kernel`` (``KernelChoices.moe_align_kernel``) sorts the pairs with
+    :func:`sgl_kernel.moe_align.moe_align_triton` (three launches) instead of the torch ops:
+    the same alignment bit for bit, so the same output.
     """
     from sgl_kernel.moe_combine import moe_combine  # Triton: imported on first use
+    from sgl_kernel.moe_align import moe_align_triton
     from sgl_kernel.moe_grouped_gemm import launch_config, moe_align, moe_grouped_gemm
 
     check_moe_inputs(hidden, w13, w2, topk_ids, topk_weights)
@@ -102,10 +106,11 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     x = hidden.contiguous()
     up_cfg = launch_config(e, w13.shape[1], w13.shape[2], t * k, fp8, x.device, swiglu=True)
     down_cfg = launch_config(e, w2.shape[1], w2.shape[2], t * k, fp8, x.device)
-    up_align = moe_align(topk_ids, e, up_cfg.block_m)
+    align = moe_align_triton if align_kernel else moe_align
+    up_align = align(topk_ids, e, up_cfg.block_m)
     # The two tables may pick different row blocks: each GEMM gets the padding its tiles need.
     down_align = (up_align if down_cfg.block_m == up_cfg.block_m
-                  else moe_align(topk_ids, e, down_cfg.block_m))
+                  else align(topk_ids, e, down_cfg.block_m))
     act = moe_grouped_gemm(x, w13, up_align, rows_per_x=k, swiglu=True, swiglu_limit=limit,
                            w_scale=w13_scale, config=up_cfg)  # [T*k, I]
     y = moe_grouped_gemm(act, w2, down_align, rows_per_x=1, swiglu=False, w_scale=w2_scale,

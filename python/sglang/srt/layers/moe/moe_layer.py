@@ -87,6 +87,8 @@ class FusedMoE(nn.Module):
         self.grouped_mm = False
         # KernelChoices.moe_combine: the shared expert as extra pairs and the one-kernel combine.
         self.fused_combine = False
+        # KernelChoices.moe_align_kernel: the grouped GEMM path's expert sort as Triton launches.
+        self.align_kernel = False
 
     def weight_loader(self, param: nn.Parameter, loaded: LazyWeight, shard_id: str,
                       expert_id: int) -> None:
@@ -197,7 +199,7 @@ class BailingMoE(nn.Module):
 
 def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device, *,
                            router: bool = False, fused_combine: bool = False,
-                           grouped_mm: bool = False) -> str:
+                           grouped_mm: bool = False, align_kernel: bool = False) -> str:
     """Point every :class:`FusedMoE` of ``model`` at ``backend`` and return the one chosen.
 
     ``auto`` is resolved by ``engine_defaults.resolve_kernel_backend`` (Triton on CUDA).
@@ -207,7 +209,9 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device,
     ``grouped_mm`` sends the native backend's large batches through torch's grouped GEMMs;
     ``router`` runs the routers' selection as one kernel (routers whose layout the kernel takes);
     ``fused_combine`` has the Triton backend carry the shared expert and combine in one kernel
-    (no effect on the native backend, whose experts never take the Triton path).
+    (no effect on the native backend, whose experts never take the Triton path);
+    ``align_kernel`` has the Triton backend's grouped GEMM path sort its pairs by expert with
+    ``sgl_kernel.moe_align`` (same alignment as the torch ops; same no-effect rule).
     """
     if backend not in KERNEL_BACKEND_CHOICES:
         raise ValueError(f"moe runner backend must be one of {KERNEL_BACKEND_CHOICES}, got "
@@ -216,6 +220,7 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device,
     if chosen == "triton":
         require_triton_runtime("--moe-runner-backend triton", device.type)
     fused_combine = chosen == "triton" and fused_combine
+    align_kernel = chosen == "triton" and align_kernel
     if router:
         require_triton_runtime("KernelChoices(router=True)", device.type)
         from sgl_kernel.moe_router import router_kernel_supports
@@ -223,6 +228,7 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device,
         if isinstance(module, FusedMoE):
             module.runner_backend, module.grouped_mm = chosen, grouped_mm
             module.fused_combine = fused_combine
+            module.align_kernel = align_kernel
         elif isinstance(module, MoEGate):  # routers whose layout the kernel takes
             module.use_triton = router and router_kernel_supports(
                 module.weight.shape[0], module.num_expert_group)

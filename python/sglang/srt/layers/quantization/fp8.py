@@ -349,7 +349,8 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                                      topk_ids, layer.swiglu_limit, shared,
                                      w13_scale=layer.w13_weight_scale_inv,
                                      w2_scale=layer.w2_weight_scale_inv,
-                                     combine_kernel=layer.fused_combine)
+                                     combine_kernel=layer.fused_combine,
+                                     align_kernel=layer.align_kernel)
         w13, w2 = self.experts(layer, hidden.dtype)
         return fused_moe(hidden, w13, w2, topk_weights, topk_ids, layer.swiglu_limit,
                          grouped_mm=False, shared=shared)

@@ -119,6 +119,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         if layer.large_m(topk_ids):
             return fused_moe_grouped(hidden, layer.w13_weight, layer.w2_weight, topk_weights,
                                      topk_ids, layer.swiglu_limit, shared,
-                                     combine_kernel=layer.fused_combine)
+                                     combine_kernel=layer.fused_combine,
+                                     align_kernel=layer.align_kernel)
         return fused_moe(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                          layer.swiglu_limit, grouped_mm=layer.grouped_mm, shared=shared)
