@@ -43,13 +43,16 @@ one_batch() {
   grep -E "input_len|Prefill|Decode" "$OUT/one_batch_$label.log" | sed "s/^/$label: /"
 }
 
-# census LABEL ARGS...: one process (one model load) censuses every length in CENSUS_LENS.
+# census LABEL ARGS...: one process (one model load) censuses every length in CENSUS_LENS;
+# CENSUS_ARGS adds flags (an A/B: CENSUS_ARGS=--kernel-choices=moe_align_kernel=1), and then
+# goes into the label.
 census() {
-  local label=$1; shift
+  local label=$1${CENSUS_ARGS:+ ${CENSUS_ARGS##*--kernel-choices[= ]}}; shift
   [ -n "${CENSUS_LENS-1024 8192}" ] || return 0
-  timeout ${CENSUS_TIMEOUT:-200} python3 benchmark/batch1/prefill_census.py "$@" \
+  # shellcheck disable=SC2086  # CENSUS_ARGS is a list of words
+  timeout ${CENSUS_TIMEOUT:-200} python3 benchmark/batch1/prefill_census.py "$@" ${CENSUS_ARGS:-} \
     --prompt-len ${CENSUS_LENS:-1024 8192} --label "$label" \
-    --result-filename "$OUT/prefill_census.jsonl" > "$OUT/census_${label}.log" 2>&1
+    --result-filename "$OUT/prefill_census.jsonl" > "$OUT/census_${label// /_}.log" 2>&1
   grep -E "^\||^prefill of" "$OUT/census_${label}.log" | sed "s/^/$label: /"
 }
 
