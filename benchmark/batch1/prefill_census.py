@@ -207,8 +207,9 @@ def prefill_census(events: Sequence[Any], cuda: bool, top: int = 3) -> Dict[str,
     counts in the category of the innermost census range around the host op that launched it;
     a kernel outside every range, or that no host op claims, by its name. CPU: every top-level
     aten op inside the prefill range, with its CPU time. Returns ``categories`` (per category:
-    ``kernels``, ``us``, ``share`` of the total time and its ``top`` kernel names as
-    ``[name, us, count]``), ``total`` (``kernels``, ``us``: counted from the whole profile,
+    ``kernels``, ``us``, ``share`` of the total time, its ``top`` kernel names by time as
+    ``[name, us, count]`` and ``most_launched``, the same by launch count: where a host-bound
+    prefill's launches come from), ``total`` (``kernels``, ``us``: counted from the whole profile,
     independently of the attribution) and ``busy_us`` (the union of the busy intervals).
     """
     rows = {c: {"kernels": 0, "us": 0.0} for c in CATEGORIES}
@@ -255,8 +256,10 @@ def prefill_census(events: Sequence[Any], cuda: bool, top: int = 3) -> Dict[str,
     out = {}
     for c, row in rows.items():
         ranked = sorted(names[c].items(), key=lambda kv: -kv[1][0])[:top]
+        launched = sorted(names[c].items(), key=lambda kv: (-kv[1][1], -kv[1][0]))[:top]
         out[c] = {**row, "share": row["us"] / scale,
-                  "top": [[n, us, int(count)] for n, (us, count) in ranked]}
+                  "top": [[n, us, int(count)] for n, (us, count) in ranked],
+                  "most_launched": [[n, us, int(count)] for n, (us, count) in launched]}
     return {"categories": out, "total": total, "busy_us": busy_us(spans)}
 
 
@@ -303,17 +306,18 @@ def profiled_prefill(worker: TpModelWorker, prompt_len: int, seed: int
     return got["prof"].events(), got["wall_ms"]
 
 
-def run_prefill_census(worker: TpModelWorker, prompt_len: int, seed: int, timed: int
-                       ) -> Dict[str, Any]:
+def run_prefill_census(worker: TpModelWorker, prompt_len: int, seed: int, timed: int,
+                       top: int = 3) -> Dict[str, Any]:
     """Warm-up, ``timed`` unprofiled prefills, then the profiled one and its census (times in
-    ms)."""
+    ms; ``top`` names per category by time and by launches)."""
     run_once(worker, 1, prompt_len, 1, seed)  # warm-up: allocator, Triton compiles, autotune
     plain = [run_once(worker, 1, prompt_len, 1, seed)["prefill_latency"] * 1e3
              for _ in range(timed)]
     events, wall_ms = profiled_prefill(worker, prompt_len, seed)
-    census = prefill_census(events, worker.model_runner.device.type == "cuda")
+    census = prefill_census(events, worker.model_runner.device.type == "cuda", top)
     cats = {c: {"kernels": row["kernels"], "ms": row["us"] / 1e3, "share": row["share"],
-                "top": [[n, us / 1e3, count] for n, us, count in row["top"]]}
+                **{key: [[n, us / 1e3, count] for n, us, count in row[key]]
+                   for key in ("top", "most_launched")}}
             for c, row in census["categories"].items()}
     busy_ms = census["busy_us"] / 1e3
     return {"categories": cats,
@@ -355,6 +359,10 @@ def _print(result: Dict[str, Any]) -> None:
         top = result["categories"][c]["top"]
         if top:
             print(f"  {c}: " + "; ".join(f"{n[:60]} {ms:.3f} ms x{k}" for n, ms, k in top))
+        launched = result["categories"][c].get("most_launched")
+        if launched:
+            print(f"  {c}, most launched: "
+                  + "; ".join(f"{n[:60]} x{k} ({ms:.3f} ms)" for n, ms, k in launched))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -367,6 +375,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timed", type=int, default=1,
                         help="unprofiled timed prefills after the warm-up (their median)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the random prompt ids")
+    parser.add_argument("--top", type=int, default=3,
+                        help="kernel names listed per category, by time and by launch count")
     parser.add_argument("--label", type=str, default="",
                         help="run name, followed by the prompt length "
                              "(default: '<layers>L <dtype> <prompt-len>')")
@@ -380,9 +390,9 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     """Command line; returns the JSON line's dict of each prompt length."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if min(args.prompt_len) < 1 or args.timed < 0:
-        parser.error(f"--prompt-len must be >= 1 and --timed >= 0, got {args.prompt_len}, "
-                     f"{args.timed}")
+    if min(args.prompt_len) < 1 or args.timed < 0 or args.top < 1:
+        parser.error(f"--prompt-len and --top must be >= 1 and --timed >= 0, got "
+                     f"{args.prompt_len}, {args.top}, {args.timed}")
     try:
         server_args = ServerArgs.from_cli_args(args)
     except ValueError as exc:
@@ -406,7 +416,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     layers = cfg.num_hidden_layers
     results = []
     for prompt_len in args.prompt_len:
-        measured = run_prefill_census(worker, prompt_len, args.seed, args.timed)
+        measured = run_prefill_census(worker, prompt_len, args.seed, args.timed, args.top)
         default_label = f"{layers}L {dtype}{' ' + quant if quant else ''}"
         result = {"label": f"{args.label or default_label} {prompt_len}",
                   "device": runner.device.type,

@@ -99,6 +99,10 @@ def test_cpu_census_json_line(census):
     for name, row in cats.items():
         assert row["kernels"] > 0 and row["ms"] >= 0 and 0 <= row["share"] <= 1, (name, row)
         assert row["top"] and all(ms >= 0 and k > 0 for _, ms, k in row["top"]), (name, row)
+        # The same names ranked by launches: where a host-bound prefill's launches come from.
+        counts = [k for _, _, k in row["most_launched"]]
+        assert counts and counts == sorted(counts, reverse=True), (name, row)
+        assert counts[0] == max(k for _, _, k in row["top"] + row["most_launched"])
     moe = cats["MoE"]
     assert moe["ms"] > 0 and moe["share"] > 0
     assert any("index_add" in n or "matmul" in n or "mm" in n for n, _, _ in moe["top"]), moe
@@ -118,6 +122,7 @@ def test_cpu_census_json_line(census):
     assert table.count("\n| ") == 2 * (len(pc.CATEGORIES) + 2)
     assert f"| **total** | {rec['total']['kernels']} |" in table
     assert "the device is the CPU" in table and "host gaps" in table
+    assert "MoE, most launched: " in table
 
 
 def _time(start: float, end: float) -> SimpleNamespace:
