@@ -22,6 +22,9 @@
 #   STAGE=interference a decoding request's ITL while an 8192-token prompt is prefilled
 #                   (benchmark/batch1/prefill_interference.py), 12-layer bf16 server per
 #                   --chunked-prefill-size in CHUNKS (default "8192 2048"); $OUT/interference.jsonl
+#   STAGE=probe     benchmark/batch1/invariance_probe.py (bundled model, bf16, deterministic
+#                   flag) for NEXTN-3 and DSPARK on PROBE_PROMPTS (default "7 0 1 2"): the first
+#                   module whose verify row differs from the decode of the same token
 #   STAGE=determinism  the bit-exact bf16 speculation gate (test/srt/test_deterministic_spec.py:
 #                   NEXTN-3 and DSPARK == plain with --enable-deterministic-inference), then the
 #                   flag's cost: bench_one_batch decode (64 steps after 1024 tokens) of the
@@ -123,7 +126,7 @@ served)
       --random-range-ratio 1.0 --num-prompts ${PROMPTS:-4} --max-concurrency 1 --disable-tqdm \
       --output-file "$OUT/served.jsonl" 2>&1 | tee "$OUT/bench_fp8_$steps.log" \
       | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Accept"
-    grep -E "request slots|pools:" "$OUT/server_fp8_$steps.log" | head -2
+    grep -E "request slots|pools:|Prefill warm-up" "$OUT/server_fp8_$steps.log" | head -3
     stop_server
   done
   ;;
@@ -164,6 +167,21 @@ determinism)  # DET_GATE=0: the cost only (the gate ran with the other gpu tests
   LENS=1024 OUTLEN=64 one_batch flash12-plain $FLASH12 --cuda-graph-max-bs 1
   LENS=1024 OUTLEN=64 one_batch flash12-deterministic $FLASH12 --cuda-graph-max-bs 1 \
     --enable-deterministic-inference
+  ;;
+probe)  # which target module rounds a verify row apart from the decode of the same token
+  for i in ${PROBE_PROMPTS:-7 0 1 2}; do
+    for alg in nextn3 dspark; do
+      spec="--speculative-algorithm DSPARK"
+      [ $alg = nextn3 ] && spec="--speculative-algorithm NEXTN --speculative-num-steps 3"
+      # shellcheck disable=SC2086  # spec is a list of flags
+      timeout ${PROBE_TIMEOUT:-120} python3 benchmark/batch1/invariance_probe.py --device cuda \
+        --dtype bfloat16 --enable-deterministic-inference $spec --max-total-tokens 32768 \
+        --max-running-requests 4 --prompt-index $i --gen ${PROBE_GEN:-256} \
+        --result-filename "$OUT/invariance_probe.jsonl" > "$OUT/probe_${alg}_$i.log" 2>&1
+      echo "prompt $i $alg: $(grep -E "^(first difference|batch-invariant)" \
+        "$OUT/probe_${alg}_$i.log" | head -1)"
+    done
+  done
   ;;
 *) echo "unknown STAGE=${STAGE}"; exit 2 ;;
 esac
