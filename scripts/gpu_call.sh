@@ -21,12 +21,21 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 RESULTS=${OUT:-out}
 SCRATCH=${SCRATCH:-/tmp/gpu_call_logs}
+# Triton's compiled kernels between calls: a machine starts with an empty cache and the first
+# run of every kernel compiles (minutes). A carried .triton_cache.tgz (git-ignored; name it in
+# the device call's carry) is unpacked first; TRITON_CACHE_OUT=1 packs the cache into $OUT at
+# the end when it fits the device's 16 MiB per file.
+TRITON_DIR=${TRITON_CACHE_DIR:-${HOME:-/tmp}/.triton/cache}
 mkdir -p "$RESULTS" "$SCRATCH"
 for stage in "$@"; do  # check every stage before the first one spends device time
   read -r limit script vars <<< "$stage"
   case "$limit" in ''|*[!0-9]*) echo "gpu_call.sh: '$stage' must start with seconds"; exit 2 ;; esac
   [ -f "scripts/$script" ] || { echo "gpu_call.sh: no scripts/$script"; exit 2; }
 done
+if [ -f .triton_cache.tgz ]; then
+  mkdir -p "$TRITON_DIR" && tar xzf .triton_cache.tgz -C "$TRITON_DIR" \
+    && echo "unpacked $(ls "$TRITON_DIR" | wc -l) Triton cache entries"
+fi
 for stage in "$@"; do
   read -r limit script vars <<< "$stage"
   echo "== $script $vars (limit ${limit}s)"
@@ -39,3 +48,12 @@ for stage in "$@"; do
   pkill -9 -f "sglang.launch_serve[r]" 2>/dev/null
 done
 tar czf "$RESULTS/logs.tgz" -C "$SCRATCH" . && echo "packed $(ls "$SCRATCH" | wc -l) files into logs.tgz"
+if [ "${TRITON_CACHE_OUT:-0}" = 1 ] && [ -d "$TRITON_DIR" ]; then
+  tar czf /tmp/triton_cache.tgz -C "$TRITON_DIR" .
+  size=$(stat -c %s /tmp/triton_cache.tgz)
+  if [ "$size" -le $((16 << 20)) ]; then
+    cp /tmp/triton_cache.tgz "$RESULTS/triton_cache.tgz" && echo "Triton cache: $size bytes"
+  else
+    echo "Triton cache: $size bytes, over the 16 MiB a returned file may have: not returned"
+  fi
+fi
