@@ -289,3 +289,39 @@ def test_forced_warmup_on_cuda_gives_slots_back_and_changes_no_output():
     runner = _runner("cuda")
     assert pw.prefill_paths(runner).moe_gemms  # the grouped GEMM is planned for
     _check_run_on("cuda")
+
+
+def _tp_rank_plan(rank: int, port: int, out_dir: str) -> None:
+    """One TP rank of the bundled model whose KV pool differs from the other rank's: plans the
+    warm-up, runs it, saves the plan."""
+    import os
+
+    from sglang.srt.distributed.parallel_state import destroy_distributed_environment
+
+    torch.set_num_threads(1)  # two ranks share two cores
+    try:
+        runner = ModelRunner(ModelConfig.from_path(str(BUNDLED_MODEL_DIR)), device="cpu",
+                             dtype=torch.float32, tp_rank=rank, tp_size=2, nccl_port=port,
+                             max_running_requests=2 + rank, max_total_tokens=96 - 40 * rank)
+        shapes = pw.plan_prefill_warmup(runner, chunked_prefill_size=64, max_prefill_tokens=64)
+        pw.run_prefill_warmup(runner, shapes)
+        torch.save(shapes, os.path.join(out_dir, f"plan{rank}.pt"))
+    finally:
+        destroy_distributed_environment()
+
+
+def test_tp_ranks_plan_alike_from_the_smallest_pools(tmp_path):
+    """Ranks that sized their pools differently plan the same warm-up (from the smaller pools),
+    so every rank runs the same forwards and none waits in an all-reduce the other skips."""
+    import os
+
+    import torch.multiprocessing as mp
+
+    from sglang.srt.distributed.parallel_state import free_port
+
+    mp.spawn(_tp_rank_plan, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    plans = [torch.load(os.path.join(tmp_path, f"plan{r}.pt")) for r in range(2)]
+    assert plans[0] == plans[1] and plans[0]
+    small = pw.plan_prefill_warmup(_runner(max_running_requests=2, max_total_tokens=56),
+                                   chunked_prefill_size=64, max_prefill_tokens=64)
+    assert max(sum(s) for s in plans[0]) <= max(sum(s) for s in small)

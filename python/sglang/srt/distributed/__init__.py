@@ -10,6 +10,7 @@ from sglang.srt.distributed.parallel_state import (
     init_distributed_environment,
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
+    tensor_model_parallel_min_ints,
 )
 
 __all__ = [
@@ -23,4 +24,5 @@ __all__ = [
     "init_distributed_environment",
     "tensor_model_parallel_all_gather",
     "tensor_model_parallel_all_reduce",
+    "tensor_model_parallel_min_ints",
 ]

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import Optional
+from typing import List, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -87,6 +87,16 @@ def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Te
     parts = [torch.empty_like(x) for _ in range(_TP_SIZE)]
     dist.all_gather(parts, x.contiguous(), group=_TP_GROUP)
     return torch.cat(parts, dim=dim)
+
+
+def tensor_model_parallel_min_ints(values: Sequence[int]) -> List[int]:
+    """The element-wise minimum of host integers over the TP group (gloo): a decision every
+    rank must take alike from numbers each rank measures itself. Identity for TP = 1."""
+    if _TP_SIZE == 1:
+        return [int(v) for v in values]
+    box = torch.tensor([int(v) for v in values], dtype=torch.int64)
+    dist.all_reduce(box, op=dist.ReduceOp.MIN, group=_CPU_GROUP)
+    return [int(v) for v in box.tolist()]
 
 
 def broadcast_pyobj(obj, src: int = 0):

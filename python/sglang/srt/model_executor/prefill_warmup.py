@@ -47,6 +47,7 @@ from typing import (TYPE_CHECKING, Any, Dict, FrozenSet, Hashable, List, Mapping
 
 import torch
 
+from sglang.srt.distributed.parallel_state import tensor_model_parallel_min_ints
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 if TYPE_CHECKING:
@@ -304,8 +305,11 @@ def plan_prefill_warmup(runner: "ModelRunner", *, chunked_prefill_size: Optional
     cap = prefill_token_bound(chunked_prefill_size, max_prefill_tokens)
     if cap is not None:
         bounds.append(cap)
-    return prefill_warmup_shapes(prefill_paths(runner), min(bounds),
-                                 runner.req_to_token_pool.available_size())
+    # Every TP rank must run the same forwards (they all-reduce inside), and each sized its
+    # pools from its own memory: plan from the smallest rank's numbers.
+    max_tokens, max_requests = tensor_model_parallel_min_ints(
+        [min(bounds), runner.req_to_token_pool.available_size()])
+    return prefill_warmup_shapes(prefill_paths(runner), max_tokens, max_requests)
 
 
 def run_prefill_warmup(runner: "ModelRunner", shapes: Sequence[Shape], seed: int = 0) -> float:
