@@ -184,3 +184,44 @@ def test_scheduler_refuses_a_budget_without_room_for_one_slot(monkeypatch):
     _fake_memory(monkeypatch, left=1 * MIB)
     with pytest.raises(ValueError, match="no memory is left for the KV cache"):
         _scheduler(TINY_SPEC["NEXTN"])
+
+
+# ---------------------------------------------------------------- TP ranks with unequal memory
+def _tp_rank_pools(rank: int, port: int, out_dir: str) -> None:
+    """One of two TP ranks on CPU whose fake budgets differ (rank 1 has less left): saves the
+    request and KV slot counts it built its pools with."""
+    import os
+
+    from sglang.srt.distributed.parallel_state import destroy_distributed_environment
+
+    torch.set_num_threads(1)  # two ranks share two cores
+    total = GIB
+    used = int(total * 0.85) - (48 - 16 * rank) * MIB
+    mr.device_memory = lambda device: DeviceMemory(free=total - used, total=total,
+                                                   allocated=used)
+    try:
+        runner = mr.ModelRunner(ModelConfig.from_path(str(MODEL)), device="cpu",
+                                dtype=torch.float32, tp_rank=rank, tp_size=2, nccl_port=port,
+                                mem_fraction_static=0.85, context_length=1024)
+        torch.save({"slots": runner.max_running_requests,
+                    "kv": runner.max_total_num_tokens,
+                    "own": runner.request_slot_plan.slots},
+                   os.path.join(out_dir, f"rank{rank}.pt"))
+    finally:
+        destroy_distributed_environment()
+
+
+def test_tp_ranks_take_the_smallest_ranks_pool_sizes(tmp_path):
+    """Each rank sizes its pools from its own memory, but the ranks schedule the same batches:
+    both build the smaller rank's request and KV slot counts."""
+    import os
+
+    import torch.multiprocessing as mp
+
+    from sglang.srt.distributed.parallel_state import free_port
+
+    mp.spawn(_tp_rank_pools, args=(free_port(), str(tmp_path)), nprocs=2, join=True)
+    got = [torch.load(os.path.join(tmp_path, f"rank{r}.pt")) for r in range(2)]
+    assert got[0]["own"] > got[1]["own"]  # the fake budgets did differ
+    assert got[0]["slots"] == got[1]["slots"] == got[1]["own"]
+    assert got[0]["kv"] == got[1]["kv"] > 0

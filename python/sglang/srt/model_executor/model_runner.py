@@ -598,11 +598,14 @@ class ModelRunner:
             return
         if kda_state_pool is not None:
             raise ValueError("kda_state_pool may only be shared together with the other pools")
+        # Each TP rank sizes from its own memory, but the ranks schedule the same batches: all
+        # take the smallest rank's counts (identities for TP = 1).
         if self.max_running_requests is None:
-            self.max_running_requests = self._plan_request_slots(
-                mla_ids, kda_ids, local_heads, mem_fraction_static, max_total_tokens)
-        self.max_total_num_tokens = self._plan_kv_tokens(
-            mla_ids, kda_ids, local_heads, max_total_tokens, mem_fraction_static)
+            self.max_running_requests, = ps.tensor_model_parallel_min_ints([
+                self._plan_request_slots(mla_ids, kda_ids, local_heads, mem_fraction_static,
+                                         max_total_tokens)])
+        self.max_total_num_tokens, = ps.tensor_model_parallel_min_ints([self._plan_kv_tokens(
+            mla_ids, kda_ids, local_heads, max_total_tokens, mem_fraction_static)])
         self.req_to_token_pool = ReqToTokenPool(self.max_running_requests,
                                                 self.context_len + self.position_headroom,
                                                 self.device)
