@@ -21,7 +21,7 @@ from typing import Any, Dict, List
 import pytest
 import torch
 
-from engine_test_utils import make_scheduler, sampling, submit_staggered
+from engine_test_utils import make_scheduler, sampling, submit_staggered, take_token_ids
 from sglang.srt.configs import model_config as mc
 from sglang.srt.configs.bailing_moe_v3 import ConfigError
 from sglang.srt.configs.dspark import (
@@ -32,7 +32,7 @@ from sglang.srt.configs.dspark import (
     list_dspark_presets,
 )
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig, list_presets
-from sglang.srt.managers.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
+from sglang.srt.managers.io_struct import TokenizedGenerateReqInput
 from sglang.srt.models.dspark import DSparkDraftModel, load_dspark_draft
 from sglang.srt.rounds.dspark.worker import DSparkWorker
 from sglang.srt.server_args import ServerArgs
@@ -183,13 +183,7 @@ def _greedy_ids(sched, prompts: List[List[int]], vocab: int) -> Dict[str, List[i
                                                ignore_eos=True))
             for i, p in enumerate(prompts)]
     submit_staggered(sched, reqs, stagger=2)
-    ids: Dict[str, List[int]] = {}
-    for msg in sched.outbox:
-        if isinstance(msg, BatchTokenIDOutput):
-            for i, rid in enumerate(msg.rids):
-                ids.setdefault(rid, []).extend(msg.decode_ids[i])
-    sched.outbox.clear()
-    return ids
+    return take_token_ids(sched)
 
 
 def test_shrunk_preset_draft_is_lossless_through_the_scheduler(presets):

@@ -29,7 +29,7 @@ from sglang.srt.model_executor.forward_batch_info import (
 )
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_loader import SafetensorsCheckpoint, build_model, match_checkpoint
-from sglang.test.runner_utils import greedy_logits
+from sglang.test.runner_utils import draft_runner_on, greedy_logits
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO_ROOT, "scripts", "make_random_checkpoint.py")
@@ -125,13 +125,7 @@ def _runners(path: str) -> Tuple[ModelRunner, ModelRunner]:
     cfg = ModelConfig.from_path(path)
     target = ModelRunner(cfg, device="cpu", dtype=torch.float32, max_running_requests=2,
                          max_total_tokens=128, draft_extra_mla_layers=True)
-    draft = ModelRunner(cfg, device="cpu", dtype=torch.float32, is_draft=True,
-                        req_to_token_pool=target.req_to_token_pool,
-                        token_to_kv_pool_allocator=target.token_to_kv_pool_allocator,
-                        token_to_kv_pool=target.token_to_kv_pool,
-                        kda_state_pool=target.kda_state_pool)
-    draft.model.set_embed_and_head(*target.model.get_embed_and_head())
-    return target, draft
+    return target, draft_runner_on(target, cfg)
 
 
 @torch.no_grad()

@@ -36,6 +36,7 @@ from sglang.srt.model_loader import (
     model_weight_bytes,
 )
 from sglang.test.random_checkpoint import tiny_config, write_random_checkpoint
+from sglang.test.runner_utils import draft_runner_on
 
 PROMPT = [5, 17, 99, 3, 250, 42, 7, 311, 8, 64]
 
@@ -353,13 +354,8 @@ def test_real_preset_builds_on_target_device_only():
 def test_draft_runner_shares_target_pools(ckpt):
     target = make_runner(ckpt, draft_extra_mla_layers=True)
     cfg = ModelConfig.from_path(ckpt)
-    draft = ModelRunner(cfg, device="cpu", dtype=torch.float32, is_draft=True,
-                        req_to_token_pool=target.req_to_token_pool,
-                        token_to_kv_pool_allocator=target.token_to_kv_pool_allocator,
-                        token_to_kv_pool=target.token_to_kv_pool,
-                        kda_state_pool=target.kda_state_pool)
+    draft = draft_runner_on(target, cfg)
     assert draft.max_total_num_tokens == target.max_total_num_tokens
-    draft.model.set_embed_and_head(*target.model.get_embed_and_head())
 
     req = target.req_to_token_pool.alloc(1)[0]
     target.kda_state_pool.clear_slots([req])

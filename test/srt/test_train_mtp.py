@@ -24,6 +24,7 @@ from sglang.srt.model_executor.forward_batch_info import (CaptureHiddenMode, For
                                                           ForwardMode)
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.test.random_checkpoint import tiny_config
+from sglang.test.runner_utils import draft_runner_on
 from sglang.train.dspark_losses import acceptance_loss
 from sglang.train.mtp import (LOG_NAME, chain_alpha, chain_target_logits, main,
                               mtp_accept_loss, mtp_chain, mtp_real_pass, sample_anchors)
@@ -176,12 +177,7 @@ def test_output_folder_serves(trained):
     cfg = ModelConfig.from_path(str(out))
     target = ModelRunner(cfg, device="cpu", dtype=torch.float32, max_running_requests=2,
                          max_total_tokens=256, draft_extra_mla_layers=True)
-    draft = ModelRunner(cfg, device="cpu", dtype=torch.float32, is_draft=True,
-                        req_to_token_pool=target.req_to_token_pool,
-                        token_to_kv_pool_allocator=target.token_to_kv_pool_allocator,
-                        token_to_kv_pool=target.token_to_kv_pool,
-                        kda_state_pool=target.kda_state_pool)
-    draft.model.set_embed_and_head(*target.model.get_embed_and_head())
+    draft = draft_runner_on(target, cfg)
     ids = torch.randint(3, 512, (20,), generator=torch.Generator().manual_seed(2))
     req = target.req_to_token_pool.alloc(1)[0]
     target.kda_state_pool.clear_slots([req])

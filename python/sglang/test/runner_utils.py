@@ -7,7 +7,7 @@ import torch
 
 from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
-__all__ = ["greedy_logits"]
+__all__ = ["greedy_logits", "draft_runner_on"]
 
 
 def greedy_logits(runner, ids: Sequence[int], decode_steps: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -31,3 +31,19 @@ def greedy_logits(runner, ids: Sequence[int], decode_steps: int) -> Tuple[torch.
         steps.append(logits)
         token = logits.argmax(-1)
     return prefill, torch.cat(steps) if steps else prefill[:0]
+
+
+def draft_runner_on(target, model_config, **kwargs):
+    """The NEXTN draft (MTP layer) runner of ``model_config`` on ``target``'s pools (the target
+    built with ``draft_extra_mla_layers=True``), sharing its embedding and LM head, as the
+    NEXTN worker sets it up; fp32 on CPU unless ``kwargs`` say otherwise."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    opts = dict(device="cpu", dtype=torch.float32, **kwargs)
+    draft = ModelRunner(model_config, is_draft=True,
+                        req_to_token_pool=target.req_to_token_pool,
+                        token_to_kv_pool_allocator=target.token_to_kv_pool_allocator,
+                        token_to_kv_pool=target.token_to_kv_pool,
+                        kda_state_pool=target.kda_state_pool, **opts)
+    draft.model.set_embed_and_head(*target.model.get_embed_and_head())
+    return draft
