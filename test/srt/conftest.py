@@ -2,6 +2,7 @@
 import os
 
 import pytest
+import torch
 
 
 @pytest.fixture(scope="module")
@@ -15,3 +16,13 @@ def one_thread_children():
         os.environ.pop("OMP_NUM_THREADS", None)
     else:
         os.environ["OMP_NUM_THREADS"] = old
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for the module's in-process forwards: tiny matmuls are fastest on
+    one thread, and the CI machine's two cores are shared (``pytest.mark.usefixtures``)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -37,13 +37,7 @@ PROMPT = [3, 141, 59, 265, 358, 97, 93, 238, 46, 264, 338, 327]
 DECODE_STEPS = 4
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny forwards are fastest on one thread, and the CI machine's two cores are shared.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # test/srt/conftest.py
 
 
 # ------------------------------------------------------------------------------ the plan

@@ -14,13 +14,7 @@ from engine_test_utils import make_scheduler, request, write_checkpoint
 SCHED_LOGGER = "sglang.srt.managers.scheduler"
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls are fastest on one thread, and the CI machine's cores are shared.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # test/srt/conftest.py
 
 
 @pytest.fixture(scope="module")
