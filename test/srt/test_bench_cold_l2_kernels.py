@@ -4,7 +4,6 @@ for every kernel it covers, each kernel checked against its reference; ``--kerne
 subset."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -14,6 +13,8 @@ from types import ModuleType
 
 import pytest
 
+from sglang.test.script_loader import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmark" / "kernels" / "bench_cold_l2_kernels.py"
 FIELDS = {"kernel", "case", "rows", "device", "gpu", "dtype", "tiny", "iters", "kernel_us",
@@ -21,13 +22,7 @@ FIELDS = {"kernel", "case", "rows", "device", "gpu", "dtype", "tiny", "iters", "
 
 
 def _load() -> ModuleType:
-    # benchmark/ is no package: load the file as `python3 benchmark/...` would run it,
-    # registered first (its dataclasses look their module up in sys.modules).
-    spec = importlib.util.spec_from_file_location("bench_cold_l2_kernels", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 def _lines(path: Path) -> list:

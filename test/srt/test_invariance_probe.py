@@ -4,7 +4,6 @@ verify-only difference appears (not an earlier one, not its parent)."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import io
 import json
 import os
@@ -15,6 +14,8 @@ from typing import Any, Dict, Tuple
 
 import pytest
 import torch
+
+from sglang.test.script_loader import load_script
 
 ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmark/batch1/invariance_probe.py"
@@ -29,13 +30,7 @@ DEEP_TARGET = "model.layers.1.mlp"
 
 
 def _load_probe() -> Any:
-    # benchmark/ is no package: load the file as `python benchmark/...` would run it
-    # (registered first: its dataclasses look their module up while they are built).
-    spec = importlib.util.spec_from_file_location("invariance_probe", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 PROBE = _load_probe()

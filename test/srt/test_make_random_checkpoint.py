@@ -6,7 +6,6 @@ CPU only; the whole module takes about 30 s.
 """
 from __future__ import annotations
 
-import importlib.util
 import io
 import json
 import math
@@ -30,6 +29,7 @@ from sglang.srt.model_executor.forward_batch_info import (
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.srt.model_loader import SafetensorsCheckpoint, build_model, match_checkpoint
 from sglang.test.runner_utils import draft_runner_on, greedy_logits
+from sglang.test.script_loader import load_script
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 SCRIPT = os.path.join(REPO_ROOT, "scripts", "make_random_checkpoint.py")
@@ -45,12 +45,7 @@ NARROW_FLASH = {"num_hidden_layers": 2, "layer_group_size": 2, "first_k_dense_re
 
 
 def _load_script() -> ModuleType:
-    # scripts/ is no package: load the file itself, as `python3 scripts/...` runs it.
-    spec = importlib.util.spec_from_file_location("make_random_checkpoint", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while it executes
-    spec.loader.exec_module(module)
-    return module
+    return load_script(SCRIPT)
 
 
 TOOL = _load_script()

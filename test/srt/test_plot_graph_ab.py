@@ -1,23 +1,20 @@
 """benchmark/batch1/plot_graph_ab.py: graph_ab.py JSONL to an SVG bar chart and a Markdown table."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
 
+from sglang.test.script_loader import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 NS = "{http://www.w3.org/2000/svg}"
 
 
 def _load():
-    spec = importlib.util.spec_from_file_location(
-        "plot_graph_ab", ROOT / "benchmark/batch1/plot_graph_ab.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    return mod
+    return load_script(ROOT / "benchmark/batch1/plot_graph_ab.py")
 
 
 plot = _load()

@@ -4,7 +4,6 @@ the JSON line's fields), the CUDA attribution and the name fallback on synthetic
 events, and the figure of the census line."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -17,6 +16,8 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
+from sglang.test.script_loader import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 BATCH1 = ROOT / "benchmark" / "batch1"
 TINY = ROOT / "python" / "sglang" / "assets" / "tiny-bailing-v3"
@@ -25,10 +26,7 @@ PROMPT = 32
 
 def _load(name: str) -> ModuleType:
     """A script under benchmark/batch1 imported by its path (the folder is no package)."""
-    spec = importlib.util.spec_from_file_location(f"batch1_{name}", BATCH1 / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BATCH1 / f"{name}.py", f"batch1_{name}")
 
 
 pc = _load("prefill_census")

@@ -2,21 +2,18 @@
 streaming while a long prompt is prefilled in chunks (a decode step between chunks)."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
 import pytest
 
+from sglang.test.script_loader import load_script
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def _module():
-    path = ROOT / "benchmark" / "batch1" / "prefill_interference.py"
-    spec = importlib.util.spec_from_file_location("prefill_interference", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(ROOT / "benchmark" / "batch1" / "prefill_interference.py")
 
 
 @pytest.fixture(scope="module")

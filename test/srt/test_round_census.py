@@ -4,7 +4,6 @@ top-level aten op in exactly one category), the floors against weight_floor, the
 the attribution on synthetic profiler events, the per-phase mode, and the PNG of two runs."""
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -16,6 +15,8 @@ import pytest
 import torch
 from torch.autograd import DeviceType
 
+from sglang.test.script_loader import load_script
+
 ROOT = Path(__file__).resolve().parents[2]
 BATCH1 = ROOT / "benchmark" / "batch1"
 TINY = ROOT / "python" / "sglang" / "assets" / "tiny-bailing-v3"
@@ -26,10 +27,7 @@ NEXTN3 = ["--speculative-algorithm", "NEXTN", "--speculative-num-steps", "3"]
 
 def _load(name: str) -> ModuleType:
     """A script under benchmark/batch1 imported by its path (the folder is no package)."""
-    spec = importlib.util.spec_from_file_location(f"batch1_{name}", BATCH1 / f"{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script(BATCH1 / f"{name}.py", f"batch1_{name}")
 
 
 rc = _load("round_census")
