@@ -1,6 +1,7 @@
 # Sourced by the scripts/gpu_*.sh entry points on the GPU host (no network): install the staged
 # wheels (.whl, from scripts/gpu_wheels.sh), put the repository's packages on the path, and print
-# the GPUs. Sets OUT (default out) and creates it.
+# the GPUs. Sets OUT (default out) and creates it; defines serve / stop_server (a server in its own
+# process group, waited on for SERVE_WAIT seconds, default 400).
 OUT=${OUT:-out}; mkdir -p "$OUT"
 # Once per machine: later entry points of the same call find the wheels installed.
 [ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile \
@@ -8,3 +9,24 @@ OUT=${OUT:-out}; mkdir -p "$OUT"
 [ -d /tmp/site/fastapi ] || { echo "gpu_env.sh: installing .whl/*.whl failed"; exit 1; }
 export PYTHONPATH=/tmp/site:$PWD/python:$PWD/sgl-kernel/python PYTHONUNBUFFERED=1
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+
+# serve PORT LOG ARGS...: start a server in its own process group (SERVER = its pid), wait until
+# ready. Call it directly, never inside $(...): a subshell would lose SERVER, and its EXIT trap
+# would kill the server as soon as the subshell returns.
+serve() {
+  local port=$1 log=$2; shift 2
+  setsid python3 -m sglang.launch_server "$@" --port $port > "$log" 2>&1 &
+  SERVER=$!
+  trap 'kill -9 -- -$SERVER 2>/dev/null' EXIT
+  for i in $(seq 1 ${SERVE_WAIT:-400}); do
+    curl -sf localhost:$port/health > /dev/null && { echo "ready after ${i}s"; return 0; }
+    kill -0 $SERVER 2>/dev/null || { echo "server exited:"; tail -5 "$log"; return 1; }
+    sleep 1
+  done
+  # Not ready in time: stop it, or it would hold the port (and the GPU) for the next stage.
+  echo "not ready after ${SERVE_WAIT:-400}s:"; tail -3 "$log"
+  kill -9 -- -"$SERVER" 2>/dev/null; sleep 3
+  return 1
+}
+
+stop_server() { [ -n "${SERVER:-}" ] && kill -9 -- -"$SERVER" 2>/dev/null; sleep 3; }

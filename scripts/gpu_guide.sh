@@ -11,9 +11,10 @@
 # The folder goes to CKPT (default /tmp/ling-flash-guide; 17 GB for 6 layers, as the tool
 # computes it). PROMPTS (default 4) prompts of 8192 in / 1024 out at concurrency 1.
 set -uo pipefail
-source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names
+source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names, serve / stop_server
 CKPT=${CKPT:-/tmp/ling-flash-guide}
 PORT=${PORT:-30730}
+SERVE_WAIT=${SERVE_WAIT:-300}
 date -u; git log --oneline -1
 
 echo "== make the checkpoint folder (${LAYERS:-6} layers, fp8, MTP layer)"
@@ -29,15 +30,8 @@ GUIDE="--model-path $CKPT --quantization fp8 --mem-fraction-static 0.93 --contex
 for spec in "" "--speculative-algorithm NEXTN --speculative-num-steps 3"; do
   label=${spec:+nextn3}; label=${label:-plain}
   echo "== serve ($label): python -m sglang.launch_server $GUIDE $spec"
-  setsid python3 -m sglang.launch_server $GUIDE $spec --port $PORT > "$OUT/guide_server_$label.log" 2>&1 &
-  server=$!
-  ready=0
-  for i in $(seq 1 ${SERVE_WAIT:-300}); do
-    curl -sf localhost:$PORT/health > /dev/null && { ready=1; echo "ready after ${i}s"; break; }
-    kill -0 $server 2>/dev/null || break
-    sleep 1
-  done
-  if [ $ready = 1 ]; then
+  # shellcheck disable=SC2086  # GUIDE and spec are lists of flags
+  if serve $PORT "$OUT/guide_server_$label.log" $GUIDE $spec; then
     curl -s localhost:$PORT/v1/completions -H 'Content-Type: application/json' \
       -d '{"model": "default", "prompt": "def add(a, b):", "max_tokens": 16, "temperature": 0}' \
       | tee "$OUT/guide_completion_$label.json" | head -c 400; echo
@@ -47,9 +41,7 @@ for spec in "" "--speculative-algorithm NEXTN --speculative-num-steps 3"; do
       --output-file "$OUT/guide_served.jsonl" 2>&1 | tee "$OUT/guide_bench_$label.log" \
       | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Accept length"
     grep -E "request slots|pools:|Prefill warm-up" "$OUT/guide_server_$label.log" | head -3
-  else
-    echo "not ready:"; tail -5 "$OUT/guide_server_$label.log"
   fi
-  kill -9 -- -$server 2>/dev/null; sleep 3
+  stop_server
 done
 date -u

@@ -59,26 +59,6 @@ census() {
   grep -E "^\||^prefill of" "$OUT/census_${label}.log" | sed "s/^/$label: /"
 }
 
-# serve PORT LOG ARGS...: start a server in its own process group (SERVER = its pid), wait until
-# ready. Call it directly, never inside $(...): a subshell would lose SERVER, and its EXIT trap
-# would kill the server as soon as the subshell returns.
-serve() {
-  local port=$1 log=$2; shift 2
-  setsid python3 -m sglang.launch_server "$@" --port $port > "$log" 2>&1 &
-  SERVER=$!
-  trap 'kill -9 -- -$SERVER 2>/dev/null' EXIT
-  for i in $(seq 1 ${SERVE_WAIT:-400}); do
-    curl -sf localhost:$port/health > /dev/null && { echo "ready after ${i}s"; return 0; }
-    kill -0 $SERVER 2>/dev/null || { echo "server exited:"; tail -5 "$log"; return 1; }
-    sleep 1
-  done
-  # Not ready in time: stop it, or it would hold the port (and the GPU) for the next stage.
-  echo "not ready after ${SERVE_WAIT:-400}s:"; tail -3 "$log"
-  kill -9 -- -"$SERVER" 2>/dev/null; sleep 3
-  return 1
-}
-
-stop_server() { [ -n "${SERVER:-}" ] && kill -9 -- -"$SERVER" 2>/dev/null; sleep 3; }
 
 case "${STAGE:-kernels}" in
 kernels)
