@@ -97,6 +97,22 @@ def time_us(fn: Callable[[], object], iters: int, on_cuda: bool) -> float:
     return 1000.0 * statistics.median(s.elapsed_time(e) for s, e in zip(starts, ends))
 
 
+def save(path: str, device_name: str, winners: Dict[str, Dict[str, dict]]) -> None:
+    """Merge ``winners`` (shape key -> pairs bucket -> config) into the JSON table at ``path``."""
+    table: dict = {}
+    if os.path.exists(path):
+        with open(path) as f:
+            table = json.load(f)
+    shapes = table.setdefault(device_name, {})
+    for key, buckets in winners.items():
+        shapes.setdefault(key, {}).update(buckets)
+        shapes[key] = dict(sorted(shapes[key].items(), key=lambda kv: int(kv[0])))
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(table, f, indent=1)
+        f.write("\n")
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dtype", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"],
@@ -189,6 +205,8 @@ def main() -> None:
                 fallback_us = results[0][0]
                 best_us, best, err = min(results, key=lambda r: r[0])
                 winners.setdefault(key, {})[str(pairs)] = config_fields(best, fp8)
+                if not args.dry_run:  # after every bucket: a sweep stopped by a time limit keeps
+                    save(args.output, device_name, winners)  # what it measured
                 flops = 2 * pairs * n * kk
                 # fp8: the best time of each inner loop, the comparison the sweep is for.
                 schemes = ""
@@ -209,22 +227,9 @@ def main() -> None:
     for fmt, proj, key, pairs, cfg, us, tflops, fb, err, schemes in rows:
         print(f"| {fmt} | {proj} | {key} | {pairs} | {cfg} | {us:.1f} | {tflops:.1f} | "
               f"{fb:.1f} | {fb / us:.2f}x | {err:.1e} | {schemes} |")
-    if args.dry_run:
-        return
-    table: dict = {}
-    if os.path.exists(args.output):
-        with open(args.output) as f:
-            table = json.load(f)
-    shapes = table.setdefault(device_name, {})
-    for key, buckets in winners.items():
-        shapes.setdefault(key, {}).update(buckets)
-        shapes[key] = dict(sorted(shapes[key].items(), key=lambda kv: int(kv[0])))
-    os.makedirs(os.path.dirname(os.path.abspath(args.output)), exist_ok=True)
-    with open(args.output, "w") as f:
-        json.dump(table, f, indent=1)
-        f.write("\n")
-    print(f"\nwrote {sum(len(b) for b in winners.values())} entries for {device_name!r} to "
-          f"{args.output}")
+    if not args.dry_run:
+        print(f"\nwrote {sum(len(b) for b in winners.values())} entries for {device_name!r} to "
+              f"{args.output}")
 
 
 if __name__ == "__main__":
