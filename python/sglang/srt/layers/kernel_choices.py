@@ -28,6 +28,11 @@ knows (:func:`default_kernel_choices`):
   small-M batches, as three Triton launches: ``sgl_kernel.moe_align``, instead of the 28
   torch ops of ``moe_grouped_gemm.moe_align``, a multi-pass radix sort among them; the same
   alignment bit for bit): off, its speed is not measured yet. Only the Triton MoE backend's grouped GEMM path reads it.
+* ``fp8_activations`` (block-fp8 layers above the small-M range quantise their activations
+  per token and 128-column group, ``sgl_kernel.fp8_act_quant``, and multiply on the fp8 tensor
+  cores: "w8a8", the published fp8 checkpoints' ``activation_scheme: dynamic``; the MoE's
+  grouped GEMMs, ``sgl_kernel.moe_grouped_gemm``): off, it adds an activation rounding the
+  weight-only path does not have, and its speed and accuracy on the GPU are not measured yet.
 * ``kda_norm_in_o_proj`` (KDA's output norm inside o_proj's loads; measured slower than its own
   launch) and ``moe_grouped_mm`` (the torch-native MoE's large batches through
   ``torch._grouped_mm``; never measured): off. ``pdl_weight_prefetch`` (the small-M GEMM's
@@ -75,6 +80,7 @@ class KernelChoices:
     moe_grouped_mm: Optional[bool] = None
     pdl_weight_prefetch: Optional[bool] = None
     moe_align_kernel: Optional[bool] = None
+    fp8_activations: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name, value in self.items().items():
@@ -152,6 +158,7 @@ def default_kernel_choices(device_type: str, *, quantized: bool, moe_runner_back
         moe_grouped_mm=False,
         pdl_weight_prefetch=True,
         moe_align_kernel=False,
+        fp8_activations=False,
     )
 
 

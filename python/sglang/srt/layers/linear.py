@@ -130,6 +130,9 @@ class LinearBase(nn.Module):
     batch-invariant Triton product."""
 
     small_m_gemm = False
+    # KernelChoices.fp8_activations (quantization.fp8.set_fp8_activations): a block-fp8 layer's
+    # products above the small-M range on fp8 activations.
+    fp8_activations = False
 
     def __init__(self, input_size: int, output_size: int, bias: bool,
                  params_dtype: Optional[torch.dtype]):

@@ -47,6 +47,7 @@ from sglang.srt.layers.kernel_choices import KernelChoices
 from sglang.srt.layers.layernorm import set_norm_backend
 from sglang.srt.layers.linear import set_linear_backend
 from sglang.srt.layers.moe.moe_layer import set_moe_runner_backend
+from sglang.srt.layers.quantization.fp8 import set_fp8_activations
 from sglang.srt.layers.rotary_embedding import RotaryEmbedding, set_rope_backend
 from sglang.srt.mem_cache.memory_pool import (
     KDAStatePool,
@@ -525,6 +526,7 @@ class ModelRunner:
         self.small_m_gemm = set_linear_backend(self.model, kc.small_m_gemm, self.device)
         set_kda_norm_in_o_proj(self.model, kc.kda_norm_in_o_proj)
         set_mla_absorb_gemv(self.model, kc.mla_absorb_gemv)
+        set_fp8_activations(self.model, kc.fp8_activations)
         self.pdl = self._init_pdl(kc.pdl_weight_prefetch)
         if quantized and self.device.type == "cuda" and not self.small_m_gemm:
             logger.warning("fp8 weights with KernelChoices(small_m_gemm=False): every dense "

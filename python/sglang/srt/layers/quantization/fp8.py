@@ -266,6 +266,18 @@ class Fp8LinearMethod(LinearMethodBase):
         return linear(x, self.dequantized_weight(layer, x.dtype), bias, gated_norm=gated_norm)
 
 
+def set_fp8_activations(model: nn.Module, on: bool) -> bool:
+    """``KernelChoices.fp8_activations``: every block-fp8 layer of ``model`` (dense and MoE)
+    quantises its activations per token and 128-column group above the small-M range and
+    multiplies on the fp8 tensor cores ("w8a8"), or keeps them in the model dtype (``on``
+    False). Only the layers' Triton paths read it (``small_m_gemm`` for a dense layer, the Triton
+    MoE backend's grouped GEMM): the torch reference paths stay weight-only. Returns ``on``."""
+    for module in model.modules():
+        if isinstance(getattr(module, "quant_method", None), (Fp8LinearMethod, Fp8MoEMethod)):
+            module.fp8_activations = bool(on)
+    return bool(on)
+
+
 class DequantizedExperts:
     """Stacked fp8 experts seen as ``[E, N, K]`` weights in ``dtype``: indexing (an expert id
     or a tensor of ids) dequantises only the experts asked for, so the native MoE strategies
@@ -350,7 +362,8 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                                      w13_scale=layer.w13_weight_scale_inv,
                                      w2_scale=layer.w2_weight_scale_inv,
                                      combine_kernel=layer.fused_combine,
-                                     align_kernel=layer.align_kernel)
+                                     align_kernel=layer.align_kernel,
+                                     fp8_activations=layer.fp8_activations)
         w13, w2 = self.experts(layer, hidden.dtype)
         return fused_moe(hidden, w13, w2, topk_weights, topk_ids, layer.swiglu_limit,
                          grouped_mm=False, shared=shared)
