@@ -41,7 +41,7 @@ def test_defaults_off_cuda_are_the_torch_paths(quantized):
                                    moe_combine=False, small_m_gemm=False,
                                    mla_absorb_gemv=False, kda_norm_in_o_proj=False,
                                    moe_grouped_mm=False, pdl_weight_prefetch=True,
-                                   moe_align_kernel=False)
+                                   moe_align_kernel=False, fp8_activations=False)
 
 
 def test_triton_moe_backend_brings_router_and_combine_anywhere():
