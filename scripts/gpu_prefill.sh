@@ -2,7 +2,8 @@
 # Prefill and batched serving on one H200; one stage per run (each within 10 minutes), logs and
 # JSONL under $OUT.
 #   STAGE=kernels   the CUDA tests of the prefill kernels (MoE grouped GEMM, dense block-fp8 GEMM,
-#                   MLA prefill attention), the MoE grouped GEMM tile sweep (bf16 + fp8, written to
+#                   MLA prefill attention), the MoE grouped GEMM tile sweep (SWEEP_DTYPES, default
+#                   bf16 + fp8; w8a8: fp8 activations too), written to
 #                   $OUT/moe_grouped_gemm.json for sgl-kernel/python/sgl_kernel/configs/), the
 #                   KDA prefill conv's tile sweep (CONVSWEEP=0 skips it) and the dense fp8 GEMM
 #                   benchmark
@@ -67,7 +68,7 @@ kernels)
   [ "${SWEEP:-1}" = 1 ] || exit 0
   # The packaged table is the output: $OUT gets a copy. A reduced grid (the compiles dominate).
   for dt in ${SWEEP_DTYPES:-bf16 fp8}; do
-    bk="64 128"; [ $dt = fp8 ] && bk=128
+    bk="64 128"; [ $dt != bf16 ] && bk=128  # fp8 weights: a K step inside a scale block
     timeout ${SWEEP_TIMEOUT:-200} python3 benchmark/kernels/tune_moe_grouped_gemm.py --dtype $dt \
       --proj up down --tokens ${SWEEP_TOKENS:-128 1024 4096 8192} --block-m 32 64 128 \
       --block-n 128 --block-k $bk --group-m 8 --num-warps 4 8 --num-stages 3 4 \

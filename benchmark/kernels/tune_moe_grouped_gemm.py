@@ -1,11 +1,13 @@
 """Sweep of ``sgl_kernel.moe_grouped_gemm`` tile configs on Ling-3.0-flash's expert shapes; writes
 the per-GPU table that ``moe_grouped_gemm.launch_config`` reads.
 
-    python benchmark/kernels/tune_moe_grouped_gemm.py [--dtype bf16 fp8] \\
+    python benchmark/kernels/tune_moe_grouped_gemm.py [--dtype bf16 fp8 w8a8] \\
         [--tokens 128 256 512 1024 2048 4096 8192] [--fp8-prescale 0 1] [--output PATH] \\
         [--iters 20]
 
-For each weight format (bf16, block fp8), projection (the up-projection with its SwiGLU epilogue,
+For each weight format (bf16, block fp8 on bf16 activations, and ``w8a8``: block fp8 on
+activations quantised per token and 128-column group, ``sgl_kernel.fp8_act_quant``, quantised
+once outside the timed launch), projection (the up-projection with its SwiGLU epilogue,
 ``W13 [E, 2I, H]``; the down-projection, ``W2 [E, H, I]``) and batch (``--tokens`` x top-k pairs,
 uniform random routing over the E experts), every (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps,
 num_stages) of the grid, for fp8 also each fp8 inner loop of ``--fp8-prescale`` (0: per-block
@@ -34,6 +36,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 import torch
 
 from cold_l2 import kernel_bench_device  # benchmark/kernels/cold_l2.py
+from sgl_kernel.fp8_act_quant import group_dequantize, per_token_group_quant_fp8
 from sgl_kernel.fp8_blocks import block_dequantize, block_quantize
 from sgl_kernel.moe_grouped_gemm import (CONFIG_PATH, LaunchConfig, config_fields, config_key,
                                          fallback_config, moe_align, moe_grouped_gemm)
@@ -48,9 +51,12 @@ def label(cfg: LaunchConfig) -> str:
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor], ids: torch.Tensor,
-              rows_per_x: int, swiglu: bool, limit: float) -> torch.Tensor:
+              rows_per_x: int, swiglu: bool, limit: float,
+              round_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """fp32 per-expert loop (a host sync per expert is fine here): ``[P, N_out]`` in fp32, with
-    the kernel's roundings of gate and up to x's dtype before the SwiGLU."""
+    the kernel's roundings of gate and up to ``round_dtype`` (default x's dtype; w8a8 passes the
+    dequantised activations in fp32 and the model dtype here) before the SwiGLU."""
+    round_dtype = round_dtype or x.dtype
     flat = ids.reshape(-1)
     n = w.shape[1]
     out = torch.empty(flat.numel(), n // 2 if swiglu else n, device=x.device)
@@ -60,7 +66,8 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor], i
             w[e], scale[e], torch.float32, n // 2 if swiglu else None)
         h = x[pairs // rows_per_x].float() @ we.t()
         if swiglu:
-            gate, up = h[:, :n // 2].to(x.dtype).float(), h[:, n // 2:].to(x.dtype).float()
+            gate = h[:, :n // 2].to(round_dtype).float()
+            up = h[:, n // 2:].to(round_dtype).float()
             act = torch.nn.functional.silu(gate)
             if limit > 0:
                 act, up = act.clamp(max=limit), up.clamp(-limit, limit)
@@ -115,8 +122,10 @@ def save(path: str, device_name: str, winners: Dict[str, Dict[str, dict]]) -> No
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dtype", nargs="+", choices=["bf16", "fp8"], default=["bf16", "fp8"],
-                   help="expert weight formats to sweep (activations stay bf16)")
+    p.add_argument("--dtype", nargs="+", choices=["bf16", "fp8", "w8a8"],
+                   default=["bf16", "fp8"],
+                   help="formats to sweep: bf16 or block-fp8 experts on bf16 activations, or "
+                        "block-fp8 experts on fp8 activations (w8a8)")
     p.add_argument("--tokens", type=int, nargs="+",
                    default=[128, 256, 512, 1024, 2048, 4096, 8192],
                    help="tokens per batch; pairs = tokens x top-k are the table's buckets")
@@ -160,7 +169,8 @@ def main() -> None:
     winners: Dict[str, Dict[str, dict]] = {}
     rows: List[Tuple] = []
     for fmt in args.dtype:
-        fp8 = fmt == "fp8"
+        fp8 = fmt in ("fp8", "w8a8")
+        act_fp8 = fmt == "w8a8"
         for proj in args.proj:
             swiglu = proj == "up"
             n, kk = (2 * i, h) if swiglu else (h, i)
@@ -170,18 +180,25 @@ def main() -> None:
                 w, scale = block_quantize(w, i if swiglu else None)
             else:
                 w = w.to(act_dtype)
-            key = config_key(e, n, kk, fp8)
+            key = config_key(e, n, kk, fp8, act_fp8)
             for tokens in args.tokens:
                 pairs = tokens * k
                 fallback = fallback_config(e, pairs, fp8)
                 ids = torch.rand(tokens, e, device=dev).argsort(-1)[:, :k]
                 x = torch.randn(tokens if swiglu else pairs, kk, device=dev).to(act_dtype)
                 rows_per_x = k if swiglu else 1
-                ref = reference(x, w, scale, ids, rows_per_x, swiglu, args.limit)
+                xs = None
+                if act_fp8:  # the kernel's input: e4m3 rows and their group scales
+                    x, xs = per_token_group_quant_fp8(x)
+                    ref = reference(group_dequantize(x, xs), w, scale, ids, rows_per_x, swiglu,
+                                    args.limit, act_dtype)
+                else:
+                    ref = reference(x, w, scale, ids, rows_per_x, swiglu, args.limit)
                 aligns = {}
                 results = []
-                for cfg in [fallback] + [c for c in (fp8_grid if fp8 else grid)
-                                         if c != fallback]:
+                # w8a8 has one inner loop (fp8_prescale does not apply).
+                configs = fp8_grid if fp8 and not act_fp8 else grid
+                for cfg in [fallback] + [c for c in configs if c != fallback]:
                     if cfg.block_m not in aligns:
                         aligns[cfg.block_m] = moe_align(ids, e, cfg.block_m)
                     out = torch.empty(pairs, ref.shape[1], dtype=act_dtype, device=dev)
@@ -189,7 +206,8 @@ def main() -> None:
                     def run(cfg=cfg, out=out):
                         return moe_grouped_gemm(x, w, aligns[cfg.block_m], rows_per_x=rows_per_x,
                                                 swiglu=swiglu, swiglu_limit=args.limit,
-                                                w_scale=scale, config=cfg, out=out)
+                                                w_scale=scale, config=cfg, out=out,
+                                                x_scale=xs)
                     try:
                         run()
                     except Exception as exc:  # out of shared memory / registers, bad fp8 tile
@@ -210,16 +228,15 @@ def main() -> None:
                 flops = 2 * pairs * n * kk
                 # fp8: the best time of each inner loop, the comparison the sweep is for.
                 schemes = ""
-                if fp8:
+                if fp8 and not act_fp8:
                     per_scheme = [min((r[0] for r in results if r[1].fp8_prescale == pre),
                                       default=None) for pre in (False, True)]
                     schemes = " / ".join("-" if t is None else f"{t:.1f}" for t in per_scheme)
                 rows.append((fmt, proj, key, pairs, label(best), best_us,
                              flops / best_us / 1e6, fallback_us, err, schemes))
+                detail = f"; per-block / pre-scaled best {schemes} us" if schemes else ""
                 print(f"  {fmt} {proj} {pairs} pairs: best {label(best)} {best_us:.1f} us "
-                      f"(fallback {fallback_us:.1f} us"
-                      f"{'; per-block / pre-scaled best ' + schemes + ' us' if fp8 else ''})",
-                      flush=True)
+                      f"(fallback {fallback_us:.1f} us{detail})", flush=True)
 
     print("\n| weights | proj | shape | pairs | best config | us | TFLOP/s | fallback us | "
           "speedup | rel. err | fp8 best us: per-block / pre-scaled |\n"

@@ -31,6 +31,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
+def _mean_rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Mean absolute difference over mean magnitude: the scale of an elementwise rounding (e4m3's
+    3 mantissa bits: a few per cent), where ``_rel``'s max over one output can sit on a clamp."""
+    return float((a.float() - b.float()).abs().mean() / b.float().abs().mean().clamp_min(1e-12))
+
+
 def _routes(t: int, k: int, e: int, seed: int, skew: bool = True) -> torch.Tensor:
     """``[T, k]`` distinct experts per token; with ``skew`` experts 1 and 4 get no pair and
     expert 0 more than a 16-row block."""
@@ -211,6 +217,46 @@ def test_prescaled_fp8_tiles_match_dequantise_then_matmul(mgg, dtype, tol, i, cf
         assert not torch.equal(per_block, y) and _rel(y, y_ref) < _rel(per_block, y_ref)
 
 
+@pytest.mark.parametrize("out_dtype,tol,i,cfg", [
+    (torch.float32, 1e-5, 48, (16, 64, 64)), (torch.float16, 3e-3, 160, None),
+])
+def test_fp8_activations_match_the_dequantised_reference(mgg, out_dtype, tol, i, cfg):
+    """w8a8: activations quantised per row and 128 columns (``fp8_act_quant``), the dot on e4m3
+    operands, each K slice scaled by the row's and the column's scales: up + SwiGLU and down
+    equal the reference on the dequantised activations and weights (fp32: summation order
+    only). K = H = 192: a partial last group; ``I = 160``: two scale rows per half."""
+    from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
+    from sgl_kernel.fp8_blocks import block_quantize
+
+    t, k, e, h = 20, 3, 6, 192
+    gen = torch.Generator().manual_seed(31)
+    x = torch.randn(t, h, generator=gen).to(DEVICE) * 4
+    w13, s13 = block_quantize(_weights(e, 2 * i, h, torch.float32, 32), split=i)
+    w2, s2 = block_quantize(_weights(e, h, i, torch.float32, 33))
+    ids = _routes(t, k, e, seed=34)
+    config = None if cfg is None else mgg.LaunchConfig(block_n=cfg[1], block_k=cfg[2],
+                                                       block_m=cfg[0])
+    al = mgg.moe_align(ids, e, 16)
+    xq, xs = per_token_group_quant_fp8(x)
+    act = mgg.moe_grouped_gemm(xq, w13, al, rows_per_x=k, swiglu=True, swiglu_limit=2.0,
+                               w_scale=s13, config=config, x_scale=xs, out_dtype=out_dtype)
+    assert act.dtype == out_dtype
+    ref = mgg.moe_grouped_gemm_reference(xq, w13, ids, rows_per_x=k, swiglu=True,
+                                         swiglu_limit=2.0, w_scale=s13, x_scale=xs,
+                                         out_dtype=out_dtype)
+    assert _rel(act, ref) < tol
+    aq, as_ = per_token_group_quant_fp8(ref)
+    y = mgg.moe_grouped_gemm(aq, w2, al, rows_per_x=1, swiglu=False, w_scale=s2,
+                             config=config, x_scale=as_, out_dtype=out_dtype)
+    y_ref = mgg.moe_grouped_gemm_reference(aq, w2, ids, rows_per_x=1, swiglu=False,
+                                           w_scale=s2, x_scale=as_, out_dtype=out_dtype)
+    assert _rel(y, y_ref) < tol
+    # The activations' e4m3 rounding is the only new error against the weight-only result.
+    weight_only = mgg.moe_grouped_gemm_reference(x, w13, ids, rows_per_x=k, swiglu=True,
+                                                 swiglu_limit=2.0, w_scale=s13)
+    assert 1e-3 < _mean_rel(act, weight_only) < 0.08
+
+
 def test_rejects_bad_inputs(mgg):
     x = torch.zeros(4, 32, device=DEVICE)
     w = torch.zeros(3, 16, 32, device=DEVICE)
@@ -226,6 +272,25 @@ def test_rejects_bad_inputs(mgg):
                              config=mgg.LaunchConfig(24, 16, block_m=16))
     with pytest.raises(ValueError, match="float8_e4m3fn"):
         mgg.moe_grouped_gemm(x, w.half(), al, rows_per_x=2, swiglu=False)
+    # w8a8: the activations' scales, a block-fp8 weight and an output dtype are all needed.
+    from sgl_kernel.fp8_blocks import block_quantize
+
+    q, ws = block_quantize(w.float())
+    x8 = x.to(torch.float8_e4m3fn)
+    xs = torch.ones(4, 1, device=DEVICE)
+    with pytest.raises(ValueError, match="x_scale"):
+        mgg.moe_grouped_gemm(x8, q, al, rows_per_x=2, swiglu=False, w_scale=ws,
+                             out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="block-fp8 weight"):
+        mgg.moe_grouped_gemm(x8, w, al, rows_per_x=2, swiglu=False, x_scale=xs,
+                             out_dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"x_scale must be fp32 \[4, 1\]"):
+        mgg.moe_grouped_gemm(x8, q, al, rows_per_x=2, swiglu=False, w_scale=ws,
+                             x_scale=torch.ones(4, 2, device=DEVICE), out_dtype=torch.float32)
+    with pytest.raises(ValueError, match="out_dtype"):
+        mgg.moe_grouped_gemm(x8, q, al, rows_per_x=2, swiglu=False, w_scale=ws, x_scale=xs)
+    with pytest.raises(ValueError, match="block-fp8 weights"):
+        mgg.config_key(3, 16, 32, False, act_fp8=True)
 
 
 def test_launch_config_table_lookup(mgg, tmp_path, monkeypatch):
@@ -263,6 +328,15 @@ def test_launch_config_table_lookup(mgg, tmp_path, monkeypatch):
     assert not pick(1024, fp8=True).fp8_prescale  # a record without the field: per-block
     assert pick(8192, fp8=True).fp8_prescale
     assert mgg.config_fields(pick(8192, fp8=True), fp8=True) == {**entry, "fp8_prescale": True}
+    # The w8a8 entry is its own key; without one, the fp8 fallback (not the fp8 entry).
+    w8a8_key = mgg.config_key(512, 1536, 2560, True, act_fp8=True)
+    assert w8a8_key.endswith("dtype=w8a8")
+    assert mgg.launch_config(512, 1536, 2560, 8192, True, cuda, table_path=str(path),
+                             act_fp8=True) == mgg.fallback_config(512, 8192, True)
+    path.write_text(json.dumps({"Fake GPU": {w8a8_key: {"8192": {**entry, "block_m": 128}}}}))
+    mgg.load_config_table.cache_clear()
+    assert mgg.launch_config(512, 1536, 2560, 8192, True, cuda, table_path=str(path),
+                             act_fp8=True).block_m == 128
     mgg.load_config_table.cache_clear()
     assert pick(16384, n=1024).block_m == 32
     monkeypatch.setattr(mgg, "INTERPRETED", True)
@@ -349,6 +423,36 @@ def test_grouped_moe_fp8_matches_dequantised_gather(mgg):
     assert _rel(got, ref) < 1e-5
 
 
+def test_grouped_moe_fp8_activations(mgg):
+    """``fp8_activations=True``: the hidden states and the SwiGLU output quantised per row and
+    128 columns before their GEMMs: equal to that composition of the references (fp32), and
+    within the activations' e4m3 rounding of the weight-only path."""
+    from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
+    from sgl_kernel.fp8_blocks import block_quantize
+    from sglang.srt.layers.moe.fused_moe_native import combine_expert_outputs
+
+    hidden, w13, w2, weights, ids = _moe_inputs(torch.float32, t=24, e=6, h=160, i=96, k=4)
+    q13, s13 = block_quantize(w13, split=96)
+    q2, s2 = block_quantize(w2)
+    got = fused_moe_grouped(hidden, q13, q2, weights, ids, 0.4, w13_scale=s13, w2_scale=s2,
+                            fp8_activations=True)
+    xq, xs = per_token_group_quant_fp8(hidden)
+    act = mgg.moe_grouped_gemm_reference(xq, q13, ids, rows_per_x=4, swiglu=True,
+                                         swiglu_limit=0.4, w_scale=s13, x_scale=xs,
+                                         out_dtype=torch.float32)
+    aq, as_ = per_token_group_quant_fp8(act)
+    y = mgg.moe_grouped_gemm_reference(aq, q2, ids, rows_per_x=1, swiglu=False, w_scale=s2,
+                                       x_scale=as_, out_dtype=torch.float32)
+    assert _rel(got, combine_expert_outputs(y, weights, None)) < 1e-5
+    weight_only = fused_moe_grouped(hidden, q13, q2, weights, ids, 0.4, w13_scale=s13,
+                                    w2_scale=s2)
+    assert 1e-3 < _mean_rel(got, weight_only) < 0.08
+    # bf16 / fp32 experts ignore the flag.
+    assert torch.equal(fused_moe_grouped(hidden, w13, w2, weights, ids, 0.4,
+                                         fp8_activations=True),
+                       fused_moe_grouped(hidden, w13, w2, weights, ids, 0.4))
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_model_prefill_through_grouped_gemm_matches_native(mgg, tmp_path, monkeypatch,
                                                            quantization):
@@ -384,6 +488,40 @@ def test_model_prefill_through_grouped_gemm_matches_native(mgg, tmp_path, monkey
         assert _rel(got, ref) < 1e-5
 
 
+
+def test_model_prefill_with_fp8_activations(mgg, tmp_path, monkeypatch):
+    """``KernelChoices(fp8_activations=True)`` on a block-fp8 tiny model: the choice reaches the
+    MoE layers, the prefill's grouped GEMMs run w8a8, and the logits stay within the
+    activations' e4m3 rounding of the weight-only model's."""
+    import sglang.srt.layers.moe.fused_moe_triton as fmt
+    import sglang.srt.layers.moe.moe_layer as moe_layer
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.layers.kernel_choices import KernelChoices
+    from sglang.srt.model_executor.model_runner import ModelRunner
+    from sglang.test.random_checkpoint import tiny_config, write_random_checkpoint
+    from sglang.test.runner_utils import greedy_logits
+
+    path = write_random_checkpoint(str(tmp_path / "c"), tiny_config(), seed=4)
+    monkeypatch.setattr(moe_layer, "SMALL_M_MAX_PAIRS", 2)
+    real = fmt.fused_moe_grouped
+    seen = []
+    monkeypatch.setattr(fmt, "fused_moe_grouped", lambda *a, **kw: seen.append(
+        kw.get("fp8_activations")) or real(*a, **kw))
+    logits = {}
+    for on in (False, True):
+        runner = ModelRunner(ModelConfig.from_path(path), device=DEVICE, dtype=torch.float32,
+                             moe_runner_backend="triton", max_running_requests=2,
+                             max_total_tokens=64, quantization="fp8",
+                             kernel_choices=KernelChoices(fp8_activations=on))
+        assert runner.kernel_choices.fp8_activations is on
+        experts = [m for m in runner.model.modules() if isinstance(m, moe_layer.FusedMoE)]
+        assert experts and all(m.fp8_activations is on for m in experts)
+        seen.clear()
+        logits[on] = greedy_logits(runner, [5, 17, 99, 3, 250, 42], 1)
+        assert seen and set(seen) == {on}
+    got, ref = logits[True][0], logits[False][0]
+    assert 0 < _mean_rel(got, ref) < 0.05
+
 # ------------------------------------------------------------------------------ on the GPU
 def _ling_inputs(fp8: bool, pairs: int = 2048, k: int = 8):
     """Ling-3.0-flash's expert shapes (E=512, H=2560, I=768), uniform random routing."""
@@ -410,35 +548,40 @@ def _ling_inputs(fp8: bool, pairs: int = 2048, k: int = 8):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("fp8", [False, True])
-def test_grouped_moe_on_ling_shapes_on_cuda(mgg, fp8):
+@pytest.mark.parametrize("fp8,act_fp8", [(False, False), (True, False), (True, True)])
+def test_grouped_moe_on_ling_shapes_on_cuda(mgg, fp8, act_fp8):
     """bf16 activations, bf16 or block-fp8 experts at 2048 pairs: as close to the fp32 result as
-    the bf16 native loop (same roundings, only the accumulation order differs); and the same
-    values replayed from a CUDA graph with other routes copied in (no host sync)."""
+    the bf16 native loop (same roundings, only the accumulation order differs); w8a8 (fp8
+    activations): within the e4m3 rounding of the activations; and the same values replayed
+    from a CUDA graph with other routes copied in (no host sync)."""
     hidden, w13, w2, weights, ids, (s13, s2), (w13f, w2f) = _ling_inputs(fp8)
     limit = 7.0
-    got = fused_moe_grouped(hidden, w13, w2, weights, ids, limit, w13_scale=s13, w2_scale=s2)
+
+    def run(routes):
+        return fused_moe_grouped(hidden, w13, w2, weights, routes, limit, w13_scale=s13,
+                                 w2_scale=s2, fp8_activations=act_fp8)
+
+    got = run(ids)
     exact = fused_moe_loop(hidden.float(), w13f, w2f, weights, ids, limit)
     ref = fused_moe_loop(hidden, w13f.bfloat16(), w2f.bfloat16(), weights, ids, limit)
-    assert _rel(got, exact) <= 1.5 * _rel(ref, exact) + 1e-3
+    if act_fp8:
+        assert _mean_rel(got, exact) < 0.06
+    else:
+        assert _rel(got, exact) <= 1.5 * _rel(ref, exact) + 1e-3
     static_ids = ids.clone()
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up (Triton compiles) outside the capture
-        fused_moe_grouped(hidden, w13, w2, weights, static_ids, limit, w13_scale=s13,
-                          w2_scale=s2)
+        run(static_ids)
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fused_moe_grouped(hidden, w13, w2, weights, static_ids, limit, w13_scale=s13,
-                                w2_scale=s2)
+        out = run(static_ids)
     other = torch.rand(ids.shape[0], 512, device="cuda").argsort(-1)[:, :ids.shape[1]]
     other[:, 0] = 3  # one expert with a long group
     static_ids.copy_(other)
     graph.replay()
-    eager = fused_moe_grouped(hidden, w13, w2, weights, other, limit, w13_scale=s13,
-                              w2_scale=s2)
-    torch.testing.assert_close(out, eager, rtol=0, atol=0)
+    torch.testing.assert_close(out, run(other), rtol=0, atol=0)
 
 
 @pytest.mark.gpu

@@ -8,8 +8,8 @@ to PTX and through ``ptxas`` for ``GPUTarget("cuda", 90, 32)``, with the argumen
 constexprs of its real launches:
 
 * ``moe_grouped_gemm._moe_grouped_gemm_kernel``: bf16 experts with the SwiGLU epilogue, and
-  block-fp8 experts with both fp8 inner loops (per-block product scaling, pre-scaled tiles),
-  up-projection (SwiGLU) and down-projection;
+  block-fp8 experts with both fp8 inner loops (per-block product scaling, pre-scaled tiles)
+  and on fp8 activations (w8a8), up-projection (SwiGLU) and down-projection;
 * ``fp8_gemm._block_fp8_gemm_kernel`` with both inner loops (plain and swapped tiles) and its
   one-pass ``_dequantize_kernel``;
 * ``kda_prefill_conv._kda_prefill_conv_kernel``: bf16 x and taps, fp32 window pool, K = 4.
@@ -48,9 +48,9 @@ def build(name, kernel, ptrs, constexprs, scalars=None, **options):
 _MOE = _PRELUDE + r"""
 from sgl_kernel.moe_grouped_gemm import _moe_grouped_gemm_kernel as kernel
 
-base = dict(QB=128, DOT_PREC=None, BLOCK_M=64, BLOCK_N=128, GROUP_M=8)
-ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", s_ptr="*fp32", out_ptr="*bf16", pairs_ptr="*i32",
-            bexp_ptr="*i32", nblk_ptr="*i32")
+base = dict(QB=128, DOT_PREC=None, BLOCK_M=64, BLOCK_N=128, GROUP_M=8, A_SCALE=False)
+ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", s_ptr="*fp32", xs_ptr="*fp32", out_ptr="*bf16",
+            pairs_ptr="*i32", bexp_ptr="*i32", nblk_ptr="*i32")
 fp8 = {**ptrs, "w_ptr": "*fp8e4nv"}
 opts = dict(num_warps=4, num_stages=3)
 build("bf16 up+SwiGLU", kernel, ptrs, dict(base, SWIGLU=True, HAS_LIMIT=True, HAS_SCALE=False,
@@ -61,6 +61,12 @@ for prescale in (False, True):
           HAS_SCALE=True, PRESCALE=prescale, BLOCK_K=128), {"limit": "fp32"}, **opts)
     build(f"fp8 {scheme} down", kernel, fp8, dict(base, SWIGLU=False, HAS_LIMIT=False,
           HAS_SCALE=True, PRESCALE=prescale, BLOCK_K=128), {"limit": "fp32"}, **opts)
+# w8a8: e4m3 activations with their group scales, the dot on two e4m3 operands.
+w8a8 = {**fp8, "x_ptr": "*fp8e4nv"}
+for swiglu in (True, False):
+    build(f"w8a8 {'up+SwiGLU' if swiglu else 'down'}", kernel, w8a8, dict(
+          base, SWIGLU=swiglu, HAS_LIMIT=swiglu, HAS_SCALE=True, PRESCALE=False, A_SCALE=True,
+          BLOCK_K=128), {"limit": "fp32"}, **opts)
 """
 
 _FP8_GEMM = _PRELUDE + r"""
@@ -90,7 +96,7 @@ build("kda prefill conv", kernel, dict(x_ptr="*bf16", w_ptr="*bf16", win_ptr="*f
 """
 
 # module -> (script, variants compiled, of which GEMMs: Hopper's wgmma expected in their PTX).
-CASES = {"moe_grouped_gemm": (_MOE, 5, 5), "fp8_gemm": (_FP8_GEMM, 5, 4),
+CASES = {"moe_grouped_gemm": (_MOE, 7, 7), "fp8_gemm": (_FP8_GEMM, 5, 4),
          "kda_prefill_conv": (_KDA_CONV, 1, 0)}
 
 

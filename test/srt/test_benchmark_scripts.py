@@ -77,6 +77,15 @@ def test_moe_grouped_gemm_sweep_runs_and_writes_its_table(tmp_path):
     # Both fp8 inner loops were timed (--fp8-prescale defaults to 0 1).
     assert len(re.findall(r"^\| fp8 \| (up|down) \| .* \| [\d.]+ / [\d.]+ \|$", stdout,
                           re.MULTILINE)) == 2, stdout
+    # w8a8 (fp8 activations): its own keys beside the others, one inner loop.
+    stdout = _run("kernels/tune_moe_grouped_gemm.py", "--experts", "6", "--hidden", "64",
+                  "--intermediate", "48", "--topk", "2", "--tokens", "8", "--block-m", "16",
+                  "--block-n", "32", "--block-k", "32", "--group-m", "1", "--num-warps", "4",
+                  "--num-stages", "1", "--iters", "1", "--dtype", "w8a8", "--output", str(out),
+                  TRITON_INTERPRET="1")
+    shapes = json.loads(out.read_text())["CPU (Triton interpreter)"]
+    assert sum(key.endswith("dtype=w8a8") for key in shapes) == 2 and len(shapes) == 6
+    assert len(re.findall(r"^\| w8a8 \| (up|down) \| .* \|  \|$", stdout, re.MULTILINE)) == 2
 
 
 @pytest.mark.slow  # the interpreter

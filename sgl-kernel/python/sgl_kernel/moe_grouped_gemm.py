@@ -48,8 +48,12 @@ loops, chosen per launch by ``LaunchConfig.fp8_prescale``:
   shared memory either way), so what pre-scaling removes is the accumulator's multiply-add per
   step. The tile sweep decides which one is faster.
 
-Activations stay in the model dtype: quantising them per token group (w8a8, fp8 tensor cores)
-would change the numerics against the torch-native reference and is left for later.
+Fp8 activations (w8a8, ``x_scale`` given; ``KernelChoices.fp8_activations``, off by default):
+``x`` quantised per row and 128-column group (:mod:`sgl_kernel.fp8_act_quant`), the dot on the
+e4m3 operands (the fp8 tensor cores, twice the bf16 rate), each K slice's sum scaled by the
+row's activation scale and the column's weight scale. The activations' rounding to e4m3 is
+numerics the weight-only path and the torch-native reference do not have; the reference takes
+the dequantised activations (``x_scale`` given) and so checks the kernel, not the rounding.
 
 Tiles (and the fp8 inner loop) come from a per-GPU table (``configs/moe_grouped_gemm.json``,
 written by ``benchmark/kernels/tune_moe_grouped_gemm.py``) through :func:`launch_config`. Reference:
@@ -136,12 +140,13 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
 
 
 @triton.jit
-def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, nblk_ptr,
-                             N, K, num_pairs, rows_per_x, max_blocks,
-                             stride_x, stride_we, stride_wn, stride_o,
+def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, pairs_ptr, bexp_ptr,
+                             nblk_ptr, N, K, num_pairs, rows_per_x, max_blocks,
+                             stride_x, stride_xs, stride_we, stride_wn, stride_o,
                              stride_se, stride_sn, stride_sk, up_row, up_scale_row, limit,
                              SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
-                             HAS_SCALE: tl.constexpr, PRESCALE: tl.constexpr, QB: tl.constexpr,
+                             HAS_SCALE: tl.constexpr, PRESCALE: tl.constexpr,
+                             A_SCALE: tl.constexpr, QB: tl.constexpr,
                              DOT_PREC: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
@@ -164,6 +169,7 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, 
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + rows[:, None] * stride_x + offs_k[None, :]
+    xs_ptrs = xs_ptr + rows * stride_xs  # w8a8: each row's group scales
     # The weight tile as [BLOCK_K, BLOCK_N] (K contiguous): w[e]^T without a copy.
     b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn \
         + offs_k[:, None]
@@ -190,17 +196,22 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, out_ptr, pairs_ptr, bexp_ptr, 
                 w_up = (q_up * sc_up[None, :]).to(a.dtype)
                 acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PREC)
         else:
-            b = tl.load(b_ptrs, mask=mask_b, other=0.0).to(a.dtype)  # e4m3 -> x's dtype: exact
+            # e4m3 -> x's dtype: exact; with fp8 activations (w8a8) no conversion at all.
+            b = tl.load(b_ptrs, mask=mask_b, other=0.0).to(a.dtype)
+            if A_SCALE:  # the slice's activation scale per row (one 128-column group)
+                a_s = tl.load(xs_ptrs + k0 // QB, mask=valid, other=0.0)[:, None]
+            else:
+                a_s = 1.0
             if HAS_SCALE:  # this K slice lies in one scale column: scale its sum per output row
                 col = (k0 // QB) * stride_sk
-                acc += tl.dot(a, b, input_precision=DOT_PREC) * tl.load(
+                acc += tl.dot(a, b, input_precision=DOT_PREC) * a_s * tl.load(
                     s_gate + col, mask=mask_n, other=0.0)[None, :]
             else:
                 acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
             if SWIGLU:  # the up rows of the same columns, up_row rows further on
                 b_up = tl.load(b_ptrs + up_row, mask=mask_b, other=0.0).to(a.dtype)
                 if HAS_SCALE:
-                    acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * tl.load(
+                    acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * a_s * tl.load(
                         s_up + col, mask=mask_n, other=0.0)[None, :]
                 else:
                     acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
@@ -241,9 +252,12 @@ def fallback_config(num_experts: int, pairs: int, fp8: bool) -> LaunchConfig:
                                    block_k=QBLOCK if fp8 else DEFAULT_CONFIG.block_k)
 
 
-def config_key(num_experts: int, n: int, k: int, fp8: bool) -> str:
-    """The table's key of a weight ``[E, N, K]`` in bf16 or block fp8."""
-    return f"E={num_experts},N={n},K={k},dtype={'fp8' if fp8 else 'bf16'}"
+def config_key(num_experts: int, n: int, k: int, fp8: bool, act_fp8: bool = False) -> str:
+    """The table's key of a weight ``[E, N, K]`` in bf16 or block fp8, the latter on activations
+    in the model dtype (``dtype=fp8``) or quantised to fp8 (``act_fp8``: ``dtype=w8a8``)."""
+    if act_fp8 and not fp8:
+        raise ValueError("moe_grouped_gemm: fp8 activations need block-fp8 weights")
+    return f"E={num_experts},N={n},K={k},dtype={'w8a8' if act_fp8 else 'fp8' if fp8 else 'bf16'}"
 
 
 @functools.lru_cache(maxsize=8)
@@ -279,11 +293,12 @@ def config_fields(cfg: LaunchConfig, fp8: bool = False) -> dict:
 
 def launch_config(num_experts: int, n: int, k: int, pairs: int, fp8: bool = False,
                   device: Optional[torch.device] = None, swiglu: bool = False,
-                  table_path: str = CONFIG_PATH) -> LaunchConfig:
+                  table_path: str = CONFIG_PATH, act_fp8: bool = False) -> LaunchConfig:
     """Tiles of :func:`moe_grouped_gemm` for a weight ``[E, N, K]`` (N counts the gate and up
     rows of a SwiGLU weight) and ``pairs`` (token, expert) pairs.
 
-    From the table at ``table_path`` under the CUDA device's name and :func:`config_key`: the
+    From the table at ``table_path`` under the CUDA device's name and :func:`config_key` (with
+    ``act_fp8``: the w8a8 entry, fp8 activations with their group scales): the
     entry of the pair bucket nearest ``pairs`` on a log scale (the sweep times powers of two;
     an entry without ``fp8_prescale`` takes per-block product scaling).
     Without an entry, :func:`fallback_config`; under Triton's CPU interpreter,
@@ -296,16 +311,18 @@ def launch_config(num_experts: int, n: int, k: int, pairs: int, fp8: bool = Fals
                             block_m=16, group_m=1)
     dev = torch.device(device)
     index = dev.index if dev.index is not None else torch.cuda.current_device()
-    buckets = table_entry(num_experts, n, k, fp8, _device_name(index), table_path)
+    buckets = table_entry(num_experts, n, k, fp8, _device_name(index), table_path, act_fp8)
     return select_config(buckets, num_experts, pairs, fp8)
 
 
 def table_entry(num_experts: int, n: int, k: int, fp8: bool, device_name: str,
-                table_path: str = CONFIG_PATH) -> Optional[Dict[str, dict]]:
-    """The table's ``{pairs bucket (str): config fields}`` for a weight ``[E, N, K]`` on the GPU
-    called ``device_name`` (``torch.cuda.get_device_name``), None without an entry."""
+                table_path: str = CONFIG_PATH, act_fp8: bool = False
+                ) -> Optional[Dict[str, dict]]:
+    """The table's ``{pairs bucket (str): config fields}`` for a weight ``[E, N, K]`` (on fp8
+    activations: ``act_fp8``) on the GPU called ``device_name`` (``torch.cuda.get_device_name``),
+    None without an entry."""
     return load_config_table(table_path).get(device_name, {}).get(
-        config_key(num_experts, n, k, fp8)) or None
+        config_key(num_experts, n, k, fp8, act_fp8)) or None
 
 
 def nearest_bucket(buckets: Iterable[str], pairs: int) -> str:
@@ -386,7 +403,9 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
                      swiglu: bool, swiglu_limit: float = 0.0,
                      w_scale: Optional[torch.Tensor] = None,
                      config: Optional[LaunchConfig] = None,
-                     out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     out: Optional[torch.Tensor] = None,
+                     x_scale: Optional[torch.Tensor] = None,
+                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """``out [P, N_out]`` (x's dtype) with ``out[p] = w[e_p] @ x[p // rows_per_x]`` for every
     pair of ``align`` (:func:`moe_align` of the routes), or with ``swiglu`` the clamped SwiGLU of
     ``[gate; up] = w[e_p] @ x[..]`` (``N_out = N / 2``; ``swiglu_limit`` 0 = no clamp).
@@ -397,7 +416,14 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
     ``config`` defaults to :func:`launch_config` with ``align.block_m``; a given one must have
     ``align``'s ``block_m``; its ``fp8_prescale`` picks the fp8 inner loop (module docstring)
     and is ignored for a weight in x's dtype. Sentinel rows are never written; every pair's row
-    is."""
+    is.
+
+    w8a8: ``x`` in ``float8_e4m3fn`` with its per-row, 128-column group scales ``x_scale [M,
+    ceil(K/128)]`` (:func:`sgl_kernel.fp8_act_quant.per_token_group_quant_fp8`) and a block-fp8
+    ``w``: the dot runs on the e4m3 operands and each K slice's sum is scaled by the row's
+    activation scale times the column's weight scale (``fp8_prescale`` does not apply).
+    ``out_dtype`` (the model dtype; needed when ``out`` is not given) is then the output's
+    dtype; otherwise the output has x's dtype."""
     e, n, k = w.shape if w.dim() == 3 else (None, None, None)
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != k:
         raise ValueError(f"moe_grouped_gemm: expected x [M, K], w [E, N, K]; got "
@@ -409,6 +435,24 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
     if x.stride(1) != 1 or w.stride(2) != 1:
         raise ValueError("moe_grouped_gemm: the last dims of x and w must be contiguous")
     fp8 = w.dtype == torch.float8_e4m3fn
+    act_fp8 = x.dtype == torch.float8_e4m3fn
+    if act_fp8 != (x_scale is not None) or (act_fp8 and not fp8):
+        raise ValueError(f"moe_grouped_gemm: fp8 activations need their group scales (x_scale) "
+                         f"and a block-fp8 weight; got x {x.dtype}, w {w.dtype}, x_scale given: "
+                         f"{x_scale is not None}")
+    if act_fp8:
+        groups = -(-k // QBLOCK)
+        if (x_scale.dtype != torch.float32 or tuple(x_scale.shape) != (x.shape[0], groups)
+                or x_scale.stride(1) != 1):
+            raise ValueError(f"moe_grouped_gemm: x_scale must be fp32 [{x.shape[0]}, {groups}] "
+                             f"(one scale per row and {QBLOCK} columns) with a contiguous last "
+                             f"dim, got {x_scale.dtype} {tuple(x_scale.shape)}")
+        out_dtype = out.dtype if out is not None and out_dtype is None else out_dtype
+        if out_dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"moe_grouped_gemm: fp8 activations need out_dtype (bf16, fp16 or "
+                             f"fp32), got {out_dtype}")
+    else:
+        out_dtype = x.dtype
     if fp8 != (w_scale is not None) or (not fp8 and w.dtype != x.dtype):
         raise ValueError(f"moe_grouped_gemm: w must be x's dtype ({x.dtype}) or float8_e4m3fn "
                          f"with its block scales, got {w.dtype} (w_scale given: "
@@ -419,12 +463,13 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
     if fp8:
         check_block_scale(w, w_scale, n_out if swiglu else None, "moe_grouped_gemm w")
     if out is None:
-        out = torch.empty(p, n_out, dtype=x.dtype, device=x.device)
-    elif tuple(out.shape) != (p, n_out) or out.stride(1) != 1 or out.dtype != x.dtype:
-        raise ValueError(f"moe_grouped_gemm: out must be [{p}, {n_out}] {x.dtype} with a "
+        out = torch.empty(p, n_out, dtype=out_dtype, device=x.device)
+    elif tuple(out.shape) != (p, n_out) or out.stride(1) != 1 or out.dtype != out_dtype:
+        raise ValueError(f"moe_grouped_gemm: out must be [{p}, {n_out}] {out_dtype} with a "
                          f"contiguous last dim, got {tuple(out.shape)} {out.dtype}")
     if config is None:
-        config = launch_config(e, n, k, p, fp8, x.device, swiglu)._replace(block_m=align.block_m)
+        config = launch_config(e, n, k, p, fp8, x.device, swiglu,
+                               act_fp8=act_fp8)._replace(block_m=align.block_m)
     elif config.block_m != align.block_m:
         raise ValueError(f"moe_grouped_gemm: config.block_m {config.block_m} != the alignment's "
                          f"{align.block_m}")
@@ -433,17 +478,20 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
     if p == 0 or n_out == 0 or max_blocks == 0:
         return out
     scale = w_scale if fp8 else placeholder(x.device)
+    xs = x_scale if act_fp8 else placeholder(x.device)
     limit = float(swiglu_limit)
     # fp32 operands: full-precision products (Triton's default on CUDA would be TF32).
     prec = "ieee" if x.dtype == torch.float32 else None
     grid = (max_blocks * triton.cdiv(n_out, config.block_n),)
     _moe_grouped_gemm_kernel[grid](
-        x, w, scale, out, align.sorted_pairs, align.block_expert, align.num_blocks,
-        n_out, k, p, rows_per_x, max_blocks, x.stride(0), w.stride(0), w.stride(1),
+        x, w, scale, xs, out, align.sorted_pairs, align.block_expert, align.num_blocks,
+        n_out, k, p, rows_per_x, max_blocks, x.stride(0), xs.stride(0) if act_fp8 else 0,
+        w.stride(0), w.stride(1),
         out.stride(0), scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
         scale.stride(2) if fp8 else 0, n_out * w.stride(1), -(-n_out // QBLOCK), limit,
         SWIGLU=swiglu, HAS_LIMIT=swiglu and limit > 0, HAS_SCALE=fp8,
-        PRESCALE=fp8 and bool(config.fp8_prescale), QB=QBLOCK, DOT_PREC=prec,
+        PRESCALE=fp8 and not act_fp8 and bool(config.fp8_prescale), A_SCALE=act_fp8,
+        QB=QBLOCK, DOT_PREC=prec,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, **compiler_options(config.num_warps, config.num_stages))
     return out
@@ -451,12 +499,19 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
 
 def moe_grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, *,
                                rows_per_x: int, swiglu: bool, swiglu_limit: float = 0.0,
-                               w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
+                               w_scale: Optional[torch.Tensor] = None,
+                               x_scale: Optional[torch.Tensor] = None,
+                               out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Plain-torch :func:`moe_grouped_gemm` over the routes ``topk_ids [T, k]`` (pair ``p`` =
     ``t * k + slot``): per pair the expert's weight (block fp8: ``q * scale`` in fp32) times its
     row of x in fp32, rounded to x's dtype; with ``swiglu`` the gate and up halves are rounded,
     then ``min(silu(gate), limit) * clamp(up, -limit, limit)`` (no clamp at 0) in fp32, rounded
-    once (``sglang.srt.layers.activation.silu_and_mul``)."""
+    once (``sglang.srt.layers.activation.silu_and_mul``). w8a8 (``x`` e4m3 with ``x_scale``):
+    the rows are ``q * scale`` in fp32 and the results are rounded to ``out_dtype``."""
+    dtype = x.dtype
+    if x_scale is not None:
+        x = x.float() * x_scale.float().repeat_interleave(QBLOCK, -1)[:, :x.shape[1]]
+        dtype = out_dtype
     ids = topk_ids.reshape(-1).long()
     weights = w[ids]
     if w_scale is not None:
@@ -464,7 +519,7 @@ def moe_grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, topk_ids: torch
         weights = block_dequantize(weights, w_scale[ids], torch.float32,
                                    n // 2 if swiglu else None)
     rows = x.repeat_interleave(rows_per_x, dim=0) if rows_per_x > 1 else x
-    h = torch.einsum("pnk,pk->pn", weights.float(), rows.float()).to(x.dtype)
+    h = torch.einsum("pnk,pk->pn", weights.float(), rows.float()).to(dtype)
     if not swiglu:
         return h
     i = h.shape[1] // 2
@@ -473,4 +528,4 @@ def moe_grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, topk_ids: torch
     if swiglu_limit > 0:
         act = act.clamp(max=swiglu_limit)
         up = up.clamp(-swiglu_limit, swiglu_limit)
-    return (act * up).to(x.dtype)
+    return (act * up).to(dtype)

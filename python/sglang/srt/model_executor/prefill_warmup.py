@@ -289,9 +289,10 @@ def _grouped_gemms(runner: "ModelRunner", experts: Sequence[Any]) -> Tuple[Group
         for which, w in (("up", m.w13_weight), ("down", m.w2_weight)):
             e, n, k = w.shape
             fp8 = w.dtype == torch.float8_e4m3fn
-            name = f"{which} {config_key(e, n, k, fp8)}"
-            out.setdefault(name, GroupedGemm(name, e, fp8,
-                                             table_entry(e, n, k, fp8, device_name)))
+            act_fp8 = fp8 and bool(getattr(m, "fp8_activations", False))  # the w8a8 tiles
+            name = f"{which} {config_key(e, n, k, fp8, act_fp8)}"
+            out.setdefault(name, GroupedGemm(name, e, fp8, table_entry(e, n, k, fp8, device_name,
+                                                                      act_fp8=act_fp8)))
     return tuple(out.values())
 
 

@@ -81,7 +81,8 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       shared: Optional[torch.Tensor] = None,
                       w13_scale: Optional[torch.Tensor] = None,
                       w2_scale: Optional[torch.Tensor] = None,
-                      combine_kernel: bool = True, align_kernel: bool = False) -> torch.Tensor:
+                      combine_kernel: bool = True, align_kernel: bool = False,
+                      fp8_activations: bool = False) -> torch.Tensor:
     """``sum_i w_i * Expert_{id_i}(x) (+ shared)`` per token ``[T, H]`` for large batches.
 
     The pairs sorted by expert on the device (:func:`sgl_kernel.moe_grouped_gemm.moe_align`),
@@ -93,7 +94,11 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     their scales and are dequantised tile by tile inside the GEMMs. No host sync.
     ``align_kernel`` (``KernelChoices.moe_align_kernel``) sorts the pairs with
     :func:`sgl_kernel.moe_align.moe_align_triton` (three launches) instead of the torch ops:
-    the same alignment bit for bit, so the same output.
+    the same alignment bit for bit, so the same output. ``fp8_activations``
+    (``KernelChoices.fp8_activations``; block-fp8 experts only, ignored otherwise) quantises
+    each GEMM's input per token and 128-column group and runs both GEMMs on the fp8 tensor
+    cores (w8a8): the hidden states before the up-projection, the SwiGLU output (rounded to the
+    model dtype first, as the weight-only path hands it on) before the down-projection.
     """
     from sgl_kernel.moe_combine import moe_combine  # Triton: imported on first use
     from sgl_kernel.moe_align import moe_align_triton
@@ -103,18 +108,32 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     t, k = topk_ids.shape
     e = w13.shape[0]
     fp8 = w13_scale is not None
+    act_fp8 = fp8 and fp8_activations
     x = hidden.contiguous()
-    up_cfg = launch_config(e, w13.shape[1], w13.shape[2], t * k, fp8, x.device, swiglu=True)
-    down_cfg = launch_config(e, w2.shape[1], w2.shape[2], t * k, fp8, x.device)
+    up_cfg = launch_config(e, w13.shape[1], w13.shape[2], t * k, fp8, x.device, swiglu=True,
+                           act_fp8=act_fp8)
+    down_cfg = launch_config(e, w2.shape[1], w2.shape[2], t * k, fp8, x.device,
+                             act_fp8=act_fp8)
     align = moe_align_triton if align_kernel else moe_align
     up_align = align(topk_ids, e, up_cfg.block_m)
     # The two tables may pick different row blocks: each GEMM gets the padding its tiles need.
     down_align = (up_align if down_cfg.block_m == up_cfg.block_m
                   else align(topk_ids, e, down_cfg.block_m))
-    act = moe_grouped_gemm(x, w13, up_align, rows_per_x=k, swiglu=True, swiglu_limit=limit,
-                           w_scale=w13_scale, config=up_cfg)  # [T*k, I]
-    y = moe_grouped_gemm(act, w2, down_align, rows_per_x=1, swiglu=False, w_scale=w2_scale,
-                         config=down_cfg)  # [T*k, H]
+    if act_fp8:
+        from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
+
+        xq, xs = per_token_group_quant_fp8(x)
+        act = moe_grouped_gemm(xq, w13, up_align, rows_per_x=k, swiglu=True, swiglu_limit=limit,
+                               w_scale=w13_scale, config=up_cfg, x_scale=xs,
+                               out_dtype=x.dtype)  # [T*k, I]
+        aq, as_ = per_token_group_quant_fp8(act)
+        y = moe_grouped_gemm(aq, w2, down_align, rows_per_x=1, swiglu=False, w_scale=w2_scale,
+                             config=down_cfg, x_scale=as_, out_dtype=x.dtype)  # [T*k, H]
+    else:
+        act = moe_grouped_gemm(x, w13, up_align, rows_per_x=k, swiglu=True, swiglu_limit=limit,
+                               w_scale=w13_scale, config=up_cfg)  # [T*k, I]
+        y = moe_grouped_gemm(act, w2, down_align, rows_per_x=1, swiglu=False, w_scale=w2_scale,
+                             config=down_cfg)  # [T*k, H]
     if combine_kernel:
         return moe_combine(y, topk_weights, shared)
     return combine_expert_outputs(y, topk_weights, shared)
