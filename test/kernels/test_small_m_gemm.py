@@ -176,6 +176,48 @@ def test_fp32_router_gate_of_bf16_values_takes_a_bf16_copy():
     assert not gate.small_m_gemm and gate._bf16_weight is None
 
 
+def test_bf16_split_sums_to_the_fp32_gate_exactly():
+    """``topk.bf16_split``: bf16 parts whose fp32 sum is the fp32 weight bit for bit (three for
+    general values, one for bf16 values, zeros kept), None when too few parts are allowed."""
+    from sglang.srt.layers.moe.topk import bf16_split
+
+    w = torch.randn(48, 64, generator=torch.Generator().manual_seed(5)) * 0.02
+    w[0, :8] = 0
+    w[1, 0] = 3.0e-30  # a tiny normal value keeps all its bits too
+    parts = bf16_split(w)
+    assert parts.dtype == torch.bfloat16 and parts.shape == (3, 48, 64)
+    assert torch.equal(parts[0].float() + parts[1].float() + parts[2].float(), w)
+    assert bf16_split(w.bfloat16().float()).shape == (1, 48, 64)
+    assert bf16_split(w, max_parts=2) is None
+    # The parts' product is the fp32 product up to the summation order.
+    x = torch.randn(16, 64).bfloat16()
+    exact = x.double() @ w.double().t()
+    split = sum(x.float() @ p.float().t() for p in parts)
+    assert float((split - exact).abs().max()) <= 2 * float((x.float() @ w.t() - exact).abs().max())
+
+
+@pytest.mark.gpu
+def test_fp32_router_gate_prefill_logits_from_bf16_parts_on_cuda():
+    """A gate of general fp32 values on CUDA with ``small_m_gemm``: prefill-sized bf16 batches
+    take the bf16 parts (one GEMM, fp32 output) and match the fp32 product to fp32 rounding;
+    decode sizes keep the fp32 small-M GEMM."""
+    if not ON_CUDA:
+        pytest.skip("needs CUDA")
+    from sglang.srt.layers.moe.topk import MoEGate
+
+    gate = MoEGate(2560, 512, 8, 1, 1, True, 1.0, router_dtype="fp32").to("cuda")
+    with torch.no_grad():
+        gate.weight.normal_(0, 0.02)
+    gate.set_small_m_gemm(True)
+    assert gate._bf16_weight is None and gate._bf16_parts_t.shape == (2560, 3 * 512)
+    x = torch.randn(4096, 2560, device="cuda").bfloat16()
+    got = gate.router_logits(x)
+    exact = (x.double() @ gate.weight.double().t())
+    fp32 = torch.nn.functional.linear(x.float(), gate.weight)
+    assert got.dtype == torch.float32 and got.shape == (4096, 512)
+    assert float((got - exact).abs().max()) <= 2 * float((fp32 - exact).abs().max()) + 1e-7
+
+
 @pytest.mark.parametrize("dtype,tol", CASES)
 def test_gated_norm_prologue_matches_norm_then_product(dtype, tol):
     """``gated_norm``: KDA's output norm (per 64-wide head, sigmoid gate) folded into the

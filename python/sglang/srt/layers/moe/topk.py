@@ -80,6 +80,27 @@ def _bf16_valued_dummy_init(tensor: torch.Tensor, generator: torch.Generator) ->
     tensor.copy_(draw)
 
 
+def bf16_split(w: torch.Tensor, max_parts: int = 3) -> Optional[torch.Tensor]:
+    """``[P, *w.shape]`` bf16 parts whose fp32 sum (in order) is exactly the fp32 ``w``, fewest
+    first (one for a bf16-valued ``w``), or None when ``max_parts`` do not reach it. bf16 keeps
+    fp32's exponent range and 8 of its 24 significand bits, so three parts (each the bf16
+    rounding of what the previous ones left) hold any normal fp32 value; a bf16 ``x`` times a
+    part is exact in fp32, so ``sum_p x @ part_p`` in fp32 is the fp32 product up to the
+    summation order, at the bf16 tensor cores' rate."""
+    w = w.float()
+    parts, rest = [], w
+    while len(parts) < max_parts:
+        part = rest.to(torch.bfloat16)
+        parts.append(part)
+        rest = rest - part.float()  # exact: part is rest rounded, the difference fits fp32
+        if not bool(rest.any()):
+            break
+    total = parts[0].float()
+    for part in parts[1:]:
+        total = total + part.float()
+    return torch.stack(parts) if torch.equal(total, w) else None
+
+
 def _load_whole(param: nn.Parameter, loaded: LazyWeight, shard_id=None) -> None:
     copy_checked(param, param.data, loaded.load(), loaded.name)
 
@@ -127,6 +148,9 @@ class MoEGate(nn.Module):
         # sglang.srt.layers.linear.set_linear_backend (set_small_m_gemm).
         self.small_m_gemm = False
         self._bf16_weight: Optional[torch.Tensor] = None
+        # An fp32 gate as bf16 parts side by side, [H, P * E] (bf16_split), for the
+        # prefill's logits on the bf16 tensor cores (set with small_m_gemm on CUDA).
+        self._bf16_parts_t: Optional[torch.Tensor] = None
 
     def set_small_m_gemm(self, on: bool) -> None:
         """Route decode / verify logits through ``small_m_gemm`` (after the weights are loaded).
@@ -138,16 +162,22 @@ class MoEGate(nn.Module):
         fp32 weight needs the much slower fp32 dot."""
         self.small_m_gemm = on
         self._bf16_weight = None
+        self._bf16_parts_t = None
         if on and self.router_fp32:
             w = self.weight.detach()
-            w16 = w.to(torch.bfloat16)
-            if torch.equal(w16.float(), w):
-                self._bf16_weight = w16
+            parts = bf16_split(w)
+            if parts is not None and len(parts) == 1:
+                self._bf16_weight = parts[0]
+            if parts is not None and w.is_cuda:
+                # [P, E, H] -> [H, P * E]: one GEMM gives every part's logits side by side.
+                self._bf16_parts_t = parts.reshape(-1, w.shape[1]).t()
 
     def router_logits(self, x: torch.Tensor) -> torch.Tensor:
         """fp32 ``[T, E]`` logits. With ``small_m_gemm`` (``set_linear_backend``) decode /
         verify sizes take one batch-invariant launch that reads x in its own dtype and writes
-        the fp32 accumulator (no cast launch, and bf16 gate logits are not rounded to bf16)."""
+        the fp32 accumulator (no cast launch, and bf16 gate logits are not rounded to bf16);
+        larger bf16 batches on CUDA multiply the fp32 gate's bf16 parts on the tensor cores
+        (:meth:`_prefill_logits_bf16_parts`)."""
         if self.small_m_gemm and small_m_rows(x):
             from sgl_kernel.small_m_gemm import small_m_gemm
 
@@ -155,9 +185,23 @@ class MoEGate(nn.Module):
             if self._bf16_weight is not None and x.dtype == torch.bfloat16:
                 w = self._bf16_weight
             return small_m_gemm(x.contiguous(), w, out_dtype=torch.float32)
+        if self._bf16_parts_t is not None and x.dtype == torch.bfloat16 and x.is_cuda:
+            return self._prefill_logits_bf16_parts(x)
         if self.router_fp32:
             return F.linear(x.float(), self.weight)
         return F.linear(x.to(self.weight.dtype), self.weight).float()
+
+    def _prefill_logits_bf16_parts(self, x: torch.Tensor) -> torch.Tensor:
+        """The fp32 gate's logits above the small-M rows from its bf16 parts (``bf16_split``):
+        one bf16 GEMM with an fp32 output (``torch.mm``'s ``out_dtype``, CUDA) over the parts
+        side by side, then their sum: the fp32 product up to the summation order, where
+        ``F.linear`` on the fp32 weight runs cuBLAS's fp32 SIMT GEMM (0.42 ms a layer at 8192
+        tokens on the H200, docs/performance.md's prefill census)."""
+        e = self.weight.shape[0]
+        y = torch.mm(x.reshape(-1, x.shape[-1]), self._bf16_parts_t, out_dtype=torch.float32)
+        if y.shape[1] != e:
+            y = y.view(y.shape[0], -1, e).sum(1)
+        return y.view(*x.shape[:-1], e)
 
     def forward(self, x: torch.Tensor) -> TopKOutput:
         """Route ``x [T, H]`` (the post-attention-normed hidden states)."""
