@@ -57,7 +57,7 @@ census() {
   timeout ${CENSUS_TIMEOUT:-200} python3 benchmark/batch1/prefill_census.py "$@" ${CENSUS_ARGS:-} \
     --prompt-len ${CENSUS_LENS:-1024 8192} --label "$label" \
     --result-filename "$OUT/prefill_census.jsonl" > "$OUT/census_${label// /_}.log" 2>&1
-  grep -E "^\||^prefill of" "$OUT/census_${label}.log" | sed "s/^/$label: /"
+  grep -E "^\||^prefill of" "$OUT/census_${label// /_}.log" | sed "s/^/$label: /"
 }
 
 

@@ -15,6 +15,7 @@ from typing import Dict, Set
 
 import pytest
 import torch
+from torch import nn
 from safetensors.torch import load_file, save_file
 
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
@@ -311,9 +312,12 @@ def test_malformed_fp8_checkpoint(ckpts, case, tmp_path):
 @pytest.mark.slow
 def test_accuracy_gate_bundled_model(tmp_path):
     """Held-out bits/byte and MTP greedy acceptance: dequantised fp8 weights vs the originals
-    (the parity test ties the fp8 engine to these dequantised weights). Measured (fp32, CPU):
-    bits/byte 1.8680 -> 1.8677, MTP acceptance 0.4000 -> 0.3970, NEXTN-3 accept length
-    (``1 + p + p^2 + p^3``) 1.624 -> 1.617; bounds: 2 % and 0.1."""
+    (the parity test ties the fp8 engine to these dequantised weights), and the same weights
+    with every fp8 product's input rounded per token and 128-column group to e4m3 (w8a8,
+    ``KernelChoices.fp8_activations``; here on every token, where the engine does it above
+    the small-M rows only). Measured (fp32, CPU): bits/byte 1.8680 -> 1.8677 (fp8) / 1.8695
+    (w8a8, +0.08 %), MTP acceptance 0.4000 -> 0.3970 / 0.3970, NEXTN-3 accept length
+    (``1 + p + p^2 + p^3``) 1.624 -> 1.617 / 1.617; bounds: 2 % and 0.1."""
     from sglang.train.data import HELD_OUT_FILES, stdlib_root
     from sglang.train.eval import score_stream
     from sglang.train.tokenizer import load_tokenizer
@@ -327,8 +331,11 @@ def test_accuracy_gate_bundled_model(tmp_path):
     nbytes = len(text.encode("utf-8"))
     dev = torch.device("cpu")
     results = {}
-    for label, path in (("unquant", src), ("fp8", fake)):
+    qnames = _quantized_names(ModelConfig.from_path(src))
+    for label, path in (("unquant", src), ("fp8", fake), ("w8a8", fake)):
         model = ReferenceBailingMoeV3.from_pretrained(path, dtype=torch.float32).eval()
+        if label == "w8a8":  # KernelChoices.fp8_activations: fp8 inputs to every fp8 product
+            assert _fake_quantize_linear_inputs(model, qnames) > 0
         score = score_stream(model, stream, 256, 4, dev, with_mtp=True)
         bpb = score.nats / nbytes / torch.log(torch.tensor(2.0)).item()
         # greedy acceptance per position: the MTP draft equals the target's greedy next token
@@ -336,12 +343,33 @@ def test_accuracy_gate_bundled_model(tmp_path):
         p = score.mtp_agree / score.mtp_tokens
         # NEXTN-3 chain: accepted drafts stop at the first miss -> 1 + p + p^2 + p^3 tokens
         results[label] = (bpb, p, 1 + p + p ** 2 + p ** 3)
-    print(f"\nheld-out bits/byte unquant {results['unquant'][0]:.4f} fp8 "
-          f"{results['fp8'][0]:.4f}; MTP acceptance {results['unquant'][1]:.4f} / "
-          f"{results['fp8'][1]:.4f}; NEXTN-3 accept length {results['unquant'][2]:.3f} / "
-          f"{results['fp8'][2]:.3f}")
-    assert abs(results["fp8"][0] / results["unquant"][0] - 1) <= 0.02
-    assert abs(results["fp8"][2] - results["unquant"][2]) <= 0.1
+    for label in ("fp8", "w8a8"):
+        print(f"\nheld-out bits/byte unquant {results['unquant'][0]:.4f} {label} "
+              f"{results[label][0]:.4f}; MTP acceptance {results['unquant'][1]:.4f} / "
+              f"{results[label][1]:.4f}; NEXTN-3 accept length {results['unquant'][2]:.3f} / "
+              f"{results[label][2]:.3f}")
+        assert abs(results[label][0] / results["unquant"][0] - 1) <= 0.02
+        assert abs(results[label][2] - results["unquant"][2]) <= 0.1
+
+
+def _fake_quantize_linear_inputs(model: nn.Module, qnames: Set[str]) -> int:
+    """Round the input of every ``nn.Linear`` of ``model`` whose weight is stored in fp8
+    (``qnames``) to e4m3 per token and 128-column group and back (the w8a8 GEMMs' activations);
+    returns how many layers were hooked."""
+    from sgl_kernel.fp8_act_quant import group_dequantize, per_token_group_quant_fp8_reference
+
+    def hook(module: nn.Module, args: tuple) -> tuple:
+        x = args[0]
+        flat = x.reshape(-1, x.shape[-1])
+        q, scale = per_token_group_quant_fp8_reference(flat)
+        return (group_dequantize(q, scale).to(x.dtype).reshape(x.shape),) + args[1:]
+
+    hooked = 0
+    for name, module in model.named_modules():
+        if isinstance(module, nn.Linear) and f"{name}.weight" in qnames:
+            module.register_forward_pre_hook(hook)
+            hooked += 1
+    return hooked
 
 
 def test_dummy_weights_quantise_at_load(ckpts):
