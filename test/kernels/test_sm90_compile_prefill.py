@@ -66,11 +66,11 @@ for prescale in (False, True):
 _FP8_GEMM = _PRELUDE + r"""
 from sgl_kernel.fp8_gemm import _block_fp8_gemm_kernel as kernel, _dequantize_kernel
 
-ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", srow_ptr="*i64", b_ptr="*bf16",
-            out_ptr="*bf16")
+ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", srow_ptr="*i64", xs_ptr="*fp32",
+            b_ptr="*bf16", out_ptr="*bf16")
 # The launch's bf16 shape: a bias, a fused weight's row map, a ragged last K step.
 base = dict(HAS_BIAS=True, ROW_MAP=True, EVEN_K=False, QB=128, BLOCK_M=128, BLOCK_N=128,
-            BLOCK_K=128, GROUP_M=8, DOT_PRECISION="tf32")
+            BLOCK_K=128, GROUP_M=8, A_SCALE=False, DOT_PRECISION="tf32")
 for prescale in (False, True):
     for swap in (False, True):
         build(f"{'pre-scaled' if prescale else 'per-block'}{' swap_ab' if swap else ''}",

@@ -88,12 +88,13 @@ def gemm_config(block_m: int, block_n: int, block_k: int = QBLOCK, group_m: int 
 
 
 @triton.jit
-def _block_fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, b_ptr, out_ptr, M, N, K,
-                           stride_xm, stride_wn, stride_sn, stride_om,
+def _block_fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, xs_ptr, b_ptr, out_ptr, M, N, K,
+                           stride_xm, stride_wn, stride_sn, stride_xsm, stride_om,
                            HAS_BIAS: tl.constexpr, ROW_MAP: tl.constexpr, EVEN_K: tl.constexpr,
                            QB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                            BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr, SWAP_AB: tl.constexpr,
-                           PRESCALE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                           PRESCALE: tl.constexpr, A_SCALE: tl.constexpr,
+                           DOT_PRECISION: tl.constexpr):
     # Grouped order: GROUP_M row tiles walk the column tiles together, so a weight tile is read
     # from HBM once per group and from L2 by the others running beside it.
     pid = tl.program_id(0)
@@ -118,6 +119,8 @@ def _block_fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, b_ptr, out_ptr, M, N, 
         s_ptrs = s_ptr + tl.load(srow_ptr + rows_n).to(tl.int64) * stride_sn
     else:
         s_ptrs = s_ptr + (rows_n // QB).to(tl.int64) * stride_sn
+    if A_SCALE:  # e4m3 x: one scale per row and 128-column group, the weight's K blocks
+        xs_ptrs = xs_ptr + rows_m * stride_xsm
 
     if SWAP_AB:
         acc = tl.zeros([BLOCK_N, BLOCK_M], dtype=tl.float32)
@@ -133,7 +136,21 @@ def _block_fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, b_ptr, out_ptr, M, N, 
             w = tl.load(w_ptrs, mask=in_k[None, :], other=0.0)
         # The step lies in one scale block (BLOCK_K divides QB): one scale per weight row.
         scale = tl.load(s_ptrs + k0 // QB)
-        if PRESCALE:
+        if A_SCALE:
+            # Both operands e4m3 (the fp8 tensor cores): the step's fp32 sum times the outer
+            # product of its activation scales (one per row) and weight scales (one per output
+            # column) is the product of the two dequantised slices. Scaling each step's sum
+            # also bounds the tensor cores' reduced-precision fp8 accumulation to BLOCK_K
+            # products before the fp32 accumulator takes over.
+            x_scale = tl.load(xs_ptrs + k0 // QB)
+            if SWAP_AB:
+                # the same fp32 products in the same order as the plain tile's, transposed
+                acc += (tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION)
+                        * x_scale[None, :] * scale[:, None])
+            else:
+                acc += (tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION)
+                        * x_scale[:, None] * scale[None, :])
+        elif PRESCALE:
             # q * scale in fp32 rounded once to x's dtype (the dequantised weight's values),
             # then one running dot: no fp32 scaling of each step's sum.
             w_s = (w.to(tl.float32) * scale[:, None]).to(x.dtype)
@@ -203,14 +220,42 @@ def launch_config(m: int, n: int, k: int) -> LaunchConfig:
     return cfg._replace(block_n=block_n)
 
 
+_OUT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
 def _check(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
-           w_scale_rows: Optional[torch.Tensor], bias: Optional[torch.Tensor]) -> None:
-    """Raise ``ValueError`` unless the operands have the shapes and dtypes the kernel reads."""
+           w_scale_rows: Optional[torch.Tensor], bias: Optional[torch.Tensor],
+           x_scale: Optional[torch.Tensor] = None,
+           out_dtype: Optional[torch.dtype] = None) -> torch.dtype:
+    """Raise ``ValueError`` unless the operands have the shapes and dtypes the kernel reads;
+    return the output dtype (``out_dtype``, else x's)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"block_fp8_gemm: expected x [M, K] and w [N, K], got "
                          f"{tuple(x.shape)} and {tuple(w.shape)}")
-    if x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        raise ValueError(f"block_fp8_gemm: x must be fp32 / fp16 / bf16, got {x.dtype}")
+    if x.dtype == torch.float8_e4m3fn:
+        # w8a8: the activations' group scales come with them, and an e4m3 output is no use
+        groups = -(-x.shape[1] // QBLOCK)
+        if x_scale is None:
+            raise ValueError("block_fp8_gemm: a float8_e4m3fn x needs its x_scale (fp32 "
+                             f"[M, {groups}], per_token_group_quant_fp8)")
+        if (x_scale.dtype != torch.float32
+                or tuple(x_scale.shape) != (x.shape[0], groups)
+                or (x_scale.numel() and x_scale.stride(1) != 1)):
+            raise ValueError(f"block_fp8_gemm: x_scale must be fp32 [{x.shape[0]}, {groups}] "
+                             f"(one scale per row and {QBLOCK}-column group) with a "
+                             f"contiguous last dim, got {x_scale.dtype} "
+                             f"{tuple(x_scale.shape)}")
+        if out_dtype is None:
+            raise ValueError("block_fp8_gemm: a float8_e4m3fn x needs out_dtype (fp32 / fp16 "
+                             "/ bf16)")
+    elif x.dtype not in _OUT_DTYPES:
+        raise ValueError(f"block_fp8_gemm: x must be fp32 / fp16 / bf16, or float8_e4m3fn "
+                         f"with x_scale, got {x.dtype}")
+    elif x_scale is not None:
+        raise ValueError(f"block_fp8_gemm: x_scale is for a float8_e4m3fn x, got x {x.dtype}")
+    if out_dtype is not None and out_dtype not in _OUT_DTYPES:
+        raise ValueError(f"block_fp8_gemm: out_dtype must be fp32 / fp16 / bf16, got "
+                         f"{out_dtype}")
     if w.dtype != torch.float8_e4m3fn or w.stride(1) != 1:
         raise ValueError(f"block_fp8_gemm: w must be float8_e4m3fn with a contiguous last dim, "
                          f"got {w.dtype} strides {w.stride()}")
@@ -228,27 +273,36 @@ def _check(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                              f"{tuple(w_scale.shape)}")
     if bias is not None and tuple(bias.shape) != (n,):
         raise ValueError(f"block_fp8_gemm: bias must be [{n}], got {tuple(bias.shape)}")
+    return out_dtype or x.dtype
 
 
 def block_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                    w_scale_rows: Optional[torch.Tensor] = None,
                    bias: Optional[torch.Tensor] = None,
-                   config: Optional[LaunchConfig] = None) -> torch.Tensor:
-    """``x [M, K] @ dequant(w) [N, K].T (+ bias [N])`` -> ``[M, N]`` in x's dtype.
+                   config: Optional[LaunchConfig] = None,
+                   x_scale: Optional[torch.Tensor] = None,
+                   out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+    """``x [M, K] @ dequant(w) [N, K].T (+ bias [N])`` -> ``[M, N]`` in ``out_dtype`` (default:
+    x's dtype).
 
     ``w`` is ``float8_e4m3fn`` with fp32 block scales ``w_scale [scale_rows, ceil(K/128)]``;
     weight row ``i`` uses scale row ``w_scale_rows[i]`` (int32 / int64, for a weight of several
     pieces each on its own grid) or ``i // 128`` when it is ``None``. ``x`` may be bf16, fp16
     or fp32 (fp32 inputs take full-precision dots: the interpreter tests). Accumulation, block
-    scaling and the bias are fp32, with one rounding to x's dtype (module docstring); with
-    ``config.fp8_prescale`` the weight is ``q * scale`` rounded to x's dtype (the reference
-    path's dequantised weight) and only the accumulation and bias are fp32.
+    scaling and the bias are fp32, with one rounding to the output dtype (module docstring);
+    with ``config.fp8_prescale`` the weight is ``q * scale`` rounded to x's dtype (the
+    reference path's dequantised weight) and only the accumulation and bias are fp32.
+
+    With ``x_scale``, ``x`` is ``float8_e4m3fn`` quantised per row and 128-column group
+    (:func:`sgl_kernel.fp8_act_quant.per_token_group_quant_fp8`; ``x_scale`` fp32
+    ``[M, ceil(K/128)]``) and ``out_dtype`` is required: both operands go to ``tl.dot`` as e4m3
+    ("w8a8", module docstring); ``fp8_prescale`` does not apply and is refused.
     ``config`` (:func:`gemm_config`) overrides :func:`launch_config` (the benchmark's sweep)."""
-    _check(x, w, w_scale, w_scale_rows, bias)
+    out_dtype = _check(x, w, w_scale, w_scale_rows, bias, x_scale, out_dtype)
     if x.stride(1) != 1:
         x = x.contiguous()
     (m, k), n = x.shape, w.shape[0]
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n, dtype=out_dtype, device=x.device)
     if m == 0 or n == 0:
         return out
     cfg = config or launch_config(m, n, k)
@@ -258,16 +312,21 @@ def block_fp8_gemm(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     if QBLOCK % cfg.block_k or cfg.block_k < 16:
         raise ValueError(f"block_fp8_gemm: block_k must divide {QBLOCK} and be >= 16, got "
                          f"{cfg.block_k}")
+    if x_scale is not None and cfg.fp8_prescale:
+        # Pre-scaling rounds q * scale to x's dtype: an e4m3 x has no such weight tile.
+        raise ValueError("block_fp8_gemm: fp8_prescale does not apply to float8_e4m3fn "
+                         "activations (x_scale given)")
     grid = (triton.cdiv(m, cfg.block_m) * triton.cdiv(n, cfg.block_n),)
     _block_fp8_gemm_kernel[grid](
         x, w, w_scale, w_scale_rows if w_scale_rows is not None else w_scale,
-        bias if bias is not None else x, out, m, n, k,
-        x.stride(0), w.stride(0), w_scale.stride(0), out.stride(0),
+        x_scale if x_scale is not None else w_scale, bias if bias is not None else out, out,
+        m, n, k, x.stride(0), w.stride(0), w_scale.stride(0),
+        x_scale.stride(0) if x_scale is not None else 0, out.stride(0),
         HAS_BIAS=bias is not None, ROW_MAP=w_scale_rows is not None,
         EVEN_K=k % cfg.block_k == 0, QB=QBLOCK, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, GROUP_M=cfg.group_m, SWAP_AB=cfg.swap_ab,
-        PRESCALE=bool(cfg.fp8_prescale),
-        # fp32 inputs (interpreter tests) multiply exactly; 16-bit inputs ignore the option
+        PRESCALE=bool(cfg.fp8_prescale), A_SCALE=x_scale is not None,
+        # fp32 inputs (interpreter tests) multiply exactly; 16-bit and fp8 inputs ignore it
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
         **compiler_options(cfg.num_warps, cfg.num_stages))
     return out
@@ -316,13 +375,30 @@ def block_fp8_dequantize(w: torch.Tensor, w_scale: torch.Tensor,
 
 def block_fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      w_scale_rows: Optional[torch.Tensor] = None,
-                     bias: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``x [M, K] @ dequant(w).T (+ bias)`` in x's dtype by the faster route for M (module
+                     bias: Optional[torch.Tensor] = None,
+                     fp8_activations: bool = False) -> torch.Tensor:
+    """``x [M, K] @ dequant(w).T (+ bias)`` in x's dtype.
+
+    ``fp8_activations`` False (the default): the faster weight-only route for M (module
     docstring, "Why the engine dequantises instead"): :func:`block_fp8_gemm` up to
-    ``FUSED_MAX_ROWS`` rows (none now),
-    else the one-pass :func:`block_fp8_dequantize` to x's dtype and
-    ``torch.nn.functional.linear`` (the library GEMM; bit for bit the engine's dequantise +
-    F.linear reference path)."""
+    ``FUSED_MAX_ROWS`` rows (none now), else the one-pass :func:`block_fp8_dequantize` to x's
+    dtype and ``torch.nn.functional.linear`` (the library GEMM; bit for bit the engine's
+    dequantise + F.linear reference path).
+
+    ``fp8_activations`` True (``KernelChoices.fp8_activations``): "w8a8", x quantised per row
+    and 128-column group (:func:`sgl_kernel.fp8_act_quant.per_token_group_quant_fp8`) and
+    multiplied by the e4m3 weight on the fp8 tensor cores by :func:`block_fp8_gemm`, with no
+    dequantised weight (module docstring, "fp8 activations")."""
+    if fp8_activations:
+        from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
+
+        if x.dim() != 2:
+            raise ValueError(f"block_fp8_linear: expected x [M, K], got {tuple(x.shape)}")
+        if x.stride(1) != 1:  # the quantisation reads rows with a contiguous last dim
+            x = x.contiguous()
+        q, q_scale = per_token_group_quant_fp8(x, QBLOCK)
+        return block_fp8_gemm(q, w, w_scale, w_scale_rows, bias, x_scale=q_scale,
+                              out_dtype=x.dtype)
     if x.dim() == 2 and x.shape[0] <= FUSED_MAX_ROWS:
         return block_fp8_gemm(x, w, w_scale, w_scale_rows, bias)
     return torch.nn.functional.linear(x, block_fp8_dequantize(w, w_scale, w_scale_rows, x.dtype),
@@ -331,11 +407,22 @@ def block_fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
 
 def block_fp8_gemm_reference(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                              w_scale_rows: Optional[torch.Tensor] = None,
-                             bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+                             bias: Optional[torch.Tensor] = None,
+                             x_scale: Optional[torch.Tensor] = None,
+                             out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
     """Plain-torch :func:`block_fp8_gemm`: the weight dequantised in fp32 (never rounded), an
-    fp32 matmul and bias, one rounding to x's dtype."""
+    fp32 matmul and bias, one rounding to ``out_dtype`` (default: x's dtype). With ``x_scale``
+    (x ``float8_e4m3fn``, ``out_dtype`` required) x is first dequantised in fp32 by
+    :func:`sgl_kernel.fp8_act_quant.group_dequantize`."""
+    out_dtype = _check(x, w, w_scale, w_scale_rows, bias, x_scale, out_dtype)
+    if x_scale is not None:
+        from sgl_kernel.fp8_act_quant import group_dequantize
+
+        xf = group_dequantize(x, x_scale, QBLOCK)
+    else:
+        xf = x.float()
     wf = block_dequantize(w, w_scale, torch.float32, rows=w_scale_rows)
-    out = x.float() @ wf.t()
+    out = xf @ wf.t()
     if bias is not None:
         out = out + bias.float()
-    return out.to(x.dtype)
+    return out.to(out_dtype)
