@@ -376,6 +376,45 @@ def test_fp8_linear_method_above_the_small_m_range(dtype, tol, monkeypatch):
     assert torch.equal(layer(x.reshape(4, 25, 160)), got.reshape(4, 25, 192))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_linear_method_with_fp8_activations(dtype, monkeypatch):
+    """A block-fp8 layer with ``small_m_gemm`` and ``fp8_activations`` (what
+    ``KernelChoices.fp8_activations`` sets) above the small-M rows: the w8a8 path, bit for bit
+    ``block_fp8_linear(..., fp8_activations=True)`` (the fused GEMM called with e4m3 x and its
+    scales), within the activations' e4m3 rounding of the weight-only reference path; a 3-D x
+    keeps its leading dims. ``small_m_gemm`` off: the reference path, fp8_activations or not.
+    A decode-sized batch: the small-M kernel on x in its own dtype, as without the flag."""
+    import sgl_kernel.fp8_gemm as fg
+    from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS
+
+    layer = _fp8_layer([96, 96], 160, bias=True)
+    layer.bias.data = layer.bias.data.to(dtype)
+    method = layer.quant_method
+    x = torch.randn(100, 160, generator=torch.Generator().manual_seed(26)).to(DEVICE, dtype)
+    assert x.shape[0] > SMALL_M_MAX_ROWS
+    ref = torch.nn.functional.linear(x, method.dequantized_weight(layer, dtype), layer.bias)
+    calls = []
+    real = fg.block_fp8_gemm
+    monkeypatch.setattr(fg, "block_fp8_gemm", lambda *a, **kw: calls.append(
+        kw.get("x_scale") is not None and a[0].dtype == torch.float8_e4m3fn) or real(*a, **kw))
+    layer.fp8_activations = True
+    layer.small_m_gemm = False
+    assert torch.equal(layer(x), ref) and not calls
+    layer.small_m_gemm = True
+    got = layer(x)
+    assert calls == [True] and got.dtype == dtype
+    assert torch.equal(got, fg.block_fp8_linear(x, layer.weight, layer.weight_scale_inv,
+                                                layer.weight_row_block, layer.bias,
+                                                fp8_activations=True))
+    assert 0 < _rel(got, ref) < 0.1
+    assert torch.equal(layer(x.reshape(4, 25, 160)), got.reshape(4, 25, 192))
+    few = x[:4]
+    calls.clear()
+    on = layer(few)
+    layer.fp8_activations = False
+    assert torch.equal(on, layer(few)) and not calls
+
+
 def test_row_parallel_gated_norm_above_the_small_m_range():
     """A gated-norm o_proj at prefill rows: the torch GatedRMSNorm first, then block_fp8_gemm
     (fp32, interpreter), equal to the norm followed by the dequantised product."""
