@@ -24,17 +24,42 @@ shared memory either way. Off by default until ``bench_fp8_gemm.py``'s "prescale
 have timed it against the per-block scaling on the GPU (docs/performance.md, "Not measured
 yet").
 
-Why weight-only ("w8a16") and not fp8 activations too:
+Weight-only ("w8a16", the default): the result is the product with the exact weight
+``q * scale``, up to the fp32 summation order: the same values as
+:func:`block_fp8_gemm_reference` (dequantise in fp32, matmul), and the same weight the small-M
+kernel (:mod:`sgl_kernel.small_m_gemm`) uses for decode, so prefill and decode compute with one
+weight. From a few hundred rows on, a dense projection of this model (K = 2560 .. 6144) is
+compute-bound on the bf16 tensor cores; the fp8 weight halves the weight bytes, which only
+matter below that.
 
-* numerics: the result is the product with the exact weight ``q * scale``, up to the fp32
-  summation order: the same values as :func:`block_fp8_gemm_reference` (dequantise in fp32,
-  matmul), and the same weight the small-M kernel (:mod:`sgl_kernel.small_m_gemm`) uses for
-  decode, so prefill and decode compute with one weight. Quantising the activations as well
-  would add a per-token rounding that no reference path has;
-* speed: from a few hundred rows on, a dense projection of this model (K = 2560 .. 6144) is
-  compute-bound on the bf16 tensor cores; the fp8 weight halves the weight bytes, which only
-  matter below that. The cost being removed is the per-call dequantisation (a full bf16 copy of
-  the weight written and read again) and its launches.
+fp8 activations ("w8a8", ``x_scale``; the ``A_SCALE`` constexpr of the same kernel): x comes
+quantised per token and 128-column group
+(:func:`sgl_kernel.fp8_act_quant.per_token_group_quant_fp8`: ``scale = amax / 448``, e4m3
+values; the layout the published fp8 checkpoints' ``activation_scheme: "dynamic"`` asks for). A
+``BLOCK_K`` step (``BLOCK_K`` divides 128) then lies in one activation group and one weight
+block: both e4m3 tiles go to ``tl.dot`` unconverted (the fp8 tensor cores, twice the bf16 rate
+on H100 / H200: sm_90's ``wgmma ... .f32.e4m3.e4m3``, checked by
+``test_sm90_compile_prefill.py``), and the step's fp32 sum is added to the fp32 accumulator as
+``dot * a_scale[:, None] * w_scale[None, :]`` (one activation scale per row, one weight scale
+per output column); the bias in fp32, one rounding to ``out_dtype``. Scaling every step's sum
+also bounds the fp8 tensor cores' reduced-precision accumulation (Triton's sm_90 default lets
+wgmma accumulate fp8 products imprecisely over a whole dot) to ``BLOCK_K`` products before fp32
+takes over. No dequantised weight is formed and x is read at one byte a value. Pre-scaled tiles
+do not apply (they round ``q * scale`` to x's dtype) and are refused; ``swap_ab`` runs the same
+fp32 products transposed.
+
+Its numerics: the product of the dequantised activations
+(:func:`sgl_kernel.fp8_act_quant.group_dequantize`) with the exact weight, up to summation
+order (:func:`block_fp8_gemm_reference` with ``x_scale``). Against the weight-only product it
+carries the activations' e4m3 rounding: each value is off by at most 2^-4 of itself (3
+mantissa bits, round to nearest) or, below e4m3's normal range, by 2^-10 of its group's scale;
+on Gaussian activations that came to about 2.5 % norm-wise (``test_fp8_gemm.py``, "error
+against the weight-only product"). The small-M kernel keeps decode weight-only, so with w8a8
+prefill and decode no longer multiply the same activation values. :func:`block_fp8_linear`
+takes it only when asked (``fp8_activations=True``: a dense block-fp8 layer passes its
+``fp8_activations``, set by ``KernelChoices.fp8_activations``), which is off by default until
+``bench_fp8_gemm.py``'s w8a8 columns have timed it against the dequantise + cuBLAS path on the
+GPU and the model's accuracy has been checked with it.
 
 Why the engine dequantises instead (timings: docs/performance.md, the prefill section's "Dense
 fp8 at prefill sizes"): at prefill sizes this kernel runs far below cuBLAS's rate on a bf16
@@ -45,13 +70,12 @@ sum is scaled. A one-pass Triton dequantisation (:func:`block_fp8_dequantize`: o
 fp8 weight, one write in x's dtype, where the torch path makes several full-size fp32 passes)
 followed by cuBLAS adds only that pass to the bf16 GEMM, and was faster than both this kernel
 and the torch dequantisation at every row count measured (128 to 8192). So the engine's entry
-point :func:`block_fp8_linear` takes the dequantisation + library GEMM (the reference path's
-values, bit for bit) and this kernel only up to ``FUSED_MAX_ROWS`` rows, now none.
-
-A later step could quantise the activations per token and 128-column group (``w8a8``, as the
-published fp8 checkpoints' ``activation_scheme: dynamic`` intends) and run ``tl.dot`` on fp8
-operands at twice the bf16 tensor-core rate; it changes the numerics against the reference
-path and would need its own accuracy gate.
+point :func:`block_fp8_linear` takes, weight-only, the dequantisation + library GEMM (the
+reference path's values, bit for bit) and this kernel only up to ``FUSED_MAX_ROWS`` rows, now
+none. With ``fp8_activations`` it takes this kernel's w8a8 variant at every row count it is
+called for: no conversion is left and the tensor cores run at the fp8 rate, but the per-block
+promotion stays (it is what keeps the fp8 accumulation short); whether that beats the
+dequantisation + cuBLAS is for the GPU run of ``bench_fp8_gemm.py`` to show.
 """
 from __future__ import annotations
 
@@ -192,7 +216,8 @@ def _block_fp8_gemm_kernel(x_ptr, w_ptr, s_ptr, srow_ptr, xs_ptr, b_ptr, out_ptr
 # x tile and an fp8 w tile), which give every SM of a Hopper GPU a tile from a few hundred rows
 # on for N >= 2560; up to 512 rows: 64-row tiles with 4 warps and 4 stages, so that the grid
 # still covers the SMs. Starting points: time a change with benchmark/kernels/bench_fp8_gemm.py
-# on the GPU.
+# on the GPU. w8a8 (e4m3 x) takes the same tiles untimed (32 KB a stage); the benchmark's w8a8
+# column sweeps them.
 _GPU_TABLE = (
     (128, gemm_config(64, 128, 128, 8, 4, 4)),
     (512, gemm_config(64, 128, 128, 8, 4, 4)),
