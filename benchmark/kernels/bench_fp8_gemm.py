@@ -1,7 +1,8 @@
 """Block-fp8 dense projections at prefill row counts: ``sgl_kernel.fp8_gemm.block_fp8_gemm``
-against the engine's reference path (dequantise the whole weight to bf16, then ``F.linear``)
-and ``F.linear`` on a bf16 weight of the same shape (cuBLAS: the floor a weight-only fp8
-kernel aims at), on Ling-3.0-flash's dense fp8 shapes.
+(weight-only, and "w8a8" on fp8 activations) against the engine's reference path (dequantise
+the whole weight to bf16, then ``F.linear``) and ``F.linear`` on a bf16 weight of the same
+shape (cuBLAS: the floor a weight-only fp8 kernel aims at), on Ling-3.0-flash's dense fp8
+shapes.
 
     python benchmark/kernels/bench_fp8_gemm.py [--rows 1024 4096 8192] [--iters 20]
 
@@ -11,9 +12,13 @@ times a small sweep of tile configs at every row count, each with both inner loo
 CUDA-event timings, L2 flushed before each call), and prints one table row per (shape, M) with
 microseconds and TFLOP/s (``2 M N K`` flops) of the default config (per-block product
 scaling), the default tiles with pre-scaled weight tiles (``LaunchConfig.fp8_prescale``), the
-best swept config of each inner loop, dequantise + F.linear and bf16 F.linear. The last table
-adds the shapes up over the 42-layer model (how many layers have each projection) for one
-prefill of M tokens.
+best swept config of each inner loop, dequantise + F.linear and bf16 F.linear, then w8a8
+(``block_fp8_linear(..., fp8_activations=True)``, ``KernelChoices.fp8_activations``): the
+per-token-group quantisation and the fused fp8 GEMM timed together at the default tiles, the
+quantisation alone, and the quantisation's time plus the best swept config's fp8 GEMM on
+pre-quantised activations (checked against the fp32 reference on the same quantised
+activations at the first row count). The last table adds the shapes up over the 42-layer model
+(how many layers have each projection) for one prefill of M tokens.
 
 Without CUDA (``TRITON_INTERPRET=1``, fp32, wall-clock times, ``--scale`` shrinks N and M)
 it is only a smoke run.
@@ -30,9 +35,10 @@ import torch.nn.functional as F
 
 from cold_l2 import flush_buffer, kernel_bench_device  # benchmark/kernels/cold_l2.py
 from sgl_kernel._triton_mode import LaunchConfig
+from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
 from sgl_kernel.fp8_blocks import block_quantize
 from sgl_kernel.fp8_gemm import (block_fp8_dequantize, block_fp8_gemm, block_fp8_gemm_reference,
-                                 gemm_config, launch_config)
+                                 block_fp8_linear, gemm_config, launch_config)
 
 # name -> (row pieces, K, layers of Ling-3.0-flash that have it): hidden 2560, 32 heads x 128,
 # KDA's fused q|k|v|b|f|g (35 KDA layers), MLA's projections (7 layers), the shared expert
@@ -120,6 +126,8 @@ def main() -> None:
     torch.manual_seed(0)
     flush = flush_buffer(dev)
     sweep = [] if args.no_sweep else (SWEEP if on_cuda else SMOKE_SWEEP)
+    # the w8a8 sweep: per-block product scaling only (pre-scaled tiles need 16-bit x)
+    w8a8_sweep = list(sweep)
     sweep = [c._replace(fp8_prescale=pre) for c in sweep for pre in (False, True)]
     from sglang.srt.layers.quantization.fp8_utils import dequantize_indexed
 
@@ -129,8 +137,10 @@ def main() -> None:
           "weight tiles]\n")
     print("| shape | N x K | M | fp8 gemm default | prescaled, default tiles | best swept "
           "per-block (config) | best swept prescaled (config) | dequant + F.linear "
-          "| Triton dequant + F.linear | bf16 F.linear | default / F.linear |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "| Triton dequant + F.linear | bf16 F.linear | w8a8: quant + gemm, default tiles "
+          "| w8a8: quant alone | w8a8: quant + best swept gemm (config) | default / F.linear "
+          "| w8a8 / F.linear |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     totals: Dict[int, List[float]] = {}
     for name in args.shapes:
         pieces, k, layers = FLASH_SHAPES[name]
@@ -151,6 +161,15 @@ def main() -> None:
                     if err > (1e-2 if dt == torch.bfloat16 else 1e-4):
                         raise SystemExit(f"{name}: block_fp8_gemm ({_label(c)}) differs from "
                                          f"the reference (max rel. err {err:.2e})")
+                # w8a8 against the fp32 reference on the same quantised activations
+                q, q_scale = per_token_group_quant_fp8(x)
+                got = block_fp8_linear(x, w, scale, rows, fp8_activations=True)
+                ref = block_fp8_gemm_reference(q, w, scale, rows, x_scale=q_scale,
+                                               out_dtype=torch.float32)
+                err = float((got.float() - ref).abs().max() / ref.abs().max())
+                if err > (1e-2 if dt == torch.bfloat16 else 1e-4):
+                    raise SystemExit(f"{name}: w8a8 block_fp8_gemm differs from the reference "
+                                     f"(max rel. err {err:.2e})")
             flops = 2.0 * m * n * k
 
             def fmt(us: float) -> str:
@@ -177,18 +196,43 @@ def main() -> None:
             t_tdq = median_us(lambda: F.linear(x, block_fp8_dequantize(w, scale, rows, dt)),
                               args.iters, flush)
             t_lin = median_us(lambda: F.linear(x, w16), args.iters, flush)
-            times = (t_def, t_pre, best[False][0], best[True][0], t_deq, t_tdq, t_lin)
+            # w8a8: the engine's call (quantisation + fused fp8 GEMM, default tiles), the
+            # quantisation alone, and the sweep's GEMMs on pre-quantised activations
+            t_w8 = median_us(lambda: block_fp8_linear(x, w, scale, rows, fp8_activations=True),
+                             args.iters, flush)
+            t_quant = median_us(lambda: per_token_group_quant_fp8(x), args.iters, flush)
+            q, q_scale = per_token_group_quant_fp8(x)
+            best_w8 = (median_us(lambda: block_fp8_gemm(q, w, scale, rows, config=cfg,
+                                                        x_scale=q_scale, out_dtype=dt),
+                                 args.iters, flush), cfg)
+            for c in w8a8_sweep:
+                c = c._replace(block_n=min(c.block_n, max(16, 1 << (n - 1).bit_length())))
+                try:
+                    t = median_us(lambda: block_fp8_gemm(q, w, scale, rows, config=c,
+                                                         x_scale=q_scale, out_dtype=dt),
+                                  args.iters, flush)
+                except Exception as exc:  # e.g. a config whose stages exceed shared memory
+                    print(f"<!-- {name} M={m} w8a8 {_label(c)}: {type(exc).__name__} -->")
+                    continue
+                if t < best_w8[0]:
+                    best_w8 = (t, c)
+            t_w8_best = t_quant + best_w8[0]
+            times = (t_def, t_pre, best[False][0], best[True][0], t_deq, t_tdq, t_lin, t_w8,
+                     t_quant, t_w8_best)
             tot = totals.setdefault(m, [0.0] * len(times))
             for j, t in enumerate(times):
                 tot[j] += layers * t
             print(f"| {name} | {n}x{k} | {m} | {fmt(t_def)} | {fmt(t_pre)} | "
                   + " | ".join(f"{fmt(t)} ({_label(c)})" for t, c in (best[False], best[True]))
-                  + f" | {fmt(t_deq)} | {fmt(t_tdq)} | {fmt(t_lin)} | {t_def / t_lin:.2f} |")
+                  + f" | {fmt(t_deq)} | {fmt(t_tdq)} | {fmt(t_lin)} | {fmt(t_w8)} | "
+                  f"{t_quant:.1f} µs | {fmt(t_w8_best)} ({_label(best_w8[1])}) | "
+                  f"{t_def / t_lin:.2f} | {t_w8 / t_lin:.2f} |")
     print("\nThe model's dense projections for one prefill of M tokens (each shape times its "
           "layers):\n")
     print("| M | fp8 gemm default | prescaled, default tiles | best swept per-block | best swept "
-          "prescaled | dequant + F.linear | Triton dequant + F.linear | bf16 F.linear |")
-    print("|---|---|---|---|---|---|---|---|")
+          "prescaled | dequant + F.linear | Triton dequant + F.linear | bf16 F.linear | w8a8: "
+          "quant + gemm | w8a8: quant alone | w8a8: quant + best swept gemm |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for m, tot in totals.items():
         print(f"| {m} | " + " | ".join(f"{t / 1000:.2f} ms" for t in tot) + " |")
 

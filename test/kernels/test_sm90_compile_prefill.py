@@ -10,8 +10,11 @@ constexprs of its real launches:
 * ``moe_grouped_gemm._moe_grouped_gemm_kernel``: bf16 experts with the SwiGLU epilogue, and
   block-fp8 experts with both fp8 inner loops (per-block product scaling, pre-scaled tiles)
   and on fp8 activations (w8a8), up-projection (SwiGLU) and down-projection;
-* ``fp8_gemm._block_fp8_gemm_kernel`` with both inner loops (plain and swapped tiles) and its
-  one-pass ``_dequantize_kernel``;
+* ``fp8_gemm._block_fp8_gemm_kernel`` with both inner loops (plain and swapped tiles), its
+  w8a8 variant (``A_SCALE``: e4m3 activations and weight on the fp8 wgmma, plain and swapped)
+  and its one-pass ``_dequantize_kernel``;
+* ``fp8_act_quant._per_token_group_quant_kernel``: bf16 activations to e4m3 and fp32 group
+  scales (the hardware cast's rounding, not the interpreter's fp32 rounding);
 * ``kda_prefill_conv._kda_prefill_conv_kernel``: bf16 x and taps, fp32 window pool, K = 4.
 
 Skipped where the backend finds no ``ptxas``. Marked slow: each subprocess imports torch and
@@ -42,7 +45,10 @@ def build(name, kernel, ptrs, constexprs, scalars=None, **options):
     src = ASTSource(kernel, sig, constexprs=constexprs)
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     assert out.asm["cubin"], name
-    print(f"compiled {name}: {'wgmma' if 'wgmma' in out.asm['ptx'] else 'no wgmma'}", flush=True)
+    ptx = out.asm["ptx"]
+    # ".e4m3.e4m3": the fp8 tensor-core instruction, not operands converted to 16 bits first
+    kind = ("wgmma e4m3" if ".e4m3.e4m3" in ptx else "wgmma") if "wgmma" in ptx else "no wgmma"
+    print(f"compiled {name}: {kind}", flush=True)
 """
 
 _MOE = _PRELUDE + r"""
@@ -72,19 +78,33 @@ for swiglu in (True, False):
 _FP8_GEMM = _PRELUDE + r"""
 from sgl_kernel.fp8_gemm import _block_fp8_gemm_kernel as kernel, _dequantize_kernel
 
-ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", srow_ptr="*i64", b_ptr="*bf16",
-            out_ptr="*bf16")
+ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", s_ptr="*fp32", srow_ptr="*i64", xs_ptr="*fp32",
+            b_ptr="*bf16", out_ptr="*bf16")
 # The launch's bf16 shape: a bias, a fused weight's row map, a ragged last K step.
 base = dict(HAS_BIAS=True, ROW_MAP=True, EVEN_K=False, QB=128, BLOCK_M=128, BLOCK_N=128,
-            BLOCK_K=128, GROUP_M=8, DOT_PRECISION="tf32")
+            BLOCK_K=128, GROUP_M=8, A_SCALE=False, DOT_PRECISION="tf32")
 for prescale in (False, True):
     for swap in (False, True):
         build(f"{'pre-scaled' if prescale else 'per-block'}{' swap_ab' if swap else ''}",
               kernel, ptrs, dict(base, SWAP_AB=swap, PRESCALE=prescale), num_warps=8,
               num_stages=3)
+# w8a8: e4m3 activations with fp32 group scales, both operands e4m3 into the fp8 wgmma, bf16
+# out (per-block product scaling only: pre-scaled tiles are refused for fp8 activations).
+w8a8 = {**ptrs, "x_ptr": "*fp8e4nv"}
+for swap in (False, True):
+    build(f"w8a8{' swap_ab' if swap else ''}", kernel, w8a8,
+          dict(base, SWAP_AB=swap, PRESCALE=False, A_SCALE=True), num_warps=8, num_stages=3)
 build("dequantize", _dequantize_kernel, dict(w_ptr="*fp8e4nv", s_ptr="*fp32",
       srow_ptr="*i64", out_ptr="*bf16"), dict(ROW_MAP=True, QB=128, BLOCK_N=32, BLOCK_K=256),
       num_warps=4)
+"""
+
+_FP8_ACT_QUANT = _PRELUDE + r"""
+from sgl_kernel.fp8_act_quant import _per_token_group_quant_kernel as kernel
+
+# The launch's types: bf16 x, e4m3 q, fp32 scales; compiled, the hardware cast rounds.
+build("per-token-group quant", kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_ptr="*fp32"),
+      dict(FMAX=448.0, GROUP=128, BLOCK_M=16, ROUND_IN_FP32=False), num_warps=4)
 """
 
 _KDA_CONV = _PRELUDE + r"""
@@ -95,17 +115,19 @@ build("kda prefill conv", kernel, dict(x_ptr="*bf16", w_ptr="*bf16", win_ptr="*f
       num_warps=4, enable_fp_fusion=False)
 """
 
-# module -> (script, variants compiled, of which GEMMs: Hopper's wgmma expected in their PTX).
-CASES = {"moe_grouped_gemm": (_MOE, 7, 7), "fp8_gemm": (_FP8_GEMM, 5, 4),
-         "kda_prefill_conv": (_KDA_CONV, 1, 0)}
+# module -> (script, variants compiled, of which GEMMs: Hopper's wgmma expected in their PTX,
+# of which w8a8: the wgmma on e4m3 operands).
+CASES = {"moe_grouped_gemm": (_MOE, 7, 7, 2), "fp8_gemm": (_FP8_GEMM, 7, 6, 2),
+         "fp8_act_quant": (_FP8_ACT_QUANT, 1, 0, 0), "kda_prefill_conv": (_KDA_CONV, 1, 0, 0)}
 
 
 @pytest.mark.parametrize("module", list(CASES))
 def test_prefill_kernels_compile_for_sm90(module):
     """Every listed variant of the module's kernels compiles to an sm_90 cubin, and every GEMM
     variant (bf16 and both fp8 inner loops) runs its ``tl.dot`` on wgmma, not the older
-    mma.sync path a changed operand layout could fall back to."""
-    script, variants, gemms = CASES[module]
+    mma.sync path a changed operand layout could fall back to; the w8a8 variants run the e4m3
+    wgmma itself."""
+    script, variants, gemms, fp8_gemms = CASES[module]
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
                          text=True, timeout=600)
@@ -114,3 +136,4 @@ def test_prefill_kernels_compile_for_sm90(module):
     assert out.returncode == 0, out.stderr[-4000:]
     assert out.stdout.count("compiled ") == variants, out.stdout
     assert out.stdout.count(": wgmma") == gemms, out.stdout
+    assert out.stdout.count(": wgmma e4m3") == fp8_gemms, out.stdout

@@ -223,13 +223,18 @@ def test_kda_prefill_conv_sweep_times_the_default_and_checks_bits():
 
 def test_fp8_gemm_benchmark_smoke_run():
     """benchmark/kernels/bench_fp8_gemm.py on two scaled-down shapes in the interpreter: the
-    kernel is checked against the reference, each shape gets a row with every column and the
-    model total is printed."""
+    kernel (weight-only and w8a8) is checked against the reference, each shape gets a row with
+    every column (the w8a8 ones included) and the model total is printed."""
     stdout = _run("kernels/bench_fp8_gemm.py", "--rows", "96", "--shapes", "mla kv_a",
                   "shared gate_up", "--scale", "16", "--iters", "1", TRITON_INTERPRET="1")
     rows = re.findall(r"^\| (mla kv_a|shared gate_up) \| (\d+)x2560 \| 6 \| .* \| ([\d.]+) \|$",
                       stdout, re.MULTILINE)
     assert [(r[0], r[1]) for r in rows] == [("mla kv_a", "36"), ("shared gate_up", "96")], stdout
+    header = next(line for line in stdout.splitlines() if line.startswith("| shape |"))
+    assert "w8a8: quant + gemm" in header and "w8a8: quant alone" in header, header
+    for line in stdout.splitlines():
+        if line.startswith(("| mla kv_a |", "| shared gate_up |")):
+            assert line.count(" | ") == header.count(" | "), line
     assert re.search(r"^\| 6 \| [\d.]+ ms \|", stdout, re.MULTILINE), stdout
 
 

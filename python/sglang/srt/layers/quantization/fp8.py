@@ -239,13 +239,17 @@ class Fp8LinearMethod(LinearMethodBase):
         ``auto`` turns it on for fp8 models on CUDA) is the one switch for "this layer's fp8
         product runs on Triton kernels", at every row count: a decode / verify batch takes the
         batch-invariant small-M kernel, more rows (prefill) ``sgl_kernel.fp8_gemm``'s
-        ``block_fp8_linear``: a one-pass Triton dequantisation and the library GEMM (bit for
-        bit this reference path's values; faster than the tiled block-fp8 GEMM at every
-        prefill size measured: docs/performance.md, the prefill section's "Dense fp8 at
-        prefill sizes"). Off, the reference path: ``linear(x, dequant(weight), bias)``, which
-        forms the whole weight in x's dtype in several fp32 torch passes at every call. A
-        ``gated_norm`` prologue above the small-M range is the torch GatedRMSNorm first, as in
-        :func:`linear`."""
+        ``block_fp8_linear``: by default a one-pass Triton dequantisation and the library GEMM
+        (bit for bit this reference path's values; faster than the tiled block-fp8 GEMM at
+        every prefill size measured: docs/performance.md, the prefill section's "Dense fp8 at
+        prefill sizes"); with the layer's ``fp8_activations`` (``KernelChoices.fp8_activations``,
+        :func:`set_fp8_activations`; off by default) "w8a8": x quantised per token and
+        128-column group to e4m3 and multiplied by the fp8 weight on the fp8 tensor cores by
+        the tiled GEMM, no dequantised weight (values within the activations' e4m3 rounding of
+        the reference path's). Off, the reference path: ``linear(x, dequant(weight), bias)``,
+        which forms the whole weight in x's dtype in several fp32 torch passes at every call.
+        The small-M kernel keeps x in its dtype either way. A ``gated_norm`` prologue above the
+        small-M range is the torch GatedRMSNorm first, as in :func:`linear`."""
         from sglang.srt.layers.linear import linear, small_m_rows
 
         if layer.small_m_gemm and small_m_rows(x):
@@ -261,7 +265,8 @@ class Fp8LinearMethod(LinearMethodBase):
             if gated_norm is not None:
                 x = gated_rms_norm_heads(x, gated_norm)
             y = fp8_gemm.block_fp8_linear(x.reshape(-1, x.shape[-1]), layer.weight,
-                                          layer.weight_scale_inv, layer.weight_row_block, bias)
+                                          layer.weight_scale_inv, layer.weight_row_block, bias,
+                                          fp8_activations=layer.fp8_activations)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return linear(x, self.dequantized_weight(layer, x.dtype), bias, gated_norm=gated_norm)
 
