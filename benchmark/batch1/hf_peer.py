@@ -198,7 +198,13 @@ def fill_dummy_weights(model: torch.nn.Module, seed: int = 0) -> None:
 
 def _bound_implementation(fn: Callable) -> Optional[Callable]:
     """The function transformers' ``use_kernel_func_from_hub_with_fallback`` chose at import
-    time (a closure variable of the wrapper), or ``None`` if the wrapper looks different."""
+    time (a closure variable of the wrapper), or ``None`` if the wrapper looks different.
+    transformers 5.25 hands the wrapper out inside a hub-kernel module (an ``nn.Module`` whose
+    ``forward`` closes over it as ``func``): that layer is looked through."""
+    forward = getattr(getattr(fn, "forward", None), "__func__", None)
+    fcode = getattr(forward, "__code__", None)
+    if fcode is not None and "func" in fcode.co_freevars and forward.__closure__ is not None:
+        fn = forward.__closure__[fcode.co_freevars.index("func")].cell_contents
     code = getattr(fn, "__code__", None)
     if code is None or "implementation" not in code.co_freevars or fn.__closure__ is None:
         return None

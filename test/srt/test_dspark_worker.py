@@ -298,14 +298,21 @@ def graph_eager(ckpts) -> Dict[str, List[int]]:
                          ids=["one-graph", "per-phase"])
 def test_emulated_graphs_equal_eager_through_the_scheduler(ckpts, graph_eager, per_phase):
     """Batches of 1..4 replay buckets 1, 2 and 4 with padding rows (the lagged planner's padding
-    rows inactive); greedy, seeded and logprob rows come out exactly as eagerly."""
+    rows inactive); greedy and seeded rows come out exactly as eagerly, logprobs (rounded to 4
+    decimals) within one unit of that rounding: with torch 2.13's CPU kernels one logprob of a
+    padded verify batch came out 1e-4 apart (-0.4323 vs -0.4322), its token the same."""
     graphed = make_scheduler(MODEL, speculative_algorithm="DSPARK",
                              speculative_draft_model_path=ckpts["random"],
                              speculative_dspark_sps_table_path=ckpts["sps"], **GRAPH_KW)
     graphed.round_worker.init_cuda_graphs([1, 2, 4], emulate=True, per_phase=per_phase)
     runner = graphed.round_worker.graph_runner
     got = _run(graphed, _requests(graphed.tokenizer), stagger=3)
-    assert got == graph_eager
+    assert got.keys() == graph_eager.keys()
+    for key, row in got.items():
+        if key.endswith(":lp"):
+            assert row == pytest.approx(graph_eager[key], abs=1.5e-4), key
+        else:
+            assert row == graph_eager[key], key
     assert runner.num_replays > 0 and {1, 2, 4} <= {k.bs for k in runner.graphs}
     assert any(k.variant == "sampled" for k in runner.graphs)
     assert any(k.return_logprob for k in runner.graphs) and len(got["l4:lp"]) == 30

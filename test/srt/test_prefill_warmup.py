@@ -106,9 +106,9 @@ def _check_plan(paths: pw.PrefillPaths, bound: int, shapes: List[Tuple[int, ...]
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_flash_preset_plan_at_default_flags(fp8):
-    """Every tile configuration the H200 table (bf16) or the fallback (fp8: no table entry)
-    gives the grouped GEMMs between the small-M path and the default bound is launched, and
-    so is every bucket's configuration; both sides of each threshold; nothing above 8192."""
+    """Every tile configuration the H200 table gives the grouped GEMMs between the small-M path
+    and the default bound is launched, and so is every bucket's configuration; both sides of
+    each threshold; nothing above 8192."""
     paths, bound = _flash_paths(fp8)
     assert bound == min(DEFAULT_CHUNKED_PREFILL_SIZE, DEFAULT_MAX_PREFILL_TOKENS) == 8192
     shapes = pw.prefill_warmup_shapes(paths, bound, max_requests=256)
@@ -117,14 +117,16 @@ def test_flash_preset_plan_at_default_flags(fp8):
     launched = {(g.name, mgg.select_config(g.table, g.num_experts, sum(s) * k, g.fp8))
                 for s in shapes for g in paths.moe_gemms if sum(s) * k > SMALL_M_MAX_PAIRS}
     for g in paths.moe_gemms:
-        assert (g.table is None) == fp8  # the shipped table has H200 entries for bf16 only
+        assert g.table is not None  # the shipped table has H200 entries for bf16 and fp8
         pairs = range(SMALL_M_MAX_PAIRS + 1, bound * k + 1)  # every grouped batch up to 8192
         wanted = {mgg.select_config(g.table, g.num_experts, p, g.fp8) for p in pairs}
         assert {c for name, c in launched if name == g.name} == wanted
-        assert len(wanted) == 3  # bf16: buckets 1024 and 8192 share their tiles on the H200
-        if g.table:  # so every bucket a batch up to the bound selects has its tiles launched
-            buckets = {mgg.nearest_bucket(g.table, p) for p in pairs}
-            assert buckets == set(g.table) == {"1024", "8192", "32768", "65536"}
+        # bf16: buckets 1024 and 8192 share their tiles; fp8: two buckets, two tiles
+        assert len(wanted) == (2 if fp8 else 3)
+        # so every bucket a batch up to the bound selects has its tiles launched
+        buckets = {mgg.nearest_bucket(g.table, p) for p in pairs}
+        assert buckets == set(g.table) == ({"8192", "65536"} if fp8
+                                           else {"1024", "8192", "32768", "65536"})
     if fp8:  # the block-fp8 dense path starts above the small-M rows: both sides run
         assert {t <= paths.dense_small_m_rows for t in (s[0] for s in shapes)} == {True, False}
 
