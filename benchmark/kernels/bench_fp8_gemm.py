@@ -13,7 +13,7 @@ CUDA-event timings, L2 flushed before each call), and prints one table row per (
 microseconds and TFLOP/s (``2 M N K`` flops) of the default config (per-block product
 scaling), the default tiles with pre-scaled weight tiles (``LaunchConfig.fp8_prescale``), the
 best swept config of each inner loop, dequantise + F.linear and bf16 F.linear, then w8a8
-(``block_fp8_linear(..., fp8_activations=True)``, ``KernelChoices.fp8_activations``): the
+(``block_fp8_linear(..., fp8_activations=True)``, ``KernelChoices.dense_fp8_activations``): the
 per-token-group quantisation and the fused fp8 GEMM timed together at the default tiles, the
 quantisation alone, and the quantisation's time plus the best swept config's fp8 GEMM on
 pre-quantised activations (checked against the fp32 reference on the same quantised

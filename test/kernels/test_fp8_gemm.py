@@ -379,7 +379,7 @@ def test_fp8_linear_method_above_the_small_m_range(dtype, tol, monkeypatch):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_fp8_linear_method_with_fp8_activations(dtype, monkeypatch):
     """A block-fp8 layer with ``small_m_gemm`` and ``fp8_activations`` (what
-    ``KernelChoices.fp8_activations`` sets) above the small-M rows: the w8a8 path, bit for bit
+    ``KernelChoices.dense_fp8_activations`` sets) above the small-M rows: the w8a8 path, bit for bit
     ``block_fp8_linear(..., fp8_activations=True)`` (the fused GEMM called with e4m3 x and its
     scales), within the activations' e4m3 rounding of the weight-only reference path; a 3-D x
     keeps its leading dims. ``small_m_gemm`` off: the reference path, fp8_activations or not.

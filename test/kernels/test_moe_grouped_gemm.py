@@ -490,7 +490,7 @@ def test_model_prefill_through_grouped_gemm_matches_native(mgg, tmp_path, monkey
 
 
 def test_model_prefill_with_fp8_activations(mgg, tmp_path, monkeypatch):
-    """``KernelChoices(fp8_activations=True)`` on a block-fp8 tiny model: the choice reaches the
+    """``KernelChoices(moe_fp8_activations=True)`` on a block-fp8 tiny model: the choice reaches the
     MoE layers, the prefill's grouped GEMMs run w8a8, and the logits stay within the
     activations' e4m3 rounding of the weight-only model's."""
     import sglang.srt.layers.moe.fused_moe_triton as fmt
@@ -512,8 +512,8 @@ def test_model_prefill_with_fp8_activations(mgg, tmp_path, monkeypatch):
         runner = ModelRunner(ModelConfig.from_path(path), device=DEVICE, dtype=torch.float32,
                              moe_runner_backend="triton", max_running_requests=2,
                              max_total_tokens=64, quantization="fp8",
-                             kernel_choices=KernelChoices(fp8_activations=on))
-        assert runner.kernel_choices.fp8_activations is on
+                             kernel_choices=KernelChoices(moe_fp8_activations=on))
+        assert runner.kernel_choices.moe_fp8_activations is on
         experts = [m for m in runner.model.modules() if isinstance(m, moe_layer.FusedMoE)]
         assert experts and all(m.fp8_activations is on for m in experts)
         seen.clear()

@@ -30,6 +30,8 @@ def test_defaults_on_cuda(quantized, backend):
     assert kc.small_m_gemm == quantized  # fp8 weights: read in place by the small-M GEMM
     assert not kc.kda_norm_in_o_proj and not kc.moe_grouped_mm and kc.pdl_weight_prefetch
     assert not kc.moe_align_kernel  # unmeasured: opt-in
+    # w8a8: the MoE's grouped GEMMs on fp8 models (timed faster), not the dense GEMMs (untimed)
+    assert kc.moe_fp8_activations == quantized and not kc.dense_fp8_activations
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -41,7 +43,8 @@ def test_defaults_off_cuda_are_the_torch_paths(quantized):
                                    moe_combine=False, small_m_gemm=False,
                                    mla_absorb_gemv=False, kda_norm_in_o_proj=False,
                                    moe_grouped_mm=False, pdl_weight_prefetch=True,
-                                   moe_align_kernel=False, fp8_activations=False)
+                                   moe_align_kernel=False, moe_fp8_activations=False,
+                                   dense_fp8_activations=False)
 
 
 def test_triton_moe_backend_brings_router_and_combine_anywhere():

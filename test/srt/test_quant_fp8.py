@@ -314,7 +314,7 @@ def test_accuracy_gate_bundled_model(tmp_path):
     """Held-out bits/byte and MTP greedy acceptance: dequantised fp8 weights vs the originals
     (the parity test ties the fp8 engine to these dequantised weights), and the same weights
     with every fp8 product's input rounded per token and 128-column group to e4m3 (w8a8,
-    ``KernelChoices.fp8_activations``; here on every token, where the engine does it above
+    ``KernelChoices.moe_fp8_activations`` / ``dense_fp8_activations``; here on every token, where the engine does it above
     the small-M rows only). Measured (fp32, CPU): bits/byte 1.8680 -> 1.8677 (fp8) / 1.8695
     (w8a8, +0.08 %), MTP acceptance 0.4000 -> 0.3970 / 0.3970, NEXTN-3 accept length
     (``1 + p + p^2 + p^3``) 1.624 -> 1.617 / 1.617; bounds: 2 % and 0.1."""
@@ -334,7 +334,7 @@ def test_accuracy_gate_bundled_model(tmp_path):
     qnames = _quantized_names(ModelConfig.from_path(src))
     for label, path in (("unquant", src), ("fp8", fake), ("w8a8", fake)):
         model = ReferenceBailingMoeV3.from_pretrained(path, dtype=torch.float32).eval()
-        if label == "w8a8":  # KernelChoices.fp8_activations: fp8 inputs to every fp8 product
+        if label == "w8a8":  # w8a8: fp8 inputs to every fp8 product
             assert _fake_quantize_linear_inputs(model, qnames) > 0
         score = score_stream(model, stream, 256, 4, dev, with_mtp=True)
         bpb = score.nats / nbytes / torch.log(torch.tensor(2.0)).item()

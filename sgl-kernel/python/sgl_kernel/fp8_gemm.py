@@ -57,7 +57,7 @@ on Gaussian activations that came to about 2.5 % norm-wise (``test_fp8_gemm.py``
 against the weight-only product"). The small-M kernel keeps decode weight-only, so with w8a8
 prefill and decode no longer multiply the same activation values. :func:`block_fp8_linear`
 takes it only when asked (``fp8_activations=True``: a dense block-fp8 layer passes its
-``fp8_activations``, set by ``KernelChoices.fp8_activations``), which is off by default until
+``fp8_activations``, set by ``KernelChoices.dense_fp8_activations``), which is off by default until
 ``bench_fp8_gemm.py``'s w8a8 columns have timed it against the dequantise + cuBLAS path on the
 GPU and the model's accuracy has been checked with it.
 
@@ -410,7 +410,7 @@ def block_fp8_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     dtype and ``torch.nn.functional.linear`` (the library GEMM; bit for bit the engine's
     dequantise + F.linear reference path).
 
-    ``fp8_activations`` True (``KernelChoices.fp8_activations``): "w8a8", x quantised per row
+    ``fp8_activations`` True (``KernelChoices.dense_fp8_activations``): "w8a8", x quantised per row
     and 128-column group (:func:`sgl_kernel.fp8_act_quant.per_token_group_quant_fp8`) and
     multiplied by the e4m3 weight on the fp8 tensor cores by :func:`block_fp8_gemm`, with no
     dequantised weight (module docstring, "fp8 activations")."""

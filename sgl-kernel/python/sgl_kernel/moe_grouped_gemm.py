@@ -48,7 +48,8 @@ loops, chosen per launch by ``LaunchConfig.fp8_prescale``:
   shared memory either way), so what pre-scaling removes is the accumulator's multiply-add per
   step. The tile sweep decides which one is faster.
 
-Fp8 activations (w8a8, ``x_scale`` given; ``KernelChoices.fp8_activations``, off by default):
+Fp8 activations (w8a8, ``x_scale`` given; ``KernelChoices.moe_fp8_activations``, on for fp8
+models on CUDA):
 ``x`` quantised per row and 128-column group (:mod:`sgl_kernel.fp8_act_quant`), the dot on the
 e4m3 operands (the fp8 tensor cores, twice the bf16 rate), each K slice's sum scaled by the
 row's activation scale and the column's weight scale. The activations' rounding to e4m3 is

@@ -130,7 +130,7 @@ class LinearBase(nn.Module):
     batch-invariant Triton product."""
 
     small_m_gemm = False
-    # KernelChoices.fp8_activations (quantization.fp8.set_fp8_activations): a block-fp8 layer's
+    # KernelChoices.dense_fp8_activations (quantization.fp8.set_fp8_activations): a block-fp8 layer's
     # products above the small-M range on fp8 activations.
     fp8_activations = False
 

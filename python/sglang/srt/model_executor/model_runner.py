@@ -526,7 +526,8 @@ class ModelRunner:
         self.small_m_gemm = set_linear_backend(self.model, kc.small_m_gemm, self.device)
         set_kda_norm_in_o_proj(self.model, kc.kda_norm_in_o_proj)
         set_mla_absorb_gemv(self.model, kc.mla_absorb_gemv)
-        set_fp8_activations(self.model, kc.fp8_activations)
+        set_fp8_activations(self.model, moe=kc.moe_fp8_activations,
+                            dense=kc.dense_fp8_activations)
         self.pdl = self._init_pdl(kc.pdl_weight_prefetch)
         if quantized and self.device.type == "cuda" and not self.small_m_gemm:
             logger.warning("fp8 weights with KernelChoices(small_m_gemm=False): every dense "

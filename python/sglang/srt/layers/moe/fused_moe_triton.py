@@ -95,7 +95,7 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     ``align_kernel`` (``KernelChoices.moe_align_kernel``) sorts the pairs with
     :func:`sgl_kernel.moe_align.moe_align_triton` (three launches) instead of the torch ops:
     the same alignment bit for bit, so the same output. ``fp8_activations``
-    (``KernelChoices.fp8_activations``; block-fp8 experts only, ignored otherwise) quantises
+    (``KernelChoices.moe_fp8_activations``; block-fp8 experts only, ignored otherwise) quantises
     each GEMM's input per token and 128-column group and runs both GEMMs on the fp8 tensor
     cores (w8a8): the hidden states before the up-projection, the SwiGLU output (rounded to the
     model dtype first, as the weight-only path hands it on) before the down-projection.

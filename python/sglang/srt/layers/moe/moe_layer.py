@@ -89,7 +89,7 @@ class FusedMoE(nn.Module):
         self.fused_combine = False
         # KernelChoices.moe_align_kernel: the grouped GEMM path's expert sort as Triton launches.
         self.align_kernel = False
-        # KernelChoices.fp8_activations (quantization.fp8.set_fp8_activations): block-fp8
+        # KernelChoices.moe_fp8_activations (quantization.fp8.set_fp8_activations): block-fp8
         # experts' grouped GEMMs on fp8 activations.
         self.fp8_activations = False
 

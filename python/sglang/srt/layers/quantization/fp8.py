@@ -242,8 +242,9 @@ class Fp8LinearMethod(LinearMethodBase):
         ``block_fp8_linear``: by default a one-pass Triton dequantisation and the library GEMM
         (bit for bit this reference path's values; faster than the tiled block-fp8 GEMM at
         every prefill size measured: docs/performance.md, the prefill section's "Dense fp8 at
-        prefill sizes"); with the layer's ``fp8_activations`` (``KernelChoices.fp8_activations``,
-        :func:`set_fp8_activations`; off by default) "w8a8": x quantised per token and
+        prefill sizes"); with the layer's ``fp8_activations``
+        (``KernelChoices.dense_fp8_activations``, :func:`set_fp8_activations`; off by default)
+        "w8a8": x quantised per token and
         128-column group to e4m3 and multiplied by the fp8 weight on the fp8 tensor cores by
         the tiled GEMM, no dequantised weight (values within the activations' e4m3 rounding of
         the reference path's). Off, the reference path: ``linear(x, dequant(weight), bias)``,
@@ -271,16 +272,19 @@ class Fp8LinearMethod(LinearMethodBase):
         return linear(x, self.dequantized_weight(layer, x.dtype), bias, gated_norm=gated_norm)
 
 
-def set_fp8_activations(model: nn.Module, on: bool) -> bool:
-    """``KernelChoices.fp8_activations``: every block-fp8 layer of ``model`` (dense and MoE)
-    quantises its activations per token and 128-column group above the small-M range and
-    multiplies on the fp8 tensor cores ("w8a8"), or keeps them in the model dtype (``on``
-    False). Only the layers' Triton paths read it (``small_m_gemm`` for a dense layer, the Triton
-    MoE backend's grouped GEMM): the torch reference paths stay weight-only. Returns ``on``."""
+def set_fp8_activations(model: nn.Module, *, moe: bool, dense: bool) -> None:
+    """``KernelChoices.moe_fp8_activations`` / ``dense_fp8_activations``: the block-fp8 MoE
+    experts (``moe``) and dense layers (``dense``) of ``model`` quantise their activations per
+    token and 128-column group above the small-M range and multiply on the fp8 tensor cores
+    ("w8a8"), or keep them in the model dtype. Only the layers' Triton paths read it (the Triton
+    MoE backend's grouped GEMM; ``small_m_gemm`` for a dense layer): the torch reference paths
+    stay weight-only."""
     for module in model.modules():
-        if isinstance(getattr(module, "quant_method", None), (Fp8LinearMethod, Fp8MoEMethod)):
-            module.fp8_activations = bool(on)
-    return bool(on)
+        method = getattr(module, "quant_method", None)
+        if isinstance(method, Fp8MoEMethod):
+            module.fp8_activations = bool(moe)
+        elif isinstance(method, Fp8LinearMethod):
+            module.fp8_activations = bool(dense)
 
 
 class DequantizedExperts:
