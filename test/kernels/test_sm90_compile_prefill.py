@@ -49,6 +49,7 @@ def build(name, kernel, ptrs, constexprs, scalars=None, **options):
     # ".e4m3.e4m3": the fp8 tensor-core instruction, not operands converted to 16 bits first
     kind = ("wgmma e4m3" if ".e4m3.e4m3" in ptx else "wgmma") if "wgmma" in ptx else "no wgmma"
     print(f"compiled {name}: {kind}", flush=True)
+    return out
 """
 
 _MOE = _PRELUDE + r"""
@@ -110,9 +111,21 @@ build("per-token-group quant", kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_p
 _KDA_CONV = _PRELUDE + r"""
 from sgl_kernel.kda_prefill_conv import _kda_prefill_conv_kernel as kernel
 
-build("kda prefill conv", kernel, dict(x_ptr="*bf16", w_ptr="*bf16", win_ptr="*fp32",
-      y_ptr="*bf16"), dict(KW=4, BLOCK_T=32, BLOCK_C=256, BLOCK_W=4, PRECISE_EXP=True),
-      num_warps=4, enable_fp_fusion=False)
+import os, subprocess, tempfile
+import triton.backends.nvidia as nv
+from sgl_kernel.kda_prefill_conv import _NUM_WARPS
+
+out = build("kda prefill conv", kernel, dict(x_ptr="*bf16", w_ptr="*bf16", win_ptr="*fp32",
+            y_ptr="*bf16"), dict(KW=4, BLOCK_T=32, BLOCK_C=256, BLOCK_W=4, PRECISE_EXP=True),
+            num_warps=_NUM_WARPS, enable_fp_fusion=False)
+# The default tile spills nothing (the window's loads in every tile once spilled 1.5 KB a thread).
+ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+with tempfile.TemporaryDirectory() as d:
+    open(os.path.join(d, "k.ptx"), "w").write(out.asm["ptx"])
+    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o",
+                        os.path.join(d, "k.o")], capture_output=True, text=True)
+assert r.returncode == 0, r.stderr
+assert "0 bytes spill stores" in r.stderr, r.stderr
 """
 
 # module -> (script, variants compiled, of which GEMMs: Hopper's wgmma expected in their PTX,

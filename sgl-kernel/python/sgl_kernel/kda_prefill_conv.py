@@ -20,6 +20,14 @@ IEEE-rounded division, the formula torch's SiLU kernels use; on the GPU ``exp`` 
 uses its own vectorised ``exp``, so against the CPU reference fp32 results may differ in the
 last bit; the rounding to fp16 / bf16 hides that almost always.
 
+Head and body. Only the first ``K-1`` tokens read the window. Every program computes its tile's
+rows from ``K-1`` on with ``x`` loads alone (the body); the programs of token block 0 also
+compute the ``K-1`` head rows as a small ``[BLOCK_W, BLOCK_C]`` tile whose taps read the window
+or ``x``. Window loads in the body tile (one more pointer tensor per tap, masked off outside
+block 0) took the kernel to 255 registers with 1.5 KB of spills per thread at the 32 x 256
+tile, compiled for sm_90 (``ptxas -v``), where the bytes alone need a tenth of the time the
+census measured (docs/performance.md, "Prefill census").
+
 Window ordering (no second launch). Token blocks are at least ``K-1`` tokens tall, so only the
 programs of token block 0 read the window, each for its own channel block. That program also
 writes the new window for its channels: it first loads the ``K-1`` new entries (from ``x`` or,
@@ -44,11 +52,23 @@ REFERENCE_NOTE = ("reference: sglang.srt.layers.attention.kda_ops.causal_conv1d 
                   "prefill conv, summed in the same tap order), compared in "
                   "test/kernels/test_kda_prefill_conv.py")
 
-# Tiles: on the GPU 32 tokens x 256 channels (8 K fp32 accumulators over 4 warps); the
-# interpreter pays per program and per op, and tests run small widths there.
+# Tiles: on the GPU 32 tokens x 256 channels over 8 warps (98 registers, no spills compiled for
+# sm_90; 4 warps took all 255); the interpreter pays per program and per op, and tests run small
+# widths there. benchmark/kernels/tune_kda_prefill_conv.py times the alternatives.
 _BLOCK_T = 32
 _BLOCK_C = 64 if INTERPRETED else 256
-_NUM_WARPS = 4
+_NUM_WARPS = 8
+
+
+# T only bounds masks: one compiled variant for every prefill length (no T == 1 or T % 16 ones).
+@triton.jit
+def _conv_silu(acc, PRECISE_EXP: tl.constexpr):
+    """SiLU as torch writes it: ``x / (1 + exp(-x))``, the division rounded to nearest."""
+    if PRECISE_EXP:
+        e = libdevice.exp(-acc)
+    else:
+        e = tl.exp(-acc)
+    return tl.div_rn(acc, 1.0 + e)
 
 
 # T only bounds masks: one compiled variant for every prefill length (no T == 1 or T % 16 ones).
@@ -62,30 +82,39 @@ def _kda_prefill_conv_kernel(x_ptr, w_ptr, win_ptr, y_ptr, T, C,
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
     cmask = ch < C
     rmask = rows < T
-    win_ch = win_ptr + ch.to(tl.int64)[None, :] * s_vc
+    # The body: rows from K-1 on, whose taps all read x (no window loads: those, with their
+    # own pointer tensors, doubled the registers and made the tile spill).
     acc = tl.zeros([BLOCK_T, BLOCK_C], dtype=tl.float32)
     for j in tl.static_range(KW):
-        u = rows + j  # index into window ‖ x: below KW-1 it is a window entry
-        xr = u - (KW - 1)
-        from_x = (xr >= 0)[:, None]
+        xr = rows + j - (KW - 1)
         xv = tl.load(x_ptr + xr.to(tl.int64)[:, None] * s_xt + ch[None, :],
-                     mask=from_x & rmask[:, None] & cmask[None, :], other=0.0)
-        # All-false mask outside token block 0 (BLOCK_T >= KW-1): no memory traffic there.
-        wv = tl.load(win_ch + u[:, None] * s_vk,
-                     mask=(xr < 0)[:, None] & rmask[:, None] & cmask[None, :], other=0.0)
+                     mask=((xr >= 0) & rmask)[:, None] & cmask[None, :], other=0.0)
         tap = tl.load(w_ptr + ch * s_wc + j * s_wk, mask=cmask, other=0.0).to(tl.float32)
-        acc += tl.where(from_x, xv.to(tl.float32), wv.to(tl.float32)) * tap[None, :]
-    # SiLU as torch writes it: x / (1 + exp(-x)), the division rounded to nearest.
-    if PRECISE_EXP:
-        e = libdevice.exp(-acc)
-    else:
-        e = tl.exp(-acc)
-    y = tl.div_rn(acc, 1.0 + e)
+        acc += xv.to(tl.float32) * tap[None, :]
+    y = _conv_silu(acc, PRECISE_EXP)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * s_yt + ch[None, :],
-             y.to(y_ptr.dtype.element_ty), mask=rmask[:, None] & cmask[None, :])
+             y.to(y_ptr.dtype.element_ty),
+             mask=(rmask & (rows >= KW - 1))[:, None] & cmask[None, :])
     if KW > 1:
-        if pid_t == 0:  # the only reader of these channels' window: write the new one
-            i = tl.arange(0, BLOCK_W)  # new window entry i takes u[T + i]
+        if pid_t == 0:  # the head rows (before K-1) and the only reader of the window
+            i = tl.arange(0, BLOCK_W)
+            hmask = (i < KW - 1) & (i < T)
+            win_ch = win_ptr + ch.to(tl.int64)[None, :] * s_vc
+            acc_h = tl.zeros([BLOCK_W, BLOCK_C], dtype=tl.float32)
+            for j in tl.static_range(KW):
+                u = i + j  # index into window ‖ x: below KW-1 it is a window entry
+                hr = u - (KW - 1)
+                from_x = (hr >= 0)[:, None]
+                m = hmask[:, None] & cmask[None, :]
+                hxv = tl.load(x_ptr + hr.to(tl.int64)[:, None] * s_xt + ch[None, :],
+                              mask=from_x & m, other=0.0)
+                hwv = tl.load(win_ch + u[:, None] * s_vk, mask=(hr < 0)[:, None] & m, other=0.0)
+                htap = tl.load(w_ptr + ch * s_wc + j * s_wk, mask=cmask, other=0.0).to(tl.float32)
+                acc_h += tl.where(from_x, hxv.to(tl.float32), hwv.to(tl.float32)) * htap[None, :]
+            y_h = _conv_silu(acc_h, PRECISE_EXP)
+            tl.store(y_ptr + i.to(tl.int64)[:, None] * s_yt + ch[None, :],
+                     y_h.to(y_ptr.dtype.element_ty), mask=hmask[:, None] & cmask[None, :])
+            # The new window: entry i takes u[T + i].
             src = T + i
             wr = src - (KW - 1)
             w_from_x = (wr >= 0)[:, None]
@@ -96,7 +125,7 @@ def _kda_prefill_conv_kernel(x_ptr, w_ptr, win_ptr, y_ptr, T, C,
             # Through x's dtype, as the reference returns the window before the pool copy.
             new = tl.where(w_from_x, wxv.to(tl.float32), ov.to(tl.float32))
             new = new.to(x_ptr.dtype.element_ty).to(win_ptr.dtype.element_ty)
-            # Every thread of this program has read the old window (conv taps above, entries
+            # Every thread of this program has read the old window (the head's taps, entries
             # kept when T < K-1 just now) before any thread overwrites it.
             tl.debug_barrier()
             tl.store(win_ch + i[:, None] * s_vk, new, mask=wmask)
