@@ -214,11 +214,12 @@ def test_kda_prefill_conv_sweep_times_the_default_and_checks_bits():
     stdout = _run("kernels/tune_kda_prefill_conv.py", "--tokens", "40", "--block-t", "8",
                   "--block-c", "16", "--num-warps", "4", "--channels", "48", "--row-width", "80",
                   "--iters", "1", TRITON_INTERPRET="1")
-    rows = re.findall(r"^\| 40 \| (\d+)/(\d+)/4 [\d.]+ µs .*\| [\d.]+ µs \([\d.]+x\) \| "
+    rows = re.findall(r"^\| 40 \| (\d+)/(\d+)/(\d+) [\d.]+ µs .*\| [\d.]+ µs \([\d.]+x\) \| "
                       r"(True|False) \| (.*) \|$", stdout, re.MULTILINE)
-    assert rows and rows[-1][2] == "True", stdout
-    timed = rows[-1][3]
-    assert "32/64/4" in timed and "8/16/4" in timed, stdout  # the default (rounded) and the sweep
+    assert rows and rows[-1][3] == "True", stdout
+    timed = rows[-1][4]
+    # the default (its channel block narrowed to the interpreter's) and the sweep's tile
+    assert "32/64/8" in timed and "8/16/4" in timed, stdout
 
 
 def test_fp8_gemm_benchmark_smoke_run():
