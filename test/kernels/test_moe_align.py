@@ -124,14 +124,18 @@ def test_grouped_moe_bit_equal_with_the_choice(ma, monkeypatch, fp8):
 
 
 def test_kernel_choice_reaches_the_moe_layers():
-    """``moe_align_kernel`` is off by default (unmeasured), parsed from the benchmark spelling,
-    and set_moe_runner_backend hands it to every FusedMoE, on the Triton backend only."""
+    """``moe_align_kernel`` is on by default with the Triton MoE on CUDA (off on CPU and with the
+    torch-native MoE), parsed from the benchmark spelling, and set_moe_runner_backend hands it
+    to every FusedMoE, on the Triton backend only."""
     from torch import nn
 
     from sglang.srt.layers.kernel_choices import KernelChoices, default_kernel_choices
     from sglang.srt.layers.moe.moe_layer import FusedMoE, set_moe_runner_backend
 
-    assert not default_kernel_choices("cuda", quantized=True).moe_align_kernel
+    assert default_kernel_choices("cuda", quantized=True).moe_align_kernel
+    assert not default_kernel_choices("cuda", quantized=True,
+                                      moe_runner_backend="torch_native").moe_align_kernel
+    assert not default_kernel_choices("cpu", quantized=True).moe_align_kernel
     assert KernelChoices.parse("moe_align_kernel=1") == KernelChoices(moe_align_kernel=True)
     model = nn.ModuleList([FusedMoE(4, 32, 16, params_dtype=torch.float32) for _ in range(2)])
     assert not any(m.align_kernel for m in model)

@@ -29,7 +29,7 @@ def test_defaults_on_cuda(quantized, backend):
     assert all(getattr(kc, name) == triton_moe for name in MOE_FOLLOWERS)
     assert kc.small_m_gemm == quantized  # fp8 weights: read in place by the small-M GEMM
     assert not kc.kda_norm_in_o_proj and not kc.moe_grouped_mm and kc.pdl_weight_prefetch
-    assert not kc.moe_align_kernel  # unmeasured: opt-in
+    assert kc.moe_align_kernel == triton_moe  # the grouped GEMM path's expert sort kernel
     # w8a8: the MoE's grouped GEMMs on fp8 models (timed faster), not the dense GEMMs (untimed)
     assert kc.moe_fp8_activations == quantized and not kc.dense_fp8_activations
 

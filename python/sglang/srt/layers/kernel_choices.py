@@ -25,9 +25,11 @@ knows (:func:`default_kernel_choices`):
   batch size: on for CUDA with ``enable_deterministic_inference``, off otherwise (its cost on
   the decode step is not measured).
 * ``moe_align_kernel`` (the expert sort of the Triton MoE's grouped GEMM path, above the
-  small-M batches, as three Triton launches: ``sgl_kernel.moe_align``, instead of the 28
-  torch ops of ``moe_grouped_gemm.moe_align``, a multi-pass radix sort among them; the same
-  alignment bit for bit): off, its speed is not measured yet. Only the Triton MoE backend's grouped GEMM path reads it.
+  small-M batches, as three Triton launches: ``sgl_kernel.moe_align``, instead of the torch
+  ops of ``moe_grouped_gemm.moe_align``, a multi-pass radix sort among them; the same
+  alignment bit for bit): on with the Triton MoE backend on CUDA, where it took the 42-layer
+  fp8 prefill of 1024 tokens from about 2550 MoE kernels to 474 (docs/performance.md, "Prefill
+  census, 2026-12-05"). Only the Triton MoE backend's grouped GEMM path reads it.
 * ``moe_fp8_activations`` and ``dense_fp8_activations`` ("w8a8" above the small-M range, the
   published fp8 checkpoints' ``activation_scheme: dynamic``: a block-fp8 layer's input quantised
   per token and 128-column group, ``sgl_kernel.fp8_act_quant``, and multiplied on the fp8 tensor
@@ -162,7 +164,7 @@ def default_kernel_choices(device_type: str, *, quantized: bool, moe_runner_back
         kda_norm_in_o_proj=False,
         moe_grouped_mm=False,
         pdl_weight_prefetch=True,
-        moe_align_kernel=False,
+        moe_align_kernel=cuda and triton_moe,
         moe_fp8_activations=cuda and quantized,
         dense_fp8_activations=False,
     )
