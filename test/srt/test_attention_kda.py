@@ -446,3 +446,32 @@ def test_raw_gate_inputs_and_qkv_views_equal_the_formed_gate(decode_backend):
             assert torch.equal(got, ref)
         else:
             assert rel_err(got, ref) < 1e-5
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs CUDA or TRITON_INTERPRET=1 (test/conftest.py)")
+def test_conv_qkv_planes_equal_the_one_launch_conv():
+    """The fla prefill's conv as three launches (q, k, v planes, each contiguous) gives the
+    values and new windows of the one launch over ``[T, 3C]``, for two requests of a batch
+    whose rows are views of a wider projection output."""
+    from types import SimpleNamespace
+
+    from sgl_kernel.kda_prefill_conv import kda_prefill_conv
+
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    gen = torch.Generator().manual_seed(7)
+    c, kw, t = 32, 4, 23
+    proj = torch.randn(t, 3 * c + 10, generator=gen).to(dev)  # q | k | v | other columns
+    mixed = proj[:, :3 * c]
+    layer = SimpleNamespace(conv_weight=torch.randn(3 * c, kw, generator=gen).to(dev))
+    pool = torch.randn(3, 3 * c, kw - 1, generator=gen).to(dev)
+    reqs = [(2, 0, 2), (0, 2, t - 2)]  # (slot, start, tokens): one shorter than the window
+    want_pool = pool.clone()
+    want = torch.empty(t, 3 * c, device=dev)
+    for slot, start, n in reqs:
+        kda_prefill_conv(mixed[start:start + n], layer.conv_weight, want_pool[slot],
+                         out=want[start:start + n])
+    planes = TorchNativeKDABackend._conv_qkv_planes(kda_prefill_conv, mixed, layer, pool, reqs)
+    assert planes.shape == (3, t, c) and planes.is_contiguous()
+    assert torch.equal(planes.transpose(0, 1).reshape(t, 3 * c), want)
+    assert torch.equal(pool, want_pool)

@@ -202,9 +202,13 @@ class TorchNativeKDABackend(AttentionBackend):
             return out
         lay: ExtendLayout = self._cache.get(forward_batch, self._build)
         reqs = [(s, st, n) for s, st, n in zip(lay.slots, lay.starts, lay.extend_lens) if n > 0]
+        conv = self._prefill_conv_kernel(mixed)
+        if conv is not None and self._use_fla(mixed):
+            y3 = self._conv_qkv_planes(conv, mixed, layer, conv_pool, reqs)
+            self._extend_fla(y3, g, beta, gate, layer, reqs, ssm_pool, out)
+            return out
         # Short convolution per request (it needs that request's window), state written back.
         y = torch.empty_like(mixed)
-        conv = self._prefill_conv_kernel(mixed)
         for slot, start, n in reqs:
             if conv is not None:  # one launch: taps, SiLU, y and the window written in place
                 conv(mixed[start:start + n], layer.conv_weight, conv_pool[slot],
@@ -228,14 +232,38 @@ class TorchNativeKDABackend(AttentionBackend):
         return out
 
     @staticmethod
+    def _conv_qkv_planes(conv, mixed: torch.Tensor, layer, conv_pool: torch.Tensor,
+                         reqs) -> torch.Tensor:
+        """The short conv of every request as three launches, one per q / k / v column block,
+        each writing its own contiguous plane of ``y [3, T, C]``: the planes are the
+        contiguous q, k and v that fla's ``chunk_kda`` takes, where one launch over ``[T, 3C]``
+        left three strided views that ``chunk_kda_varlen`` copied. Same taps, same order, same
+        windows (each block's channels of the request's pool slot), so the same values."""
+        t, c = mixed.shape[0], mixed.shape[1] // 3
+        y = mixed.new_empty(3, t, c)
+        for slot, start, n in reqs:
+            rows = slice(start, start + n)
+            for i in range(3):
+                cols = slice(i * c, (i + 1) * c)
+                conv(mixed[rows, cols], layer.conv_weight[cols], conv_pool[slot][cols],
+                     out=y[i, rows])
+        return y
+
+    @staticmethod
     def _extend_fla(y, g, beta, gate: Optional[KDAGate], layer, reqs, ssm_pool, out):
-        """All requests in one varlen ``chunk_kda`` call on the conv output ``y [T, 3C]`` as it
-        is: fla L2-normalises q and k and, given the raw gate inputs (:class:`KDAGate`), forms
-        the decay and beta inside its kernels, so no fp32 copy of q, k, g or beta is written.
-        The requests' rows are consecutive (each starts where the previous one ends), so the
+        """All requests in one varlen ``chunk_kda`` call on the conv output as it is, ``y [T,
+        3C]`` or the planes ``[3, T, C]`` (:meth:`_conv_qkv_planes`: q, k, v contiguous): fla
+        L2-normalises q and k and, given the raw gate inputs (:class:`KDAGate`), forms the
+        decay and beta inside its kernels, so no fp32 copy of q, k, g or beta is written. The
+        requests' rows are consecutive (each starts where the previous one ends), so the
         output needs no scatter."""
-        t, h, d = y.shape[0], layer.num_heads, layer.head_dim
-        qkv = y.view(t, 3, h, d)
+        h, d = layer.num_heads, layer.head_dim
+        if y.dim() == 3:  # planes: q, k, v each contiguous [T, H, D]
+            t = y.shape[1]
+            qkv = y.view(3, t, h, d).transpose(0, 1)
+        else:
+            t = y.shape[0]
+            qkv = y.view(t, 3, h, d)
         slots = torch.tensor([s for s, _, _ in reqs], dtype=torch.int64, device=y.device)
         lens = [n for _, _, n in reqs]
         if gate is not None:
