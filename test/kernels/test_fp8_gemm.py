@@ -343,6 +343,20 @@ def _fp8_layer(pieces, k: int, bias: bool):
     return layer.to(DEVICE)
 
 
+def _layer_above_small_m(dtype: torch.dtype, seed: int):
+    """A fused block-fp8 layer (two 96-row pieces, K = 160, a bias in ``dtype``), 100 rows of x
+    (above the small-M range) and the dequantise + ``F.linear`` reference of its product."""
+    from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS
+
+    layer = _fp8_layer([96, 96], 160, bias=True)
+    layer.bias.data = layer.bias.data.to(dtype)
+    x = torch.randn(100, 160, generator=torch.Generator().manual_seed(seed)).to(DEVICE, dtype)
+    assert x.shape[0] > SMALL_M_MAX_ROWS
+    ref = torch.nn.functional.linear(x, layer.quant_method.dequantized_weight(layer, dtype),
+                                     layer.bias)
+    return layer, x, ref
+
+
 @pytest.mark.parametrize("dtype,tol", CASES)
 def test_fp8_linear_method_above_the_small_m_range(dtype, tol, monkeypatch):
     """``Fp8LinearMethod.apply`` with the layer's Triton flag (``small_m_gemm``) on, 100 rows
@@ -352,14 +366,8 @@ def test_fp8_linear_method_above_the_small_m_range(dtype, tol, monkeypatch):
     to x's dtype first: fp32 differs by summation order only). A 3-D x keeps its leading dims;
     flag off: the reference path, no kernel."""
     import sgl_kernel.fp8_gemm as fg
-    from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS
 
-    layer = _fp8_layer([96, 96], 160, bias=True)
-    layer.bias.data = layer.bias.data.to(dtype)
-    method = layer.quant_method
-    x = torch.randn(100, 160, generator=torch.Generator().manual_seed(12)).to(DEVICE, dtype)
-    assert x.shape[0] > SMALL_M_MAX_ROWS
-    ref = torch.nn.functional.linear(x, method.dequantized_weight(layer, dtype), layer.bias)
+    layer, x, ref = _layer_above_small_m(dtype, seed=12)
     calls = []
     real = fg.block_fp8_gemm
     monkeypatch.setattr(fg, "block_fp8_gemm", lambda *a, **kw: calls.append(1) or real(*a, **kw))
@@ -385,14 +393,8 @@ def test_fp8_linear_method_with_fp8_activations(dtype, monkeypatch):
     keeps its leading dims. ``small_m_gemm`` off: the reference path, fp8_activations or not.
     A decode-sized batch: the small-M kernel on x in its own dtype, as without the flag."""
     import sgl_kernel.fp8_gemm as fg
-    from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS
 
-    layer = _fp8_layer([96, 96], 160, bias=True)
-    layer.bias.data = layer.bias.data.to(dtype)
-    method = layer.quant_method
-    x = torch.randn(100, 160, generator=torch.Generator().manual_seed(26)).to(DEVICE, dtype)
-    assert x.shape[0] > SMALL_M_MAX_ROWS
-    ref = torch.nn.functional.linear(x, method.dequantized_weight(layer, dtype), layer.bias)
+    layer, x, ref = _layer_above_small_m(dtype, seed=26)
     calls = []
     real = fg.block_fp8_gemm
     monkeypatch.setattr(fg, "block_fp8_gemm", lambda *a, **kw: calls.append(
