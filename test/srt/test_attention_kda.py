@@ -349,6 +349,62 @@ def test_backend_fla_prefill_matches_torch_on_cuda():
     assert rel_err(outs[1], outs[0]) < FLA_TOL and rel_err(finals[1], finals[0]) < FLA_TOL
 
 
+def test_fla_varlen_offsets_and_slots():
+    v = fla_kda.fla_varlen([3, 1, 5], [7, 2, 4], torch.device("cpu"))
+    assert v.lens == (3, 1, 5)
+    assert v.cu_seqlens.tolist() == v.cu_seqlens_cpu.tolist() == [0, 3, 4, 9]
+    assert v.slots.tolist() == [7, 2, 4] and v.slots.dtype == torch.int64
+    with pytest.raises(ValueError, match="2 lengths for 1 slots"):
+        fla_kda.fla_varlen([1, 2], [0], torch.device("cpu"))
+
+
+def test_backend_builds_the_fla_varlen_once_per_forward():
+    """Every KDA layer of one forward gets the same FlaVarlen objects (fla keys its chunk-index
+    cache by tensor identity); the next forward gets new ones."""
+    backend = TorchNativeKDABackend("torch")
+    lay_a, lay_b = (extend_layout_stub(), extend_layout_stub())
+    reqs = [(2, 0, 5), (0, 5, 3)]
+    first = backend._fla_varlen(lay_a, reqs, torch.device("cpu"))
+    assert backend._fla_varlen(lay_a, reqs, torch.device("cpu")) is first
+    second = backend._fla_varlen(lay_b, reqs, torch.device("cpu"))
+    assert second is not first and second.cu_seqlens.tolist() == [0, 5, 8]
+    assert second.slots.tolist() == [2, 0]
+
+
+def extend_layout_stub():
+    from sglang.srt.layers.attention.extend_layout import ExtendLayout
+
+    return ExtendLayout([2, 0], [0, 0], [5, 3], [0, 5])
+
+
+@pytest.mark.gpu
+def test_fla_prefill_second_layer_does_not_sync_on_cuda():
+    """After the first KDA layer of a forward, a layer's fla prefill makes no host sync: the
+    varlen tensors are reused, so fla's chunk index comes from its cache."""
+    if not fla_kda.is_available():
+        pytest.skip("fla-core not installed")
+    h = Harness(backend=TorchNativeKDABackend("fla"), device="cuda")
+    other = RadixLinearAttention(layer_id=1, num_heads=H, head_dim=D, conv_kernel=KERNEL)
+    other.conv_weight.data.copy_(h.layer.conv_weight.data.cpu())
+    other.to("cuda")
+    slots = [h.new_request(), h.new_request()]
+    x = projections(150, seed=11)
+    q, k, v, g, beta = (a.to("cuda") for a in x)
+    fb = ForwardBatch.for_extend(torch.zeros(150, dtype=torch.int64, device="cuda"), slots, [0, 0],
+                                 [100, 50], torch.arange(1, 151), forward_mode=ForwardMode.EXTEND,
+                                 req_to_token_pool=h.req_pool, kda_state_pool=h.state_pool)
+    fb.attn_backend = h.backend
+    h.backend.init_forward_metadata(fb)
+    first = h.layer(q, k, v, g, beta, fb)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        second = other(q, k, v, g, beta, fb)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(first, second)  # same weights, same inputs, fresh states in both pools
+
+
 @pytest.mark.gpu
 def test_backend_fla_prefill_forms_the_raw_gate_in_kernel_on_cuda():
     """The model's call on the fla path: raw gate inputs (KDAGate) and unnormalised q / k go to

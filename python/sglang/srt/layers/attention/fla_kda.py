@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+from dataclasses import dataclass
 from typing import Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["is_available", "chunk_kda_varlen"]
+__all__ = ["is_available", "chunk_kda_varlen", "FlaVarlen", "fla_varlen"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -28,6 +29,36 @@ def is_available() -> bool:
     return True
 
 
+@dataclass(frozen=True)
+class FlaVarlen:
+    """The varlen arguments of one extend batch, built once per forward and passed to every KDA
+    layer of it.
+
+    fla builds its chunk index from ``cu_seqlens`` behind a cache keyed by the *identity* of the
+    tensors it is given, and each build ends in a blocking host-to-device copy (a stream sync).
+    Fresh tensors per layer meant two syncs per KDA layer, each draining the GPU queue before the
+    host could launch more; the same objects for every layer make it one build per forward.
+    """
+
+    lens: Tuple[int, ...]  # tokens per sequence (all > 0)
+    cu_seqlens: torch.Tensor  # int64 [N + 1] on the device
+    cu_seqlens_cpu: torch.Tensor  # the same values on the host
+    slots: torch.Tensor  # int64 [N] state-pool slots on the device
+
+
+def fla_varlen(lens: Sequence[int], slots: Sequence[int], device: torch.device) -> FlaVarlen:
+    """:class:`FlaVarlen` for sequences of ``lens`` tokens in state slots ``slots``. On CUDA the
+    host copies are pinned, so their uploads are asynchronous (no stream sync)."""
+    if len(lens) != len(slots):
+        raise ValueError(f"fla_varlen: {len(lens)} lengths for {len(slots)} slots")
+    pin = torch.device(device).type == "cuda"
+    host = torch.tensor([0, *lens, *slots], dtype=torch.int64, pin_memory=pin)
+    n = len(lens)
+    cu_cpu = host[:n + 1].cumsum(0)
+    both = host.to(device, non_blocking=True)
+    return FlaVarlen(tuple(int(x) for x in lens), both[:n + 1].cumsum(0), cu_cpu, both[n + 1:])
+
+
 def chunk_kda_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -38,6 +69,7 @@ def chunk_kda_varlen(
     initial_state: torch.Tensor,
     seq_lens: Sequence[int],
     cu_seqlens: Optional[torch.Tensor] = None,
+    cu_seqlens_cpu: Optional[torch.Tensor] = None,
     l2norm_in_kernel: bool = False,
     gate_params: Optional[Tuple[torch.Tensor, torch.Tensor, Optional[float]]] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -45,7 +77,9 @@ def chunk_kda_varlen(
 
     ``q, k [T, H, K]`` (L2-normalised), ``v [T, H, V]``, ``g [T, H, K]`` natural-log decay,
     ``beta [T, H]``, ``initial_state [N, H, K, V]`` fp32, ``seq_lens`` host lengths (sum ``T``);
-    ``cu_seqlens`` (int64 ``[N+1]`` on q's device) may be passed to skip building it.
+    ``cu_seqlens`` (int64 ``[N+1]`` on q's device) and its host copy ``cu_seqlens_cpu`` may be
+    passed (from :class:`FlaVarlen`, the same objects for every layer of a forward) to skip
+    building them and let fla reuse its chunk index.
     With ``l2norm_in_kernel`` q and k come as they are and fla normalises them; with
     ``gate_params = (A_log [H], dt_bias [H * K], lower_bound)`` ``g`` is the raw gate projection
     and ``beta`` the raw beta logits, and fla forms the decay (``kda_ops.kda_gate``'s two forms:
@@ -63,10 +97,11 @@ def chunk_kda_varlen(
                          f"{initial_state.dtype} {tuple(initial_state.shape)}")
     if sum(seq_lens) != q.shape[0]:
         raise ValueError(f"chunk_kda_varlen: seq_lens sum to {sum(seq_lens)} but q has {q.shape[0]} rows")
-    cu_cpu = torch.zeros(n + 1, dtype=torch.int64)
-    cu_cpu[1:] = torch.tensor(list(seq_lens), dtype=torch.int64).cumsum(0)
+    if (cu_seqlens is None) != (cu_seqlens_cpu is None):
+        raise ValueError("chunk_kda_varlen: pass cu_seqlens and cu_seqlens_cpu together")
     if cu_seqlens is None:
-        cu_seqlens = cu_cpu.to(q.device, non_blocking=True)
+        varlen = fla_varlen(seq_lens, range(n), q.device)
+        cu_seqlens, cu_seqlens_cpu = varlen.cu_seqlens, varlen.cu_seqlens_cpu
     gate_kw = {}
     if gate_params is not None:
         a_log, dt_bias, lower_bound = gate_params
@@ -85,6 +120,6 @@ def chunk_kda_varlen(
         **gate_kw,
         cu_seqlens=cu_seqlens,
         # The host copy lets fla build its chunk index without reading cu_seqlens back.
-        cu_seqlens_cpu=cu_cpu,
+        cu_seqlens_cpu=cu_seqlens_cpu,
     )
     return o.squeeze(0).to(q.dtype), final_state.float()

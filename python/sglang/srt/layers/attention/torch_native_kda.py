@@ -95,6 +95,7 @@ class TorchNativeKDABackend(AttentionBackend):
             raise ValueError("kda_prefill_impl='fla' needs CUDA and fla-core (pip install fla-core)")
         self.kda_prefill_impl = kda_prefill_impl
         self._cache = MetadataCache()
+        self._varlen: Optional[tuple] = None  # (layout, FlaVarlen) of the last fla extend
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         """Extend-like batches: the host-side per-request layout; decode needs none."""
@@ -205,7 +206,8 @@ class TorchNativeKDABackend(AttentionBackend):
         conv = self._prefill_conv_kernel(mixed)
         if conv is not None and self._use_fla(mixed):
             y3 = self._conv_qkv_planes(conv, mixed, layer, conv_pool, reqs)
-            self._extend_fla(y3, g, beta, gate, layer, reqs, ssm_pool, out)
+            self._extend_fla(y3, g, beta, gate, layer, self._fla_varlen(lay, reqs, y3.device),
+                             ssm_pool, out)
             return out
         # Short convolution per request (it needs that request's window), state written back.
         y = torch.empty_like(mixed)
@@ -218,7 +220,8 @@ class TorchNativeKDABackend(AttentionBackend):
                                                        conv_pool[slot])
             conv_pool[slot].copy_(window)
         if self._use_fla(mixed):
-            self._extend_fla(y, g, beta, gate, layer, reqs, ssm_pool, out)
+            self._extend_fla(y, g, beta, gate, layer, self._fla_varlen(lay, reqs, y.device),
+                             ssm_pool, out)
             return out
         qn, kn, vn = self._split_heads(y, layer)
         gf, bf = self._gate(g, beta, gate, layer)
@@ -249,8 +252,18 @@ class TorchNativeKDABackend(AttentionBackend):
                      out=y[i, rows])
         return y
 
+    def _fla_varlen(self, lay: ExtendLayout, reqs, device: torch.device) -> fla_kda.FlaVarlen:
+        """The forward's :class:`~sglang.srt.layers.attention.fla_kda.FlaVarlen`, built by its
+        first KDA layer and reused by the others (keyed by the layout object, which
+        ``MetadataCache`` builds once per forward)."""
+        if self._varlen is None or self._varlen[0] is not lay:
+            varlen = fla_kda.fla_varlen([n for _, _, n in reqs], [s for s, _, _ in reqs], device)
+            self._varlen = (lay, varlen)
+        return self._varlen[1]
+
     @staticmethod
-    def _extend_fla(y, g, beta, gate: Optional[KDAGate], layer, reqs, ssm_pool, out):
+    def _extend_fla(y, g, beta, gate: Optional[KDAGate], layer, varlen: "fla_kda.FlaVarlen",
+                    ssm_pool, out):
         """All requests in one varlen ``chunk_kda`` call on the conv output as it is, ``y [T,
         3C]`` or the planes ``[3, T, C]`` (:meth:`_conv_qkv_planes`: q, k, v contiguous): fla
         L2-normalises q and k and, given the raw gate inputs (:class:`KDAGate`), forms the
@@ -264,15 +277,15 @@ class TorchNativeKDABackend(AttentionBackend):
         else:
             t = y.shape[0]
             qkv = y.view(t, 3, h, d)
-        slots = torch.tensor([s for s, _, _ in reqs], dtype=torch.int64, device=y.device)
-        lens = [n for _, _, n in reqs]
+        slots = varlen.slots
         if gate is not None:
             g, beta = gate.f.reshape(t, h, d), gate.b
             params = (gate.A_log, gate.dt_bias, gate.lower_bound)
         else:
             params = None
         o, final = fla_kda.chunk_kda_varlen(
-            qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, layer.scale, ssm_pool[slots], lens,
+            qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, layer.scale, ssm_pool[slots], varlen.lens,
+            cu_seqlens=varlen.cu_seqlens, cu_seqlens_cpu=varlen.cu_seqlens_cpu,
             l2norm_in_kernel=True, gate_params=params)
         out.copy_(o.view_as(out))
         ssm_pool.index_copy_(0, slots, final)
