@@ -2,8 +2,8 @@
 the per-GPU table that ``moe_grouped_gemm.launch_config`` reads.
 
     python benchmark/kernels/tune_moe_grouped_gemm.py [--dtype bf16 fp8 w8a8] \\
-        [--tokens 128 256 512 1024 2048 4096 8192] [--fp8-prescale 0 1] [--output PATH] \\
-        [--iters 20]
+        [--tokens 128 256 512 1024 2048 4096 8192] [--fp8-prescale 0 1] \\
+        [--swiglu-interleave 0 1] [--output PATH] [--iters 20]
 
 For each weight format (bf16, block fp8 on bf16 activations, and ``w8a8``: block fp8 on
 activations quantised per token and 128-column group, ``sgl_kernel.fp8_act_quant``, quantised
@@ -12,7 +12,9 @@ once outside the timed launch), projection (the up-projection with its SwiGLU ep
 uniform random routing over the E experts), every (BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, num_warps,
 num_stages) of the grid, for fp8 also each fp8 inner loop of ``--fp8-prescale`` (0: per-block
 product scaling, 1: pre-scaled weight tiles; ``LaunchConfig.fp8_prescale``, both by default,
-ignored for bf16), is checked against a per-expert fp32 torch reference and timed as a CUDA
+ignored for bf16), for the up-projection also each SwiGLU tile layout of
+``--swiglu-interleave`` (0: a gate and an up accumulator, 1: gate and up rows alternating in
+one tile; ``LaunchConfig.swiglu_interleave``, both by default), is checked against a per-expert fp32 torch reference and timed as a CUDA
 graph replay of one launch (median of ``--iters`` replays, CUDA events; the experts' bytes, GBs
 at Ling's size, are far beyond L2, so every call streams them from HBM). The fastest config of
 every pair bucket goes into ``--output`` under ``torch.cuda.get_device_name()`` and
@@ -44,10 +46,10 @@ from sgl_kernel.moe_grouped_gemm import (CONFIG_PATH, LaunchConfig, config_field
 
 def label(cfg: LaunchConfig) -> str:
     """``BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/num_warps/num_stages``, ``/pre`` appended for
-    pre-scaled fp8 weight tiles."""
+    pre-scaled fp8 weight tiles, ``/il`` for the interleaved SwiGLU tile."""
     return "/".join(str(v) for v in (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
                                      cfg.num_warps, cfg.num_stages)) + (
-        "/pre" if cfg.fp8_prescale else "")
+        "/pre" if cfg.fp8_prescale else "") + ("/il" if cfg.swiglu_interleave else "")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor], ids: torch.Tensor,
@@ -144,6 +146,9 @@ def main() -> None:
     p.add_argument("--fp8-prescale", type=int, nargs="+", choices=[0, 1], default=[0, 1],
                    help="fp8 inner loops to sweep: 0 per-block product scaling, 1 pre-scaled "
                         "weight tiles (ignored for bf16)")
+    p.add_argument("--swiglu-interleave", type=int, nargs="+", choices=[0, 1], default=[0, 1],
+                   help="SwiGLU tile layouts to sweep for the up-projection: 0 a gate and an up "
+                        "accumulator, 1 gate and up rows alternating in one tile")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--output", default=CONFIG_PATH,
                    help="JSON table to merge the winners into (default: the packaged table)")
@@ -198,6 +203,9 @@ def main() -> None:
                 results = []
                 # w8a8 has one inner loop (fp8_prescale does not apply).
                 configs = fp8_grid if fp8 and not act_fp8 else grid
+                if swiglu:  # each tile config in each SwiGLU layout asked for
+                    configs = [c._replace(swiglu_interleave=bool(il)) for c in configs
+                               for il in sorted(set(args.swiglu_interleave))]
                 for cfg in [fallback] + [c for c in configs if c != fallback]:
                     if cfg.block_m not in aligns:
                         aligns[cfg.block_m] = moe_align(ids, e, cfg.block_m)
@@ -222,7 +230,7 @@ def main() -> None:
                     results.append((time_us(run, args.iters, on_cuda), cfg, err))
                 fallback_us = results[0][0]
                 best_us, best, err = min(results, key=lambda r: r[0])
-                winners.setdefault(key, {})[str(pairs)] = config_fields(best, fp8)
+                winners.setdefault(key, {})[str(pairs)] = config_fields(best, fp8, swiglu)
                 if not args.dry_run:  # after every bucket: a sweep stopped by a time limit keeps
                     save(args.output, device_name, winners)  # what it measured
                 flops = 2 * pairs * n * kk

@@ -257,6 +257,51 @@ def test_fp8_activations_match_the_dequantised_reference(mgg, out_dtype, tol, i,
     assert 1e-3 < _mean_rel(act, weight_only) < 0.08
 
 
+@pytest.mark.parametrize("fmt,dtype,tol,i,cfg", [
+    ("plain", torch.float32, 1e-5, 48, (16, 32, 32)), ("plain", torch.float16, 3e-3, 48, None),
+    ("fp8", torch.float32, 1e-5, 160, (16, 64, 64)), ("fp8 pre", torch.float16, 1e-3, 48, None),
+    ("w8a8", torch.float32, 1e-5, 160, (16, 64, 128)),
+])
+def test_interleaved_swiglu_tile_matches_two_accumulators(mgg, fmt, dtype, tol, i, cfg):
+    """``swiglu_interleave``: gate and up rows alternating in one tile give the SwiGLU of the
+    two-accumulator tile and of the reference, for plain, block-fp8 (both inner loops; ``I =
+    160``: a tile across two scale rows) and w8a8 experts, with ragged column tiles."""
+    from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
+    from sgl_kernel.fp8_blocks import block_dequantize, block_quantize
+
+    t, k, e, h = 20, 3, 6, 192
+    gen = torch.Generator().manual_seed(41)
+    x = torch.randn(t, h, generator=gen).to(DEVICE, dtype)
+    w13, s13, xs, ref_w = _weights(e, 2 * i, h, dtype, 42), None, None, None
+    kw = {}
+    if fmt != "plain":
+        w13, s13 = block_quantize(_weights(e, 2 * i, h, torch.float32, 42), split=i)
+        ref_w = block_dequantize(w13, s13, dtype if fmt == "fp8 pre" else torch.float32, i)
+    if fmt == "w8a8":
+        x, xs = per_token_group_quant_fp8(x.float())
+        kw = dict(x_scale=xs, out_dtype=dtype)
+    ids = _routes(t, k, e, seed=43)
+    if cfg is None:  # the launch's own tiles (under the interpreter: whole-width, BLOCK_K 128)
+        base = mgg.launch_config(e, 2 * i, h, t * k, fmt != "plain", x.device, swiglu=True)
+    else:
+        base = mgg.LaunchConfig(block_n=cfg[1], block_k=cfg[2], block_m=cfg[0])
+    base = base._replace(block_m=16, fp8_prescale=fmt == "fp8 pre")
+    al = mgg.moe_align(ids, e, 16)
+    two, one = (mgg.moe_grouped_gemm(x, w13, al, rows_per_x=k, swiglu=True, swiglu_limit=2.0,
+                                     w_scale=s13, config=base._replace(swiglu_interleave=il),
+                                     **kw) for il in (False, True))
+    if fmt == "w8a8":
+        ref = mgg.moe_grouped_gemm_reference(x, w13, ids, rows_per_x=k, swiglu=True,
+                                             swiglu_limit=2.0, w_scale=s13, **kw)
+    else:
+        ref = mgg.moe_grouped_gemm_reference(x, w13 if ref_w is None else ref_w.to(
+            torch.float32 if fmt == "fp8" else dtype), ids, rows_per_x=k, swiglu=True,
+            swiglu_limit=2.0).to(dtype)
+    assert one.shape == (t * k, i) and one.dtype == dtype
+    assert _rel(one, ref) < tol and _rel(two, ref) < tol
+    assert _rel(one, two) < tol  # per output column the same arithmetic
+
+
 def test_rejects_bad_inputs(mgg):
     x = torch.zeros(4, 32, device=DEVICE)
     w = torch.zeros(3, 16, 32, device=DEVICE)
@@ -328,6 +373,13 @@ def test_launch_config_table_lookup(mgg, tmp_path, monkeypatch):
     assert not pick(1024, fp8=True).fp8_prescale  # a record without the field: per-block
     assert pick(8192, fp8=True).fp8_prescale
     assert mgg.config_fields(pick(8192, fp8=True), fp8=True) == {**entry, "fp8_prescale": True}
+    # The SwiGLU tile layout: read where stored, written for up-projection records only.
+    assert not pick(1024, fp8=True).swiglu_interleave
+    path.write_text(json.dumps({"Fake GPU": {key: {"1024": {**entry, "swiglu_interleave": True}}}}))
+    mgg.load_config_table.cache_clear()
+    assert pick(1024).swiglu_interleave
+    assert mgg.config_fields(pick(1024)) == entry
+    assert mgg.config_fields(pick(1024), swiglu=True) == {**entry, "swiglu_interleave": True}
     # The w8a8 entry is its own key; without one, the fp8 fallback (not the fp8 entry).
     w8a8_key = mgg.config_key(512, 1536, 2560, True, act_fp8=True)
     assert w8a8_key.endswith("dtype=w8a8")
@@ -604,6 +656,9 @@ def test_grouped_gemm_kernel_on_cuda_matches_reference(mgg, prescaled_fp8):
         cfg = cfg._replace(block_k=128, fp8_prescale=True)
     act = mgg.moe_grouped_gemm(hidden, w13, al, rows_per_x=k, swiglu=True, swiglu_limit=7.0,
                                w_scale=s13, config=cfg)
+    # The interleaved SwiGLU tile on the same experts: per output column the same arithmetic.
+    act_il = mgg.moe_grouped_gemm(hidden, w13, al, rows_per_x=k, swiglu=True, swiglu_limit=7.0,
+                                  w_scale=s13, config=cfg._replace(swiglu_interleave=True))
     if prescaled_fp8:  # the reference path's weights: q * scale rounded once to bf16
         w13 = block_dequantize(w13, s13, torch.bfloat16, i)
         w2_ref = block_dequantize(w2, s2, torch.bfloat16)
@@ -616,3 +671,4 @@ def test_grouped_gemm_kernel_on_cuda_matches_reference(mgg, prescaled_fp8):
                              config=cfg if prescaled_fp8 else None)
     assert _rel(y, mgg.moe_grouped_gemm_reference(ref, w2_ref, ids, rows_per_x=1,
                                                   swiglu=False)) < 2e-2
+    assert _rel(act_il, ref) < 2e-2 and _rel(act_il, act) < 1e-2

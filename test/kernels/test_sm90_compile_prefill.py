@@ -7,9 +7,10 @@ kernel is compiled here, in a subprocess without ``TRITON_INTERPRET``, by Triton
 to PTX and through ``ptxas`` for ``GPUTarget("cuda", 90, 32)``, with the argument types and
 constexprs of its real launches:
 
-* ``moe_grouped_gemm._moe_grouped_gemm_kernel``: bf16 experts with the SwiGLU epilogue, and
-  block-fp8 experts with both fp8 inner loops (per-block product scaling, pre-scaled tiles)
-  and on fp8 activations (w8a8), up-projection (SwiGLU) and down-projection;
+* ``moe_grouped_gemm._moe_grouped_gemm_kernel``: bf16 experts with the SwiGLU epilogue (both
+  tile layouts), block-fp8 experts with both fp8 inner loops (per-block product scaling,
+  pre-scaled tiles) and on fp8 activations (w8a8), up-projection (SwiGLU, both layouts) and
+  down-projection; the w8a8 ones at the table's 65536-pair tile spill no register;
 * ``fp8_gemm._block_fp8_gemm_kernel`` with both inner loops (plain and swapped tiles), its
   w8a8 variant (``A_SCALE``: e4m3 activations and weight on the fp8 wgmma, plain and swapped)
   and its one-pass ``_dequantize_kernel``;
@@ -38,11 +39,17 @@ from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
 
-def build(name, kernel, ptrs, constexprs, scalars=None, **options):
+# aligned: the integer arguments a real launch passes as multiples of 16 (pointers always are).
+# Triton specialises such arguments (tt.divisibility) and vectorises the loads they address;
+# compiled without it, a tile's addresses are per element and its register count says nothing
+# about the launched kernel.
+def build(name, kernel, ptrs, constexprs, scalars=None, aligned=(), **options):
     scalars = scalars or {}
     sig = {arg: "constexpr" if arg in constexprs else ptrs.get(arg, scalars.get(arg, "i32"))
            for arg in kernel.arg_names}
-    src = ASTSource(kernel, sig, constexprs=constexprs)
+    attrs = {(kernel.arg_names.index(a),): [["tt.divisibility", 16]]
+             for a in (*ptrs, *aligned) if a not in constexprs}
+    src = ASTSource(kernel, sig, constexprs=constexprs, attrs=attrs)
     out = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     assert out.asm["cubin"], name
     ptx = out.asm["ptx"]
@@ -50,30 +57,51 @@ def build(name, kernel, ptrs, constexprs, scalars=None, **options):
     kind = ("wgmma e4m3" if ".e4m3.e4m3" in ptx else "wgmma") if "wgmma" in ptx else "no wgmma"
     print(f"compiled {name}: {kind}", flush=True)
     return out
+
+
+def spill_bytes(out):  # bytes of spill stores a thread, as ptxas reports them
+    import os, re, subprocess, tempfile
+    import triton.backends.nvidia as nv
+
+    ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
+    with tempfile.TemporaryDirectory() as d:
+        open(os.path.join(d, "k.ptx"), "w").write(out.asm["ptx"])
+        r = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o",
+                            os.path.join(d, "k.o")], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    return int(re.search(r"(\d+) bytes spill stores", r.stderr).group(1))
 """
 
 _MOE = _PRELUDE + r"""
 from sgl_kernel.moe_grouped_gemm import _moe_grouped_gemm_kernel as kernel
 
-base = dict(QB=128, DOT_PREC=None, BLOCK_M=64, BLOCK_N=128, GROUP_M=8, A_SCALE=False)
+base = dict(QB=128, DOT_PREC=None, BLOCK_M=64, BLOCK_N=128, GROUP_M=8, A_SCALE=False,
+            INTERLEAVE=False)
 ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", s_ptr="*fp32", xs_ptr="*fp32", out_ptr="*bf16",
             pairs_ptr="*i32", bexp_ptr="*i32", nblk_ptr="*i32")
+# Multiples of 16 at Ling-3.0-flash's shapes (N, K, their strides, a prefill's pair count).
+aligned = ("N", "K", "num_pairs", "stride_x", "stride_we", "stride_wn", "stride_o", "up_row")
 fp8 = {**ptrs, "w_ptr": "*fp8e4nv"}
 opts = dict(num_warps=4, num_stages=3)
-build("bf16 up+SwiGLU", kernel, ptrs, dict(base, SWIGLU=True, HAS_LIMIT=True, HAS_SCALE=False,
-      PRESCALE=False, BLOCK_K=64), {"limit": "fp32"}, **opts)
+for il in (False, True):
+    build(f"bf16 up+SwiGLU{' interleaved' if il else ''}", kernel, ptrs, dict(
+          base, SWIGLU=True, INTERLEAVE=il, HAS_LIMIT=True, HAS_SCALE=False, PRESCALE=False,
+          BLOCK_K=64), {"limit": "fp32"}, aligned, **opts)
 for prescale in (False, True):
     scheme = "pre-scaled" if prescale else "per-block"
     build(f"fp8 {scheme} up+SwiGLU", kernel, fp8, dict(base, SWIGLU=True, HAS_LIMIT=True,
-          HAS_SCALE=True, PRESCALE=prescale, BLOCK_K=128), {"limit": "fp32"}, **opts)
+          HAS_SCALE=True, PRESCALE=prescale, BLOCK_K=128), {"limit": "fp32"}, aligned, **opts)
     build(f"fp8 {scheme} down", kernel, fp8, dict(base, SWIGLU=False, HAS_LIMIT=False,
-          HAS_SCALE=True, PRESCALE=prescale, BLOCK_K=128), {"limit": "fp32"}, **opts)
-# w8a8: e4m3 activations with their group scales, the dot on two e4m3 operands.
+          HAS_SCALE=True, PRESCALE=prescale, BLOCK_K=128), {"limit": "fp32"}, aligned, **opts)
+# w8a8: e4m3 activations with their group scales, the dot on two e4m3 operands; at the
+# table's 65536-pair tile (64 x 128 x 128, 8 warps) in both SwiGLU layouts, which spill nothing.
 w8a8 = {**fp8, "x_ptr": "*fp8e4nv"}
-for swiglu in (True, False):
-    build(f"w8a8 {'up+SwiGLU' if swiglu else 'down'}", kernel, w8a8, dict(
-          base, SWIGLU=swiglu, HAS_LIMIT=swiglu, HAS_SCALE=True, PRESCALE=False, A_SCALE=True,
-          BLOCK_K=128), {"limit": "fp32"}, **opts)
+for swiglu, il in ((True, False), (True, True), (False, False)):
+    name = f"w8a8 {'up+SwiGLU' if swiglu else 'down'}{' interleaved' if il else ''}"
+    out = build(name, kernel, w8a8, dict(base, SWIGLU=swiglu, INTERLEAVE=il, HAS_LIMIT=swiglu,
+                HAS_SCALE=True, PRESCALE=False, A_SCALE=True, BLOCK_K=128), {"limit": "fp32"},
+                aligned, num_warps=8, num_stages=3)
+    assert spill_bytes(out) == 0, name
 """
 
 _FP8_GEMM = _PRELUDE + r"""
@@ -111,26 +139,18 @@ build("per-token-group quant", kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_p
 _KDA_CONV = _PRELUDE + r"""
 from sgl_kernel.kda_prefill_conv import _kda_prefill_conv_kernel as kernel
 
-import os, subprocess, tempfile
-import triton.backends.nvidia as nv
 from sgl_kernel.kda_prefill_conv import _NUM_WARPS
 
 out = build("kda prefill conv", kernel, dict(x_ptr="*bf16", w_ptr="*bf16", win_ptr="*fp32",
             y_ptr="*bf16"), dict(KW=4, BLOCK_T=32, BLOCK_C=256, BLOCK_W=4, PRECISE_EXP=True),
             num_warps=_NUM_WARPS, enable_fp_fusion=False)
 # The default tile spills nothing (the window's loads in every tile once spilled 1.5 KB a thread).
-ptxas = os.path.join(os.path.dirname(nv.__file__), "bin", "ptxas")
-with tempfile.TemporaryDirectory() as d:
-    open(os.path.join(d, "k.ptx"), "w").write(out.asm["ptx"])
-    r = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(d, "k.ptx"), "-o",
-                        os.path.join(d, "k.o")], capture_output=True, text=True)
-assert r.returncode == 0, r.stderr
-assert "0 bytes spill stores" in r.stderr, r.stderr
+assert spill_bytes(out) == 0
 """
 
 # module -> (script, variants compiled, of which GEMMs: Hopper's wgmma expected in their PTX,
 # of which w8a8: the wgmma on e4m3 operands).
-CASES = {"moe_grouped_gemm": (_MOE, 7, 7, 2), "fp8_gemm": (_FP8_GEMM, 7, 6, 2),
+CASES = {"moe_grouped_gemm": (_MOE, 9, 9, 3), "fp8_gemm": (_FP8_GEMM, 7, 6, 2),
          "fp8_act_quant": (_FP8_ACT_QUANT, 1, 0, 0), "kda_prefill_conv": (_KDA_CONV, 1, 0, 0)}
 
 

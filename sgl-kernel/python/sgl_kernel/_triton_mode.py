@@ -46,7 +46,12 @@ class LaunchConfig(NamedTuple):
     and rounded to x's dtype before one running ``tl.dot`` over K (the dequantise-then-GEMM
     values), instead of scaling each 128-column block's ``tl.dot`` result ("per-block product
     scaling", the default until a sweep on the GPU has timed the two: docs/performance.md,
-    "Not measured yet")."""
+    "Not measured yet").
+
+    ``swiglu_interleave`` (the grouped MoE GEMM's SwiGLU up-projection; ignored elsewhere): the
+    tile's ``block_n`` columns alternate gate and up rows of ``block_n / 2`` output columns, so
+    one ``tl.dot`` and one fp32 accumulator serve both halves, where the default keeps a gate
+    and an up accumulator of ``block_n`` columns each."""
 
     block_n: int
     block_k: int
@@ -57,6 +62,7 @@ class LaunchConfig(NamedTuple):
     block_m: Optional[int] = None
     group_m: int = 1
     fp8_prescale: bool = False
+    swiglu_interleave: bool = False
 
 
 def compiler_options(num_warps: Optional[int], num_stages: Optional[int]) -> dict:

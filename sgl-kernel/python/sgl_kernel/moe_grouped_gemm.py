@@ -24,7 +24,14 @@ The SwiGLU epilogue (``swiglu=True``): ``w`` holds gate rows ``[0, I)`` then up 
 rounds each to x's dtype (the reference's ``h13`` in the model dtype), applies
 ``sglang.srt.layers.activation.silu_and_mul``'s math in fp32 (with ``limit > 0``:
 ``min(silu(gate), limit) * clamp(up, -limit, limit)``) and rounds once. ``N_out = I``, and the
-``[P, 2I]`` intermediate never exists.
+``[P, 2I]`` intermediate never exists. With ``LaunchConfig.swiglu_interleave`` a program's
+``BLOCK_N`` tile columns alternate the gate and the up row of ``BLOCK_N / 2`` output columns
+(no weight re-layout: the column's row pointer picks the half), so one ``tl.dot`` and one fp32
+accumulator serve both halves and the epilogue splits the even and odd columns. Per output
+column the arithmetic is the same; what changes is the registers a program holds (one
+``[BLOCK_M, BLOCK_N]`` accumulator and, with block-fp8 scales, one dot result instead of two of
+each: the two-accumulator form spills at the table's tiles, docs/performance.md) against
+twice the programs reading each gathered row of ``x``. The tile sweep decides.
 
 Block fp8 (``w_scale`` given; :mod:`sgl_kernel.fp8_blocks` layout): weight-only fp8 ("w8a16"),
 no per-call dequantised copy of any expert. One ``BLOCK_K`` slice never straddles a 128-column
@@ -145,7 +152,8 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, pairs_ptr, be
                              nblk_ptr, N, K, num_pairs, rows_per_x, max_blocks,
                              stride_x, stride_xs, stride_we, stride_wn, stride_o,
                              stride_se, stride_sn, stride_sk, up_row, up_scale_row, limit,
-                             SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr,
+                             SWIGLU: tl.constexpr, INTERLEAVE: tl.constexpr,
+                             HAS_LIMIT: tl.constexpr,
                              HAS_SCALE: tl.constexpr, PRESCALE: tl.constexpr,
                              A_SCALE: tl.constexpr, QB: tl.constexpr,
                              DOT_PREC: tl.constexpr,
@@ -154,7 +162,9 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, pairs_ptr, be
     # Swizzle: GROUP_M row blocks sweep the column tiles together, so their A rows and the
     # weight tiles they share stay in L2 (GROUP_M = 1: a row block's column tiles in a row).
     pid = tl.program_id(0)
-    tiles_n = tl.cdiv(N, BLOCK_N)
+    # Output columns per program: with the interleaved SwiGLU tile, half the tile's columns.
+    TILE_OUT: tl.constexpr = BLOCK_N // 2 if INTERLEAVE else BLOCK_N
+    tiles_n = tl.cdiv(N, TILE_OUT)
     per_group = GROUP_M * tiles_n
     first_m = (pid // per_group) * GROUP_M
     group_rows = tl.minimum(max_blocks - first_m, GROUP_M)
@@ -166,7 +176,14 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, pairs_ptr, be
     pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs  # padding rows: sentinel ids, neither read nor written
     rows = (pairs // rows_per_x).to(tl.int64)
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if INTERLEAVE:
+        # Tile column j holds output column j // 2: its gate row (even j) or its up row (odd
+        # j), so one dot and one accumulator cover both halves (module docstring).
+        cols = tl.arange(0, BLOCK_N)
+        offs_n = pid_n * TILE_OUT + cols // 2
+        half = cols % 2
+    else:
+        offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     mask_n = offs_n < N
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + rows[:, None] * stride_x + offs_k[None, :]
@@ -176,6 +193,9 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, pairs_ptr, be
         + offs_k[:, None]
     s_gate = s_ptr + expert * stride_se + (offs_n // QB) * stride_sn
     s_up = s_gate + up_scale_row * stride_sn  # the up half's block rows follow the gate half's
+    if INTERLEAVE:  # the odd columns read the up rows and their scale rows
+        b_ptrs += (half * up_row).to(tl.int64)[None, :]
+        s_gate += half * up_scale_row * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
@@ -191,7 +211,7 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, pairs_ptr, be
             sc_gate = tl.load(s_gate + col, mask=mask_n, other=0.0)
             w_gate = (q_gate * sc_gate[None, :]).to(a.dtype)
             acc = tl.dot(a, w_gate, acc, input_precision=DOT_PREC)
-            if SWIGLU:  # the up rows of the same columns, on the up half's scale rows
+            if SWIGLU and not INTERLEAVE:  # the up rows of the same columns, own scale rows
                 q_up = tl.load(b_ptrs + up_row, mask=mask_b, other=0.0).to(tl.float32)
                 sc_up = tl.load(s_up + col, mask=mask_n, other=0.0)
                 w_up = (q_up * sc_up[None, :]).to(a.dtype)
@@ -209,7 +229,7 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, pairs_ptr, be
                     s_gate + col, mask=mask_n, other=0.0)[None, :]
             else:
                 acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-            if SWIGLU:  # the up rows of the same columns, up_row rows further on
+            if SWIGLU and not INTERLEAVE:  # the up rows of the same columns, up_row further on
                 b_up = tl.load(b_ptrs + up_row, mask=mask_b, other=0.0).to(a.dtype)
                 if HAS_SCALE:
                     acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * a_s * tl.load(
@@ -218,17 +238,25 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, pairs_ptr, be
                     acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
         a_ptrs += BLOCK_K
         b_ptrs += BLOCK_K
+    offs_o = pid_n * TILE_OUT + tl.arange(0, TILE_OUT)
     if SWIGLU:
+        if INTERLEAVE:  # [BLOCK_M, BLOCK_N] -> the even (gate) and odd (up) columns
+            gate_acc, up_acc = tl.split(tl.reshape(acc, [BLOCK_M, TILE_OUT, 2]))
+        else:
+            gate_acc, up_acc = acc, acc_up
         # As the unfused path: gate and up rounded to the model dtype, then SwiGLU in fp32.
-        gate = acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        up = acc_up.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate = gate_acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        up = up_acc.to(out_ptr.dtype.element_ty).to(tl.float32)
         act = gate * tl.sigmoid(gate)
         if HAS_LIMIT:
             act = tl.minimum(act, limit)
             up = tl.minimum(tl.maximum(up, -limit), limit)
-        acc = act * up
-    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_o + offs_n[None, :]
-    tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & mask_n[None, :])
+        result = act * up
+    else:
+        result = acc
+    out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_o + offs_o[None, :]
+    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty),
+             mask=valid[:, None] & (offs_o < N)[None, :])
 
 
 # ------------------------------------------------------------------------------ launch configs
@@ -242,6 +270,8 @@ _FIELDS = ("block_m", "block_n", "block_k", "group_m", "num_warps", "num_stages"
 # Stored for fp8 entries only (a bf16 launch ignores it); a missing key reads as False, so the
 # tables written before the field existed keep their meaning.
 _FP8_FIELDS = ("fp8_prescale",)
+# Stored for SwiGLU (up-projection) entries only, on the same terms.
+_SWIGLU_FIELDS = ("swiglu_interleave",)
 
 
 def fallback_config(num_experts: int, pairs: int, fp8: bool) -> LaunchConfig:
@@ -282,13 +312,15 @@ def _from_fields(fields: dict) -> LaunchConfig:
     return LaunchConfig(block_n=int(fields["block_n"]), block_k=int(fields["block_k"]),
                         num_warps=int(fields["num_warps"]), num_stages=int(fields["num_stages"]),
                         block_m=int(fields["block_m"]), group_m=int(fields.get("group_m", 1)),
-                        fp8_prescale=bool(fields.get("fp8_prescale", False)))
+                        fp8_prescale=bool(fields.get("fp8_prescale", False)),
+                        swiglu_interleave=bool(fields.get("swiglu_interleave", False)))
 
 
-def config_fields(cfg: LaunchConfig, fp8: bool = False) -> dict:
+def config_fields(cfg: LaunchConfig, fp8: bool = False, swiglu: bool = False) -> dict:
     """The table's record of ``cfg``; for an fp8 weight (``fp8``) also its inner-loop scheme
-    ``fp8_prescale`` (bf16 records leave it out: the kernel ignores it there)."""
-    names = _FIELDS + (_FP8_FIELDS if fp8 else ())
+    ``fp8_prescale`` (bf16 records leave it out: the kernel ignores it there), for a SwiGLU
+    up-projection (``swiglu``) also its tile layout ``swiglu_interleave``."""
+    names = _FIELDS + (_FP8_FIELDS if fp8 else ()) + (_SWIGLU_FIELDS if swiglu else ())
     return {name: getattr(cfg, name) for name in names}
 
 
@@ -483,14 +515,16 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
     limit = float(swiglu_limit)
     # fp32 operands: full-precision products (Triton's default on CUDA would be TF32).
     prec = "ieee" if x.dtype == torch.float32 else None
-    grid = (max_blocks * triton.cdiv(n_out, config.block_n),)
+    interleave = swiglu and bool(config.swiglu_interleave)
+    tile_out = config.block_n // 2 if interleave else config.block_n
+    grid = (max_blocks * triton.cdiv(n_out, tile_out),)
     _moe_grouped_gemm_kernel[grid](
         x, w, scale, xs, out, align.sorted_pairs, align.block_expert, align.num_blocks,
         n_out, k, p, rows_per_x, max_blocks, x.stride(0), xs.stride(0) if act_fp8 else 0,
         w.stride(0), w.stride(1),
         out.stride(0), scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
         scale.stride(2) if fp8 else 0, n_out * w.stride(1), -(-n_out // QBLOCK), limit,
-        SWIGLU=swiglu, HAS_LIMIT=swiglu and limit > 0, HAS_SCALE=fp8,
+        SWIGLU=swiglu, INTERLEAVE=interleave, HAS_LIMIT=swiglu and limit > 0, HAS_SCALE=fp8,
         PRESCALE=fp8 and not act_fp8 and bool(config.fp8_prescale), A_SCALE=act_fp8,
         QB=QBLOCK, DOT_PREC=prec,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
