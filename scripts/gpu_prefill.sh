@@ -49,7 +49,10 @@ one_batch() {
 
 # census LABEL ARGS...: one process (one model load) censuses every length in CENSUS_LENS;
 # CENSUS_ARGS adds flags (an A/B: CENSUS_ARGS=--kernel-choices=moe_align_kernel=1), and then
-# goes into the label.
+# goes into the label. CENSUS_ARGS=--sync-sites: one more prefill per length under torch's sync
+# debug mode, its table "| syncs | site | via |" (every host<->device sync of the prefill at
+# its call site; each one drains the GPU queue) in the log and the output, "sync_sites" and
+# "syncs" in the JSON line.
 census() {
   local label=$1${CENSUS_ARGS:+ ${CENSUS_ARGS##*--kernel-choices[= ]}}; shift
   [ -n "${CENSUS_LENS-1024 8192}" ] || return 0

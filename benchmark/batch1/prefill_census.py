@@ -37,7 +37,8 @@ The worker is built as ``python -m sglang.bench_one_batch`` builds it (the same 
 ``--moe-runner-backend``, ``--attention-backend``, ...; pools for one request of the prompt,
 no CUDA graphs) and each prefill is bench_one_batch's ``run_once`` with one output token: one
 request of ``--prompt-len`` random ids in a fresh request slot, its KV and state released after.
-One warm-up prefill, ``--timed`` unprofiled timed ones, then one profiled prefill.
+One warm-up prefill, ``--timed`` unprofiled timed ones, then one profiled prefill (and with
+``--sync-sites`` one more, last: it perturbs none of the measured ones).
 
 Attribution: module forward hooks (installed for the profiled prefill only; no model edits)
 open a profiler range per model component and the innermost range around an op names its
@@ -63,10 +64,22 @@ classified by its name (:func:`category_by_name`), else "other". On CUDA each de
 "device" is the CPU: each top-level aten op counts with its CPU time. Reported beside the
 categories: the prefill's wall time (synchronised, profiled and unprofiled) and its host gaps,
 the profiled wall time minus the union of the device's busy intervals.
+
+Synchronisations (``--sync-sites``, CUDA only): after the census, one more unprofiled prefill
+runs under ``torch.cuda.set_sync_debug_mode("warn")`` and every synchronising call in it
+(``.item()``, ``.tolist()``, ``.cpu()``, a copy from pageable host memory, ``nonzero``, ...) is
+counted at its site, the innermost frame in this repository's ``python/`` or
+``sgl-kernel/python/`` trees, and the library frame that made the call when that lies outside
+them (:func:`sync_site`). Each sync drains the GPU queue: the host waits for the device, then the
+device for the host's next launches, so a host-bound prefill's host and device time add up at
+every one. The JSON line gets ``sync_sites`` (``site``, ``via``, ``count``; most first) and
+``syncs`` (their total); the table ``| syncs | site | via |`` follows the census. On CPU the
+option prints that it needs CUDA and adds nothing.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -74,7 +87,11 @@ import re
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+import traceback
+import warnings
+from collections import Counter
+from pathlib import Path
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -102,6 +119,12 @@ except ImportError:
 
 CATEGORY_PREFIX = "prefill-category::"  # category ranges (hooks)
 PREFILL_RANGE = "prefill-census::prefill"  # around the profiled worker.prefill call
+# What torch's sync debug mode warns in "warn" (c10's warn_or_error_on_sync); the warning's text
+# may carry a "(Triggered internally at ...)" suffix, so it is matched as a substring.
+SYNC_WARNING = "called a synchronizing CUDA operation"
+# Folders whose name marks an installed library's import root (the "via" frame's path is
+# relative to it: "fla/ops/utils/index.py", "torch/functional.py").
+_LIBRARY_DIRS = ("site-packages", "dist-packages")
 
 CATEGORIES: Tuple[str, ...] = ("MoE", "dense projections", "KDA", "MLA attention", "norms",
                                "lm_head", "other")
@@ -264,10 +287,154 @@ def prefill_census(events: Sequence[Any], cuda: bool, top: int = 3) -> Dict[str,
 
 
 # ============================================================================================
+# Synchronisations
+# ============================================================================================
+def _norm(path: str) -> str:
+    return os.path.normpath(path)
+
+
+def _relative(path: str, roots: Sequence[str]) -> Optional[str]:
+    """``path`` (normalised) relative to the longest of ``roots`` holding it, with ``/``
+    separators; None when none holds it."""
+    best: Optional[str] = None
+    for root in roots:
+        root = _norm(root)
+        inside = path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+        if inside and (best is None or len(root) > len(best)):
+            best = root
+    if best is None:
+        return None
+    return "/".join(Path(path[len(best):].lstrip(os.sep)).parts)
+
+
+def _library_path(path: str, lib_roots: Sequence[str]) -> str:
+    """A path outside the repository as an import path: below the last ``site-packages`` /
+    ``dist-packages`` folder, else below the longest of ``lib_roots``, else as it is."""
+    parts = Path(path).parts
+    for i in range(len(parts) - 1, -1, -1):
+        if parts[i] in _LIBRARY_DIRS:
+            return "/".join(parts[i + 1:])
+    return _relative(path, lib_roots) or Path(path).as_posix()
+
+
+def _where(path: str, frame: Any) -> str:
+    return f"{path}:{frame.lineno} ({frame.name})"
+
+
+def sync_site(frames: Sequence[Any], repo_roots: Sequence[str],
+              lib_roots: Sequence[str] = ()) -> Tuple[str, Optional[str]]:
+    """Where a synchronising call was made: ``(site, via)`` from the Python stack at the call.
+
+    ``frames`` is that stack, outermost first (as :func:`traceback.extract_stack` returns it),
+    of objects with ``filename``, ``lineno`` and ``name`` (``traceback.FrameSummary``).
+    ``site`` is the innermost frame inside ``repo_roots`` (this checkout's ``python/`` and
+    ``sgl-kernel/python/``), as ``path/below/its/root.py:LINE (function)``: the line to change.
+    ``via`` is the innermost frame of all when that lies outside ``repo_roots`` (the library
+    code that synchronised, e.g. ``fla/ops/utils/index.py:164 (prepare_chunk_indices)``: its
+    path below ``site-packages``, else below the longest of ``lib_roots``), else None. A stack
+    with no repository frame is attributed to its innermost frame (``via`` None); an empty one
+    to ``"<unknown>"``.
+    """
+    if not frames:
+        return "<unknown>", None
+    innermost = frames[-1]
+    for depth, frame in enumerate(reversed(frames)):
+        rel = _relative(_norm(frame.filename), repo_roots)
+        if rel is not None:
+            via = None if depth == 0 else _where(_library_path(_norm(innermost.filename),
+                                                               lib_roots), innermost)
+            return _where(rel, frame), via
+    return _where(_library_path(_norm(innermost.filename), lib_roots), innermost), None
+
+
+def count_sync_sites(records: Iterable[Tuple[str, Optional[str]]]) -> List[Dict[str, Any]]:
+    """``[{"site", "via", "count"}, ...]``: one entry per distinct ``(site, via)`` record, most
+    counted first (ties by site, then via, so that runs compare line by line)."""
+    counts = Counter(records)
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0][0], kv[0][1] or ""))
+    return [{"site": site, "via": via, "count": n} for (site, via), n in ranked]
+
+
+def repo_roots() -> List[str]:
+    """This checkout's ``python/`` and ``sgl-kernel/python/`` trees, as found from this file and
+    with links resolved (a frame names its file by the ``sys.path`` entry it was imported
+    through, which may be either)."""
+    here = Path(os.path.abspath(__file__)).parents[2]
+    roots: List[str] = []
+    for base in (here, here.resolve()):
+        for tree in (base / "python", base / "sgl-kernel" / "python"):
+            if str(tree) not in roots:
+                roots.append(str(tree))
+    return roots
+
+
+def _stack_at_warning(filename: str, lineno: int) -> List[traceback.FrameSummary]:
+    """From inside a ``showwarning`` hook: the Python stack of the code the warning being shown
+    was raised in, outermost first. A warning from C++ (``TORCH_WARN``) names the innermost
+    Python frame, so the stack is cut after the innermost frame at ``filename:lineno``, dropping
+    the warnings module and the hook; without such a frame, after the last frame that is
+    neither."""
+    walked = traceback.StackSummary.extract(traceback.walk_stack(sys._getframe(1)),
+                                            lookup_lines=False)
+    stack = list(reversed(walked))
+    for i in range(len(stack) - 1, -1, -1):
+        if stack[i].filename == filename and stack[i].lineno == lineno:
+            return stack[:i + 1]
+    machinery = {_norm(__file__), _norm(warnings.__file__)}
+    while stack and _norm(stack[-1].filename) in machinery:
+        stack.pop()
+    return stack
+
+
+@contextlib.contextmanager
+def recording_syncs(roots: Sequence[str], lib_roots: Sequence[str] = ()
+                    ) -> Iterator[List[Tuple[str, Optional[str]]]]:
+    """Within the block, every warning whose message says a synchronizing CUDA operation was
+    called appends its :func:`sync_site` to the yielded list; every time (the "always"
+    filter: a site in a layer syncs once per layer, the default filter would show it once).
+    Other warnings go to the handler in place before, each once."""
+    records: List[Tuple[str, Optional[str]]] = []
+    shown = set()
+    with warnings.catch_warnings():  # restores the filters and showwarning on exit
+        warnings.simplefilter("always")
+        previous = warnings.showwarning
+
+        def hook(message: Any, category: Any, filename: str, lineno: int, file: Any = None,
+                 line: Optional[str] = None) -> None:
+            if SYNC_WARNING not in str(message):
+                key = (str(message), category, filename, lineno)
+                if key not in shown:
+                    shown.add(key)
+                    previous(message, category, filename, lineno, file, line)
+                return
+            records.append(sync_site(_stack_at_warning(filename, lineno), roots, lib_roots))
+
+        warnings.showwarning = hook
+        yield records
+
+
+# ============================================================================================
 # Measurement
 # ============================================================================================
 def _sync(device: torch.device) -> Callable[[], None]:
     return (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+
+
+def _run_once_around_prefill(worker: TpModelWorker, prompt_len: int, seed: int,
+                             wrap: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+    """One prefill as bench_one_batch's ``run_once`` runs it (one output token) with
+    ``worker.prefill`` replaced by ``wrap(worker.prefill)`` for the call: what the wrapper does
+    covers exactly the prefill (the batch is built and released outside it)."""
+    prefill = worker.prefill
+    own = vars(worker).get("prefill")  # an instance attribute to restore; None: the method
+    worker.prefill = wrap(prefill)
+    try:
+        run_once(worker, 1, prompt_len, 1, seed)
+    finally:
+        if own is None:
+            del worker.prefill
+        else:
+            worker.prefill = own
 
 
 def profiled_prefill(worker: TpModelWorker, prompt_len: int, seed: int
@@ -278,38 +445,61 @@ def profiled_prefill(worker: TpModelWorker, prompt_len: int, seed: int
     runner = worker.model_runner
     cuda = runner.device.type == "cuda"
     sync = _sync(runner.device)
-    prefill = worker.prefill
-    own = vars(worker).get("prefill")  # an instance attribute to restore; None: the method
     got: Dict[str, Any] = {}
 
-    def wrapped(*args: Any, **kwargs: Any) -> Any:
-        sync()  # the batch's host-to-device copies are not the prefill's
-        with profile(activities=activities(cuda)) as prof:
-            t0 = time.perf_counter()
-            with record_function(PREFILL_RANGE):
-                out = prefill(*args, **kwargs)
-            sync()
-            got["wall_ms"] = (time.perf_counter() - t0) * 1e3
-        got["prof"] = prof
-        return out
+    def wrap(prefill: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            sync()  # the batch's host-to-device copies are not the prefill's
+            with profile(activities=activities(cuda)) as prof:
+                t0 = time.perf_counter()
+                with record_function(PREFILL_RANGE):
+                    out = prefill(*args, **kwargs)
+                sync()
+                got["wall_ms"] = (time.perf_counter() - t0) * 1e3
+            got["prof"] = prof
+            return out
+        return wrapped
 
     remove = install_prefill_hooks([runner.model])
-    worker.prefill = wrapped
     try:
-        run_once(worker, 1, prompt_len, 1, seed)
+        _run_once_around_prefill(worker, prompt_len, seed, wrap)
     finally:
-        if own is None:
-            del worker.prefill
-        else:
-            worker.prefill = own
         remove()
     return got["prof"].events(), got["wall_ms"]
 
 
+def sync_census(worker: TpModelWorker, prompt_len: int, seed: int) -> Dict[str, Any]:
+    """One unprofiled prefill (as the timed ones run) with torch's sync debug mode on ("warn")
+    around exactly the ``worker.prefill`` call; every synchronising call in it is counted at
+    its :func:`sync_site`. Returns ``{"sync_sites": count_sync_sites(...), "syncs": total}``.
+    CUDA only: the debug mode is CUDA's."""
+    roots = repo_roots()
+    lib_roots = [os.path.abspath(p or os.curdir) for p in sys.path]
+    got: Dict[str, List[Tuple[str, Optional[str]]]] = {}
+
+    def wrap(prefill: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with recording_syncs(roots, lib_roots) as records:
+                got["records"] = records
+                before = torch.cuda.get_sync_debug_mode()  # "default" (0) unless set outside
+                torch.cuda.set_sync_debug_mode("warn")
+                try:
+                    return prefill(*args, **kwargs)
+                finally:  # also on an error: a later sync must not warn
+                    torch.cuda.set_sync_debug_mode(before)
+        return wrapped
+
+    _run_once_around_prefill(worker, prompt_len, seed, wrap)
+    sites = count_sync_sites(got["records"])
+    return {"sync_sites": sites, "syncs": sum(s["count"] for s in sites)}
+
+
 def run_prefill_census(worker: TpModelWorker, prompt_len: int, seed: int, timed: int,
-                       top: int = 3) -> Dict[str, Any]:
+                       top: int = 3, sync_sites: bool = False) -> Dict[str, Any]:
     """Warm-up, ``timed`` unprofiled prefills, then the profiled one and its census (times in
-    ms; ``top`` names per category by time and by launches)."""
+    ms; ``top`` names per category by time and by launches). ``sync_sites`` (CUDA): then one
+    more prefill, :func:`sync_census`, whose keys join the result (last: the debug mode's
+    warnings and stack walks slow the host, so no measured prefill runs with them)."""
     run_once(worker, 1, prompt_len, 1, seed)  # warm-up: allocator, Triton compiles, autotune
     plain = [run_once(worker, 1, prompt_len, 1, seed)["prefill_latency"] * 1e3
              for _ in range(timed)]
@@ -320,11 +510,14 @@ def run_prefill_census(worker: TpModelWorker, prompt_len: int, seed: int, timed:
                    for key in ("top", "most_launched")}}
             for c, row in census["categories"].items()}
     busy_ms = census["busy_us"] / 1e3
-    return {"categories": cats,
-            "total": {"kernels": census["total"]["kernels"],
-                      "ms": census["total"]["us"] / 1e3},
-            "wall_ms": wall_ms, "unprofiled_wall_ms": statistics.median(plain) if plain else None,
-            "busy_ms": busy_ms, "host_gap_ms": wall_ms - busy_ms}
+    out = {"categories": cats,
+           "total": {"kernels": census["total"]["kernels"],
+                     "ms": census["total"]["us"] / 1e3},
+           "wall_ms": wall_ms, "unprofiled_wall_ms": statistics.median(plain) if plain else None,
+           "busy_ms": busy_ms, "host_gap_ms": wall_ms - busy_ms}
+    if sync_sites and worker.model_runner.device.type == "cuda":
+        out.update(sync_census(worker, prompt_len, seed))
+    return out
 
 
 # ============================================================================================
@@ -340,6 +533,16 @@ def census_table(result: Dict[str, Any]) -> str:
         lines.append(f"| {c} | {row['kernels']} | {row['ms']:.3f} | {row['share']:.1%} |")
     tot = result["total"]
     lines.append(f"| **total** | {tot['kernels']} | {tot['ms']:.3f} | 100.0% |")
+    return "\n".join(lines)
+
+
+def sync_table(result: Dict[str, Any]) -> str:
+    """The markdown table ``| syncs | site | via |`` of a result with ``sync_sites``, most
+    first, with a total row."""
+    lines = ["| syncs | site | via |", "|---|---|---|"]
+    for row in result["sync_sites"]:
+        lines.append(f"| {row['count']} | {row['site']} | {row['via'] or ''} |")
+    lines.append(f"| **{result['syncs']}** | **total** ({len(result['sync_sites'])} sites) | |")
     return "\n".join(lines)
 
 
@@ -363,6 +566,9 @@ def _print(result: Dict[str, Any]) -> None:
         if launched:
             print(f"  {c}, most launched: "
                   + "; ".join(f"{n[:60]} x{k} ({ms:.3f} ms)" for n, ms, k in launched))
+    if "sync_sites" in result:
+        print(f"synchronising calls in one more prefill (sync debug mode): {result['syncs']}")
+        print(sync_table(result))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -382,6 +588,9 @@ def _parser() -> argparse.ArgumentParser:
                              "(default: '<layers>L <dtype> <prompt-len>')")
     parser.add_argument("--result-filename", type=str, default=None,
                         help="append one JSON line with every number")
+    parser.add_argument("--sync-sites", action="store_true",
+                        help="CUDA: one more prefill under torch's sync debug mode, counting "
+                             "every host<->device synchronisation at its call site")
     add_kernel_choices_arg(parser)
     return parser
 
@@ -414,9 +623,14 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     quant = server_args.quantization or (
         (runner.model_config.quantization_config or {}).get("quant_method"))
     layers = cfg.num_hidden_layers
+    sync_sites = args.sync_sites and runner.device.type == "cuda"
+    if args.sync_sites and not sync_sites:  # not an error: the census itself runs anywhere
+        print(f"--sync-sites needs CUDA (torch's sync debug mode); the device is "
+              f"{runner.device.type}: no sync census")
     results = []
     for prompt_len in args.prompt_len:
-        measured = run_prefill_census(worker, prompt_len, args.seed, args.timed, args.top)
+        measured = run_prefill_census(worker, prompt_len, args.seed, args.timed, args.top,
+                                      sync_sites)
         default_label = f"{layers}L {dtype}{' ' + quant if quant else ''}"
         result = {"label": f"{args.label or default_label} {prompt_len}",
                   "device": runner.device.type,

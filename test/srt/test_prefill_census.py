@@ -1,7 +1,9 @@
 """benchmark/batch1/prefill_census.py and plot_prefill_census.py: the module -> category table on
 the bundled model, a CPU census of one prefill (every top-level aten op in exactly one category,
 the JSON line's fields), the CUDA attribution and the name fallback on synthetic profiler
-events, and the figure of the census line."""
+events, the figure of the census line, and ``--sync-sites``: the attribution of a synchronising
+call to its site on synthetic stacks, the recording around a prefill (the sync debug mode
+stubbed: this host has no CUDA) and the option's no-op on CPU."""
 from __future__ import annotations
 
 import json
@@ -9,6 +11,8 @@ import os
 import re
 import subprocess
 import sys
+import traceback
+import warnings
 from pathlib import Path
 from types import ModuleType, SimpleNamespace
 
@@ -33,16 +37,21 @@ pc = _load("prefill_census")
 plot = _load("plot_prefill_census")
 
 
+def _run_census(*args: str) -> subprocess.CompletedProcess:
+    """``prefill_census.py`` on the bundled model on CPU in float32, with ``args``."""
+    env_path = os.pathsep.join([str(ROOT / "python"), str(ROOT / "sgl-kernel/python"),
+                                os.environ.get("PYTHONPATH", "")])
+    return subprocess.run([sys.executable, str(BATCH1 / "prefill_census.py"), "--device", "cpu",
+                           "--dtype", "float32", *args], capture_output=True, text=True,
+                          timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": env_path})
+
+
 @pytest.fixture(scope="module")
 def census(tmp_path_factory):
     """The JSON line and stdout of a census of one 32-token prefill of the bundled model."""
     path = tmp_path_factory.mktemp("prefill") / "prefill.jsonl"
-    env_path = os.pathsep.join([str(ROOT / "python"), str(ROOT / "sgl-kernel/python"),
-                                os.environ.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, str(BATCH1 / "prefill_census.py"), "--device", "cpu",
-                          "--dtype", "float32", "--prompt-len", str(PROMPT), str(PROMPT // 2), "--label", "tiny",
-                          "--result-filename", str(path)], capture_output=True, text=True,
-                         timeout=300, cwd=ROOT, env={**os.environ, "PYTHONPATH": env_path})
+    out = _run_census("--prompt-len", str(PROMPT), str(PROMPT // 2), "--label", "tiny",
+                      "--result-filename", str(path))
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     # One model load, one line per prompt length, in the order given.
@@ -248,3 +257,141 @@ def test_plot_rejects_bad_lines(tmp_path, capsys):
     with pytest.raises(SystemExit):
         plot.main([str(bad), "-o", str(tmp_path / "x.pdf")])
     assert "--out must name a .png or .svg file" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------------------------
+# --sync-sites
+# --------------------------------------------------------------------------------------------
+REPO_TREES = [str(ROOT / "python"), str(ROOT / "sgl-kernel" / "python")]
+SITE_PACKAGES = "/venv/lib/python3.11/site-packages"
+
+
+def _frames(*spec):
+    """``traceback.FrameSummary`` objects of ``(filename, lineno, function)``, outermost first."""
+    return [traceback.FrameSummary(f, n, name, lookup_line=False) for f, n, name in spec]
+
+
+def test_sync_site_innermost_repo_frame_has_no_via():
+    frames = _frames((f"{SITE_PACKAGES}/torch/nn/modules/module.py", 1750, "_call_impl"),
+                     (str(ROOT / "python/sglang/srt/models/bailing_moe_v3.py"), 310, "forward"),
+                     (str(ROOT / "python/sglang/srt/layers/moe/topk.py"), 88, "select_experts"))
+    assert pc.sync_site(frames, REPO_TREES) == ("sglang/srt/layers/moe/topk.py:88 "
+                                                "(select_experts)", None)
+    # The sgl-kernel tree is the repository too.
+    frames.append(traceback.FrameSummary(str(ROOT / "sgl-kernel/python/sgl_kernel/moe.py"),
+                                         42, "moe_align", lookup_line=False))
+    assert pc.sync_site(frames, REPO_TREES) == ("sgl_kernel/moe.py:42 (moe_align)", None)
+
+
+def test_sync_site_library_frame_is_the_via_of_its_repo_caller():
+    """The innermost frame in site-packages (fla's index helper) is the via; the site is the
+    innermost repository frame, not the outer one nor a library frame in between."""
+    frames = _frames((str(ROOT / "python/sglang/srt/models/bailing_moe_v3.py"), 310, "forward"),
+                     (str(ROOT / "python/sglang/srt/layers/attention/kda.py"), 205, "prefill"),
+                     (f"{SITE_PACKAGES}/fla/ops/kda/chunk.py", 300, "chunk_kda"),
+                     (f"{SITE_PACKAGES}/fla/ops/utils/index.py", 164, "prepare_chunk_indices"))
+    assert pc.sync_site(frames, REPO_TREES) == (
+        "sglang/srt/layers/attention/kda.py:205 (prefill)",
+        "fla/ops/utils/index.py:164 (prepare_chunk_indices)")
+    # Outside site-packages: below the longest import root that holds it.
+    frames[-1] = traceback.FrameSummary("/opt/py/lib/python3.11/contextlib.py", 81, "inner",
+                                        lookup_line=False)
+    assert pc.sync_site(frames, REPO_TREES, ["/opt", "/opt/py/lib/python3.11"])[1] == (
+        "contextlib.py:81 (inner)")
+
+
+def test_sync_site_without_repo_frame_is_the_innermost_frame():
+    # A sibling folder whose name starts like a tree's is not inside it.
+    frames = _frames((str(ROOT / "python_old/sglang/x.py"), 3, "run"),
+                     (f"{SITE_PACKAGES}/torch/functional.py", 1500, "unique"))
+    assert pc.sync_site(frames, REPO_TREES) == ("torch/functional.py:1500 (unique)", None)
+    frames = _frames((str(ROOT / "python_old/sglang/x.py"), 3, "run"))
+    assert pc.sync_site(frames, REPO_TREES) == (f"{ROOT.as_posix()}/python_old/sglang/x.py:3 (run)",
+                                                None)
+    assert pc.sync_site([], REPO_TREES) == ("<unknown>", None)
+
+
+def test_count_sync_sites_ranks_by_count():
+    a, b = "sglang/a.py:1 (f)", "sglang/b.py:2 (g)"
+    via = "fla/ops/utils/index.py:164 (prepare_chunk_indices)"
+    records = [(a, None)] * 3 + [(b, via)] * 5 + [(a, via), (b, None), (b, None), (b, None)]
+    assert pc.count_sync_sites(records) == [
+        {"site": b, "via": via, "count": 5}, {"site": a, "via": None, "count": 3},
+        {"site": b, "via": None, "count": 3}, {"site": a, "via": via, "count": 1}]
+    assert pc.count_sync_sites([]) == []
+
+
+# A library function compiled under a site-packages path, its warn call on line 164.
+_LIB = {}
+exec(compile("\n" * 162 + "def prepare_chunk_indices(warn, message):\n    warn(message)\n",
+             f"{SITE_PACKAGES}/fla/ops/utils/index.py", "exec"), _LIB)
+
+
+def _layer_forward():
+    """Repository code: a sync through the library, a direct one, and another warning."""
+    _LIB["prepare_chunk_indices"](warnings.warn, "called a synchronizing CUDA operation "
+                                                 "(Triggered internally at Copy.cpp:1.)")
+    for _ in range(2):
+        warnings.warn("called a synchronizing CUDA operation")
+    warnings.warn("an unrelated warning")
+
+
+class _Worker:
+    def __init__(self, body):
+        self.body = body
+
+    def prefill(self, batch):
+        return self.body()
+
+
+def test_sync_census_records_every_sync_at_its_site(monkeypatch):
+    """The debug mode is on around exactly the prefill and restored after it, also when it
+    fails; each sync is counted at its site (the warnings machinery and the hook dropped from
+    the stack); other warnings reach the previous handler once."""
+    modes, shown = [], []
+    monkeypatch.setattr(torch.cuda, "get_sync_debug_mode", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "set_sync_debug_mode", modes.append)
+    monkeypatch.setattr(pc, "run_once", lambda worker, b, n, o, seed: worker.prefill("batch"))
+    monkeypatch.setattr(pc, "repo_roots", lambda: [str(Path(__file__).resolve().parent)])
+    monkeypatch.setattr(warnings, "showwarning", lambda message, *args: shown.append(str(message)))
+
+    def body():
+        assert modes == ["warn"]
+        _layer_forward()
+        return "result"
+
+    worker = _Worker(body)
+    out = pc.sync_census(worker, 16, 0)
+    assert modes == ["warn", 0] and "prefill" not in vars(worker)
+    line = _layer_forward.__code__.co_firstlineno
+    me = Path(__file__).name
+    assert out == {"syncs": 3, "sync_sites": [
+        {"site": f"{me}:{line + 5} (_layer_forward)", "via": None, "count": 2},
+        {"site": f"{me}:{line + 2} (_layer_forward)",
+         "via": "fla/ops/utils/index.py:164 (prepare_chunk_indices)", "count": 1}]}
+    assert shown == ["an unrelated warning"]
+    table = pc.sync_table(out)
+    assert f"| 2 | {me}:{line + 5} (_layer_forward) |  |" in table
+    assert table.splitlines()[-1] == "| **3** | **total** (2 sites) | |"
+
+    def failing():
+        raise RuntimeError("boom")
+
+    modes.clear()
+    worker = _Worker(failing)
+    with pytest.raises(RuntimeError, match="boom"):
+        pc.sync_census(worker, 16, 0)
+    assert modes == ["warn", 0] and "prefill" not in vars(worker)
+    warnings.warn("called a synchronizing CUDA operation")  # the hook is gone again
+    assert shown[-1] == "called a synchronizing CUDA operation"
+
+
+def test_sync_sites_on_cpu_is_a_noop(tmp_path):
+    path = tmp_path / "sync.jsonl"
+    out = _run_census("--prompt-len", str(PROMPT // 2), "--timed", "0", "--sync-sites",
+                      "--result-filename", str(path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.count("--sync-sites needs CUDA") == 1
+    [rec] = [json.loads(line) for line in path.read_text().splitlines()]
+    assert "sync_sites" not in rec and "syncs" not in rec
+    assert rec["total"]["kernels"] > 0 and "| syncs |" not in out.stdout
