@@ -17,8 +17,12 @@ best swept config of each inner loop, dequantise + F.linear and bf16 F.linear, t
 per-token-group quantisation and the fused fp8 GEMM timed together at the default tiles, the
 quantisation alone, and the quantisation's time plus the best swept config's fp8 GEMM on
 pre-quantised activations (checked against the fp32 reference on the same quantised
-activations at the first row count). The last table adds the shapes up over the 42-layer model
-(how many layers have each projection) for one prefill of M tokens.
+activations at the first row count), and the same w8a8 product on the library's block-scaled
+fp8 GEMM (``sgl_kernel.fp8_scaled_mm.blockwise_linear``: torch's ``_scaled_mm`` per row group,
+``KernelChoices.dense_scaled_mm``; the column says "lib" where the library took every
+grid-aligned group, "deq" where it refused one and the dequantised path ran). The last table
+adds the shapes up over the 42-layer model (how many layers have each projection) for one
+prefill of M tokens.
 
 Without CUDA (``TRITON_INTERPRET=1``, fp32, wall-clock times, ``--scale`` shrinks N and M)
 it is only a smoke run.
@@ -37,6 +41,8 @@ from cold_l2 import flush_buffer, kernel_bench_device  # benchmark/kernels/cold_
 from sgl_kernel._triton_mode import LaunchConfig
 from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
 from sgl_kernel.fp8_blocks import block_quantize
+from sgl_kernel.fp8_scaled_mm import (blockwise_linear, library_status, row_groups,
+                                      scaled_mm_eligible)
 from sgl_kernel.fp8_gemm import (block_fp8_dequantize, block_fp8_gemm, block_fp8_gemm_reference,
                                  block_fp8_linear, gemm_config, launch_config)
 
@@ -138,14 +144,15 @@ def main() -> None:
     print("| shape | N x K | M | fp8 gemm default | prescaled, default tiles | best swept "
           "per-block (config) | best swept prescaled (config) | dequant + F.linear "
           "| Triton dequant + F.linear | bf16 F.linear | w8a8: quant + gemm, default tiles "
-          "| w8a8: quant alone | w8a8: quant + best swept gemm (config) | default / F.linear "
-          "| w8a8 / F.linear |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "| w8a8: quant alone | w8a8: quant + best swept gemm (config) | w8a8: quant + "
+          "library scaled_mm | default / F.linear | w8a8 / F.linear |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     totals: Dict[int, List[float]] = {}
     for name in args.shapes:
         pieces, k, layers = FLASH_SHAPES[name]
         pieces = [max(1, n // args.scale) for n in pieces]
         w, scale, rows = _weight(pieces, k, dev)
+        groups = row_groups(pieces)
         n = w.shape[0]
         cols = torch.arange(k, device=dev) // 128
         w16 = dequantize_indexed(w, scale, rows, cols, dt)
@@ -170,6 +177,17 @@ def main() -> None:
                 if err > (1e-2 if dt == torch.bfloat16 else 1e-4):
                     raise SystemExit(f"{name}: w8a8 block_fp8_gemm differs from the reference "
                                      f"(max rel. err {err:.2e})")
+                # The library's product, checked once per group shape inside: each group
+                # against w8a8 where the library took it, else against the weight-only path.
+                got = blockwise_linear(x, w, scale, groups)
+                weight_only = block_fp8_gemm_reference(x, w, scale, rows).float()
+                for r0, r1, _ in groups:
+                    lib = library_status(x.device, r1 - r0, k, dt)
+                    want = (ref if lib else weight_only)[:, r0:r1]
+                    err = float((got[:, r0:r1].float() - want).abs().max() / want.abs().max())
+                    if err > (1e-2 if dt == torch.bfloat16 else 1e-4):
+                        raise SystemExit(f"{name}: blockwise_linear rows {r0}:{r1} differ from "
+                                         f"the reference (max rel. err {err:.2e})")
             flops = 2.0 * m * n * k
 
             def fmt(us: float) -> str:
@@ -217,8 +235,12 @@ def main() -> None:
                 if t < best_w8[0]:
                     best_w8 = (t, c)
             t_w8_best = t_quant + best_w8[0]
+            t_lib = median_us(lambda: blockwise_linear(x, w, scale, groups), args.iters, flush)
+            eligible = [g for g in groups if scaled_mm_eligible(g[1] - g[0], k)]
+            took = bool(eligible) and all(library_status(x.device, g[1] - g[0], k, dt)
+                                          for g in eligible)
             times = (t_def, t_pre, best[False][0], best[True][0], t_deq, t_tdq, t_lin, t_w8,
-                     t_quant, t_w8_best)
+                     t_quant, t_w8_best, t_lib)
             tot = totals.setdefault(m, [0.0] * len(times))
             for j, t in enumerate(times):
                 tot[j] += layers * t
@@ -226,13 +248,15 @@ def main() -> None:
                   + " | ".join(f"{fmt(t)} ({_label(c)})" for t, c in (best[False], best[True]))
                   + f" | {fmt(t_deq)} | {fmt(t_tdq)} | {fmt(t_lin)} | {fmt(t_w8)} | "
                   f"{t_quant:.1f} µs | {fmt(t_w8_best)} ({_label(best_w8[1])}) | "
+                  f"{fmt(t_lib)} ({'lib' if took else 'deq'}) | "
                   f"{t_def / t_lin:.2f} | {t_w8 / t_lin:.2f} |")
     print("\nThe model's dense projections for one prefill of M tokens (each shape times its "
           "layers):\n")
     print("| M | fp8 gemm default | prescaled, default tiles | best swept per-block | best swept "
           "prescaled | dequant + F.linear | Triton dequant + F.linear | bf16 F.linear | w8a8: "
-          "quant + gemm | w8a8: quant alone | w8a8: quant + best swept gemm |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+          "quant + gemm | w8a8: quant alone | w8a8: quant + best swept gemm | w8a8: quant + "
+          "library scaled_mm |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for m, tot in totals.items():
         print(f"| {m} | " + " | ".join(f"{t / 1000:.2f} ms" for t in tot) + " |")
 

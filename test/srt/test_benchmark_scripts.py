@@ -71,8 +71,10 @@ def test_moe_grouped_gemm_sweep_runs_and_writes_its_table(tmp_path):
     for key, buckets in shapes.items():
         assert list(buckets) == ["16"]
         fp8 = key.endswith("dtype=fp8")  # fp8 records also name their inner loop
+        up = key.startswith("E=6,N=96,")  # up-projection records also their SwiGLU layout
         assert set(buckets["16"]) == {"block_m", "block_n", "block_k", "group_m", "num_warps",
-                                      "num_stages"} | ({"fp8_prescale"} if fp8 else set())
+                                      "num_stages"} | ({"fp8_prescale"} if fp8 else set()) | (
+                                          {"swiglu_interleave"} if up else set())
     assert len(re.findall(r"^\| (bf16|fp8) \| (up|down) \| ", stdout, re.MULTILINE)) == 4
     # Both fp8 inner loops were timed (--fp8-prescale defaults to 0 1).
     assert len(re.findall(r"^\| fp8 \| (up|down) \| .* \| [\d.]+ / [\d.]+ \|$", stdout,

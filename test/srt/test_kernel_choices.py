@@ -32,6 +32,7 @@ def test_defaults_on_cuda(quantized, backend):
     assert kc.moe_align_kernel == triton_moe  # the grouped GEMM path's expert sort kernel
     # w8a8: the MoE's grouped GEMMs on fp8 models (timed faster), not the dense GEMMs (untimed)
     assert kc.moe_fp8_activations == quantized and not kc.dense_fp8_activations
+    assert not kc.dense_scaled_mm  # the library's block-scaled GEMM: untimed
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -44,7 +45,7 @@ def test_defaults_off_cuda_are_the_torch_paths(quantized):
                                    mla_absorb_gemv=False, kda_norm_in_o_proj=False,
                                    moe_grouped_mm=False, pdl_weight_prefetch=True,
                                    moe_align_kernel=False, moe_fp8_activations=False,
-                                   dense_fp8_activations=False)
+                                   dense_fp8_activations=False, dense_scaled_mm=False)
 
 
 def test_triton_moe_backend_brings_router_and_combine_anywhere():

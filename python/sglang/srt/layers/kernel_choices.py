@@ -38,7 +38,11 @@ knows (:func:`default_kernel_choices`):
   timed both grouped GEMMs 1.7x faster than on bf16 activations at 8192 tokens and 1.8x at
   1024, and the accuracy gate held (docs/performance.md, "Prefill MoE: swept fp8 tiles and fp8
   activations"). For the dense projections (``sgl_kernel.fp8_gemm``'s tiled GEMM instead of a
-  dequantised weight and cuBLAS): off, not timed on the GPU yet.
+  dequantised weight and cuBLAS): off, measured slower.
+* ``dense_scaled_mm`` (the dense projections' w8a8 product above the small-M range on torch's
+  block-scaled ``_scaled_mm``, cuBLASLt's fp8 GEMM with 1 x 128 / 128 x 128 scales:
+  ``sgl_kernel.fp8_scaled_mm``; each weight shape checked once against the dequantised product):
+  off until timed on the GPU.
 * ``kda_norm_in_o_proj`` (KDA's output norm inside o_proj's loads; measured slower than its own
   launch) and ``moe_grouped_mm`` (the torch-native MoE's large batches through
   ``torch._grouped_mm``; never measured): off. ``pdl_weight_prefetch`` (the small-M GEMM's
@@ -88,6 +92,7 @@ class KernelChoices:
     moe_align_kernel: Optional[bool] = None
     moe_fp8_activations: Optional[bool] = None
     dense_fp8_activations: Optional[bool] = None
+    dense_scaled_mm: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name, value in self.items().items():
@@ -167,6 +172,7 @@ def default_kernel_choices(device_type: str, *, quantized: bool, moe_runner_back
         moe_align_kernel=cuda and triton_moe,
         moe_fp8_activations=cuda and quantized,
         dense_fp8_activations=False,
+        dense_scaled_mm=False,
     )
 
 

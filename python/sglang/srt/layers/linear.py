@@ -133,6 +133,8 @@ class LinearBase(nn.Module):
     # KernelChoices.dense_fp8_activations (quantization.fp8.set_fp8_activations): a block-fp8 layer's
     # products above the small-M range on fp8 activations.
     fp8_activations = False
+    # KernelChoices.dense_scaled_mm: the same on torch's block-scaled _scaled_mm.
+    dense_scaled_mm = False
 
     def __init__(self, input_size: int, output_size: int, bias: bool,
                  params_dtype: Optional[torch.dtype]):

@@ -527,7 +527,7 @@ class ModelRunner:
         set_kda_norm_in_o_proj(self.model, kc.kda_norm_in_o_proj)
         set_mla_absorb_gemv(self.model, kc.mla_absorb_gemv)
         set_fp8_activations(self.model, moe=kc.moe_fp8_activations,
-                            dense=kc.dense_fp8_activations)
+                            dense=kc.dense_fp8_activations, dense_scaled_mm=kc.dense_scaled_mm)
         self.pdl = self._init_pdl(kc.pdl_weight_prefetch)
         if quantized and self.device.type == "cuda" and not self.small_m_gemm:
             logger.warning("fp8 weights with KernelChoices(small_m_gemm=False): every dense "

@@ -202,6 +202,7 @@ def _fp8_pair(cfg: Fp8Config, layer: nn.Module, lead: Tuple[int, ...], pieces: L
     weight.dummy_init = _make_dummy_init(cfg, weight, scale, pieces, fan_in, dtype)
     scale.dummy_init = _no_dummy_init
     layer.register_buffer(f"{name}_row_block", block_index(pieces, bn), persistent=False)
+    setattr(layer, f"{name}_pieces", tuple(int(p) for p in pieces))  # the scale grids, on host
     layer.register_buffer(f"{name}_col_block", torch.arange(cols) // bk, persistent=False)
     return weight, scale
 
@@ -232,6 +233,19 @@ class Fp8LinearMethod(LinearMethodBase):
         return dequantize_indexed(layer.weight, layer.weight_scale_inv, layer.weight_row_block,
                                   layer.weight_col_block, dtype)
 
+    def _scaled_mm_groups(self, layer: nn.Module):
+        """The weight's row groups for ``sgl_kernel.fp8_scaled_mm`` (one 128-row scale grid
+        each), cached on the layer; None unless the blocks are 128 x 128, the library's."""
+        groups = getattr(layer, "_scaled_mm_row_groups", False)
+        if groups is False:
+            groups = None
+            if tuple(self.config.weight_block_size) == (128, 128):
+                from sgl_kernel.fp8_scaled_mm import row_groups
+
+                groups = row_groups(layer.weight_pieces, 128)
+            layer._scaled_mm_row_groups = groups
+        return groups
+
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None, gated_norm=None) -> torch.Tensor:
         """The product with the fp8 weight. The layer's ``small_m_gemm`` flag (set by
@@ -247,7 +261,9 @@ class Fp8LinearMethod(LinearMethodBase):
         "w8a8": x quantised per token and
         128-column group to e4m3 and multiplied by the fp8 weight on the fp8 tensor cores by
         the tiled GEMM, no dequantised weight (values within the activations' e4m3 rounding of
-        the reference path's). Off, the reference path: ``linear(x, dequant(weight), bias)``,
+        the reference path's); with the layer's ``dense_scaled_mm``
+        (``KernelChoices.dense_scaled_mm``, first if both are on) the same w8a8 numerics on
+        the library's block-scaled fp8 GEMM (``sgl_kernel.fp8_scaled_mm``). Off, the reference path: ``linear(x, dequant(weight), bias)``,
         which forms the whole weight in x's dtype in several fp32 torch passes at every call.
         The small-M kernel keeps x in its dtype either way. A ``gated_norm`` prologue above the
         small-M range is the torch GatedRMSNorm first, as in :func:`linear`."""
@@ -265,26 +281,36 @@ class Fp8LinearMethod(LinearMethodBase):
 
             if gated_norm is not None:
                 x = gated_rms_norm_heads(x, gated_norm)
-            y = fp8_gemm.block_fp8_linear(x.reshape(-1, x.shape[-1]), layer.weight,
-                                          layer.weight_scale_inv, layer.weight_row_block, bias,
-                                          fp8_activations=layer.fp8_activations)
+            x2 = x.reshape(-1, x.shape[-1])
+            groups = self._scaled_mm_groups(layer) if layer.dense_scaled_mm else None
+            if groups is not None:
+                from sgl_kernel.fp8_scaled_mm import blockwise_linear
+
+                y = blockwise_linear(x2, layer.weight, layer.weight_scale_inv, groups, bias)
+            else:
+                y = fp8_gemm.block_fp8_linear(x2, layer.weight, layer.weight_scale_inv,
+                                              layer.weight_row_block, bias,
+                                              fp8_activations=layer.fp8_activations)
             return y.reshape(*x.shape[:-1], y.shape[-1])
         return linear(x, self.dequantized_weight(layer, x.dtype), bias, gated_norm=gated_norm)
 
 
-def set_fp8_activations(model: nn.Module, *, moe: bool, dense: bool) -> None:
+def set_fp8_activations(model: nn.Module, *, moe: bool, dense: bool,
+                        dense_scaled_mm: bool = False) -> None:
     """``KernelChoices.moe_fp8_activations`` / ``dense_fp8_activations``: the block-fp8 MoE
     experts (``moe``) and dense layers (``dense``) of ``model`` quantise their activations per
     token and 128-column group above the small-M range and multiply on the fp8 tensor cores
     ("w8a8"), or keep them in the model dtype. Only the layers' Triton paths read it (the Triton
     MoE backend's grouped GEMM; ``small_m_gemm`` for a dense layer): the torch reference paths
-    stay weight-only."""
+    stay weight-only. ``dense_scaled_mm`` (``KernelChoices.dense_scaled_mm``): a dense
+    layer's w8a8 product on torch's block-scaled ``_scaled_mm`` instead."""
     for module in model.modules():
         method = getattr(module, "quant_method", None)
         if isinstance(method, Fp8MoEMethod):
             module.fp8_activations = bool(moe)
         elif isinstance(method, Fp8LinearMethod):
             module.fp8_activations = bool(dense)
+            module.dense_scaled_mm = bool(dense_scaled_mm)
 
 
 class DequantizedExperts:

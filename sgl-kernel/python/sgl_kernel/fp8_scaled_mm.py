@@ -1,0 +1,220 @@
+"""Block-fp8 linear layers on the library's fp8 GEMM: torch's ``_scaled_mm`` with block scales.
+
+``x [M, K] @ dequant(w).T`` where ``w [N, K]`` is e4m3 with one fp32 scale per 128 x 128 block
+(:mod:`sgl_kernel.fp8_blocks`) and ``x`` is quantised per row and 128-column group
+(:mod:`sgl_kernel.fp8_act_quant`): the "DeepSeek recipe" that cuBLASLt runs on sm_90 (CUDA
+12.9 and later) behind ``torch._scaled_mm``. Torch infers the scheme from the scale tensors'
+shapes and strides (``aten/src/ATen/native/cuda/ScaledBlas.cpp``'s checks, in our words):
+
+* ``mat_a`` row-major ``[M, K]`` e4m3 with ``scale_a [M, ceil(K/128)]`` fp32 *outer-dim-major*
+  (stride ``(1, M)``: the column-major copy of the quantiser's row-major scales);
+* ``mat_b = w.t()`` (``[K, N]`` column-major, which sm_90 requires) with ``scale_b`` such that
+  ``scale_b.t()`` is ``[ceil(N/128), ceil(K/128)]`` row-major: the checkpoint's
+  ``weight_scale_inv`` as stored, passed transposed;
+* ``K`` and ``N`` multiples of 16.
+
+A fused weight (``MergedColumnParallelLinear``: q | k | v | b | f | g of a KDA layer) gives every
+piece its own scale grid (``quantization.fp8_utils.block_index``), so a piece that is not a
+multiple of 128 rows (KDA's ``b``: one row per head) breaks the uniform 128-row grid the
+library assumes. :func:`row_groups` cuts the weight into groups that each have one grid; each
+group is one call, a group the library cannot take (rows not a multiple of 16) runs on its
+dequantised weight, and the outputs are concatenated.
+
+The library is the GPU's: whether a group runs, and whether it computes what the scales mean,
+is checked once per weight shape against the dequantised product (:func:`blockwise_linear`,
+outside CUDA-graph capture); a shape that fails keeps the dequantised path, with one warning.
+:func:`scaled_mm_reference` is the contract above in plain torch, strides checked as torch
+checks them; CPU tests run the layer path against it.
+"""
+from __future__ import annotations
+
+import logging
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
+from sgl_kernel.fp8_blocks import QBLOCK
+from sgl_kernel.fp8_gemm import block_fp8_dequantize
+
+__all__ = ["RowGroup", "row_groups", "scaled_mm_operands", "scaled_mm_reference",
+           "blockwise_linear", "scaled_mm_eligible", "library_status"]
+
+logger = logging.getLogger(__name__)
+
+# (first weight row, end row, first scale row) of a run of rows on one 128-row scale grid.
+RowGroup = Tuple[int, int, int]
+
+# (device index, N, K, x dtype) -> whether the library's product passed its check.
+_CHECKED: Dict[Tuple[int, int, int, torch.dtype], bool] = {}
+# Relative error (max |diff| / max |ref|) above which the library's product is refused: both
+# sides sum the same e4m3 products in fp32 and round once to x's dtype.
+_CHECK_TOL = 1e-2
+_CHECK_ROWS = 64  # rows of the first call that the check recomputes
+
+
+def row_groups(pieces: Sequence[int], block: int = QBLOCK) -> List[RowGroup]:
+    """The row groups of a weight made of ``pieces`` (row counts), each piece on its own
+    ``block``-row scale grid: consecutive pieces that are multiples of ``block`` share one grid
+    and form one group; any other piece is a group of its own (the next piece starts a new
+    scale row, so the grid breaks after it)."""
+    groups: List[RowGroup] = []
+    row = scale_row = 0
+    start: Optional[Tuple[int, int]] = None  # (row, scale row) of the open run
+    for n in (int(p) for p in pieces):
+        if n % block == 0:
+            if start is None:
+                start = (row, scale_row)
+        else:
+            if start is not None:
+                groups.append((start[0], row, start[1]))
+                start = None
+            groups.append((row, row + n, scale_row))
+        row += n
+        scale_row += -(-n // block)
+    if start is not None:
+        groups.append((start[0], row, start[1]))
+    return [g for g in groups if g[1] > g[0]]
+
+
+def _key(device: torch.device, n: int, k: int, dtype: torch.dtype
+         ) -> Tuple[int, int, int, torch.dtype]:
+    return (device.index if device.index is not None else -1, n, k, dtype)
+
+
+def library_status(device: torch.device, n: int, k: int, dtype: torch.dtype) -> Optional[bool]:
+    """Whether a ``[n, k]`` weight group on ``device`` with ``dtype`` activations runs on the
+    library (True), keeps the dequantised path (False) or has not been checked yet (None)."""
+    return _CHECKED.get(_key(device, n, k, dtype))
+
+
+def scaled_mm_eligible(n: int, k: int) -> bool:
+    """Whether ``_scaled_mm`` takes a ``[n, k]`` weight group (its multiple-of-16 checks)."""
+    return n > 0 and n % 16 == 0 and k % 16 == 0
+
+
+def scaled_mm_operands(q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor,
+                       w_scale: torch.Tensor
+                       ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(mat_a, mat_b, scale_a, scale_b)`` for ``torch._scaled_mm`` from the quantised rows
+    ``q [M, K]`` with their row-major group scales ``q_scale [M, ceil(K/128)]`` and a weight
+    group ``w [N, K]`` with its row-major block scales ``w_scale [ceil(N/128), ceil(K/128)]``
+    (module docstring: the activations' scales go column-major, the weight and its scales are
+    passed transposed, no copy)."""
+    return q, w.t(), q_scale.t().contiguous().t(), w_scale.t()
+
+
+def _stride_ok(scale: torch.Tensor, dim: int, size: int, stride: int) -> bool:
+    return scale.shape[dim] == size and (size <= 1 or scale.stride(dim) == stride)
+
+
+def scaled_mm_reference(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor,
+                        scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """``torch._scaled_mm`` with 1 x 128 scales on ``mat_a`` and 128 x 128 on ``mat_b`` in plain
+    torch: the same layout checks (module docstring; a ``ValueError`` names the one that
+    fails) and ``out[m, n] = sum_k a[m, k] * scale_a[m, k // 128] * b[k, n] *
+    scale_b[k // 128, n // 128]`` in fp32, rounded once to ``out_dtype``."""
+    m, k = mat_a.shape
+    n = mat_b.shape[1]
+    kb, nb = -(-k // QBLOCK), -(-n // QBLOCK)
+    if mat_b.shape[0] != k:
+        raise ValueError(f"scaled_mm: shapes {tuple(mat_a.shape)} and {tuple(mat_b.shape)}")
+    if k % 16 or n % 16:
+        raise ValueError(f"scaled_mm: K ({k}) and N ({n}) must be multiples of 16")
+    if mat_a.stride(1) != 1 or mat_b.stride(0) != 1:
+        raise ValueError("scaled_mm: mat_a must be row-major and mat_b column-major")
+    if not (scale_a.dim() == 2 and _stride_ok(scale_a, 0, m, 1)
+            and _stride_ok(scale_a, 1, kb, m)):
+        raise ValueError(f"scaled_mm: scale_a must be [{m}, {kb}] outer-dim-major, got "
+                         f"{tuple(scale_a.shape)} stride {scale_a.stride()}")
+    sbt = scale_b.t()
+    if not (sbt.dim() == 2 and _stride_ok(sbt, 0, nb, kb) and _stride_ok(sbt, 1, kb, 1)):
+        raise ValueError(f"scaled_mm: scale_b.t() must be [{nb}, {kb}] row-major, got "
+                         f"{tuple(sbt.shape)} stride {sbt.stride()}")
+    cols = torch.arange(k, device=mat_a.device) // QBLOCK
+    a = mat_a.float() * scale_a.float()[:, cols]
+    rows = torch.arange(n, device=mat_a.device) // QBLOCK
+    b = mat_b.float() * sbt.float()[rows][:, cols].t()
+    return (a @ b).to(out_dtype)
+
+
+def _library_scaled_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor,
+                       scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    return torch._scaled_mm(mat_a, mat_b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+
+
+def _dequantized_any(q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor,
+                     w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The product of the dequantised operands (fp32 sums, one rounding): the reference of the
+    once-per-shape check, for any shape."""
+    k = q.shape[1]
+    cols = torch.arange(k, device=q.device) // QBLOCK
+    rows = torch.arange(w.shape[0], device=q.device) // QBLOCK
+    a = q.float() * q_scale.float()[:, cols]
+    b = w.float() * w_scale.float()[rows][:, cols]
+    return (a @ b.t()).to(out_dtype)
+
+
+def _group_uses_library(key: Tuple[int, int, int, torch.dtype], q: torch.Tensor,
+                        q_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                        out: torch.Tensor) -> bool:
+    """Whether the group's shape may use the library: checked once (``out`` the library's
+    product of this call) against the dequantised product of the first rows; never decided
+    during CUDA-graph capture (a check reads a value on the host)."""
+    if key in _CHECKED:
+        return _CHECKED[key]
+    rows = min(q.shape[0], _CHECK_ROWS)
+    ref = _dequantized_any(q[:rows], q_scale[:rows], w, w_scale, torch.float32)
+    err = float((out[:rows].float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    ok = err <= _CHECK_TOL
+    if not ok:
+        logger.warning("fp8 scaled_mm: the library's block-scaled product of a [%d, %d] weight "
+                       "is %.2e off the dequantised one; this shape keeps the dequantised path",
+                       w.shape[0], w.shape[1], err)
+    _CHECKED[key] = ok
+    return ok
+
+
+def blockwise_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     groups: Sequence[RowGroup], bias: Optional[torch.Tensor] = None,
+                     mm: Optional[Callable[..., torch.Tensor]] = None) -> torch.Tensor:
+    """``x [M, K] @ dequant(w).T (+ bias)`` in x's dtype with x quantised per row and
+    128-column group and each row group of ``w`` (:func:`row_groups`, covering all its rows)
+    on ``mm`` (default ``torch._scaled_mm``; tests pass :func:`scaled_mm_reference`).
+
+    A group the library does not take (rows not a multiple of 16, a shape whose check failed or
+    that it refused, or one not yet checked while a CUDA graph is being captured) runs as the
+    engine's weight-only path does: its weight dequantised to x's dtype
+    (:func:`sgl_kernel.fp8_gemm.block_fp8_dequantize`) and ``F.linear`` on x as it is."""
+    if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
+        raise ValueError(f"blockwise_linear: expected x [M, K], w [N, K]; got "
+                         f"{tuple(x.shape)}, {tuple(w.shape)}")
+    if not groups or groups[0][0] != 0 or groups[-1][1] != w.shape[0] or any(
+            a[1] != b[0] for a, b in zip(groups, groups[1:])):
+        raise ValueError(f"blockwise_linear: row groups {list(groups)} do not cover the weight's "
+                         f"{w.shape[0]} rows in order")
+    mm = mm or _library_scaled_mm
+    q, q_scale = per_token_group_quant_fp8(x if x.stride(1) == 1 else x.contiguous())
+    capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
+    outs = []
+    for r0, r1, s0 in groups:
+        wg, sg = w[r0:r1], w_scale[s0:s0 + -(-(r1 - r0) // QBLOCK)]
+        key = _key(x.device, r1 - r0, w.shape[1], x.dtype)
+        out = None
+        if scaled_mm_eligible(r1 - r0, w.shape[1]) and _CHECKED.get(key, not capturing):
+            try:
+                out = mm(*scaled_mm_operands(q, q_scale, wg, sg), out_dtype=x.dtype)
+            except (RuntimeError, ValueError) as exc:  # the library refuses this layout
+                if key not in _CHECKED:
+                    logger.warning("fp8 scaled_mm: a [%d, %d] weight group is refused (%s); "
+                                   "it keeps the dequantised path", r1 - r0, w.shape[1],
+                                   str(exc).splitlines()[0])
+                _CHECKED[key] = False
+            else:
+                if not _group_uses_library(key, q, q_scale, wg, sg, out):
+                    out = None
+        if out is None:
+            out = torch.nn.functional.linear(x, block_fp8_dequantize(wg, sg, None, x.dtype))
+        outs.append(out)
+    y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+    return y if bias is None else y + bias

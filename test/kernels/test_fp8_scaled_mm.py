@@ -1,0 +1,204 @@
+"""sgl_kernel.fp8_scaled_mm: block-fp8 linear layers on torch's block-scaled ``_scaled_mm``.
+
+On CPU the library's product is :func:`scaled_mm_reference` (torch's layout checks and the block
+scales' meaning in plain torch), passed as ``mm``; the quantiser and the dequantised fallback run
+in Triton's interpreter. The ``gpu`` test runs ``torch._scaled_mm`` itself on Ling-3.0-flash's
+fused KDA projection shape.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from kernel_test_utils import DEVICE, ON_CUDA, needs_triton
+from sgl_kernel import fp8_scaled_mm as fsm
+from sgl_kernel.fp8_act_quant import group_dequantize, per_token_group_quant_fp8
+from sgl_kernel.fp8_blocks import block_dequantize
+
+pytestmark = needs_triton
+
+
+@pytest.fixture(autouse=True)
+def fresh_checks(monkeypatch):
+    """Each test decides its shapes' checks anew."""
+    monkeypatch.setattr(fsm, "_CHECKED", {})
+
+
+def _fused_weight(pieces, k: int, seed: int):
+    """An e4m3 weight made of ``pieces``, each on its own 128-row scale grid (as
+    ``quantization.fp8`` lays out a merged layer), with varied block scales."""
+    from sglang.srt.layers.quantization.fp8_utils import block_index
+
+    gen = torch.Generator().manual_seed(seed)
+    n = sum(pieces)
+    q = (torch.randn(n, k, generator=gen) * 64).clamp(-448, 448).to(torch.float8_e4m3fn)
+    rows = sum(-(-p // 128) for p in pieces)
+    scale = torch.rand(rows, -(-k // 128), generator=gen) * 1e-3 + 1e-4
+    return q.to(DEVICE), scale.to(DEVICE), block_index(pieces, 128).to(DEVICE)
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
+
+
+def test_row_groups_follow_the_scale_grids():
+    # KDA's q | k | v | b | f | g: b (one row per head) breaks the grid, f starts a new one.
+    assert fsm.row_groups([2560, 2560, 2560, 20, 2560, 2560]) == [
+        (0, 7680, 0), (7680, 7700, 60), (7700, 12820, 61)]
+    assert fsm.row_groups([768, 768]) == [(0, 1536, 0)]
+    assert fsm.row_groups([96, 96]) == [(0, 96, 0), (96, 192, 1)]
+    assert fsm.row_groups([256, 0, 128]) == [(0, 384, 0)]
+    assert fsm.scaled_mm_eligible(7680, 2560) and not fsm.scaled_mm_eligible(20, 2560)
+    assert not fsm.scaled_mm_eligible(96, 200)
+
+
+def test_operands_pass_the_library_layout_checks():
+    q, s, _ = _fused_weight([256], 384, seed=1)
+    x = torch.randn(40, 384).to(DEVICE)
+    xq, xs = per_token_group_quant_fp8(x)
+    a, b, sa, sb = fsm.scaled_mm_operands(xq, xs, q, s)
+    assert sa.stride() == (1, 40) and torch.equal(sa, xs)  # outer-dim-major, same values
+    assert b.stride(0) == 1 and sb.t().is_contiguous()
+    out = fsm.scaled_mm_reference(a, b, sa, sb, torch.float32)
+    ref = group_dequantize(xq, xs) @ block_dequantize(q, s, torch.float32).t()
+    assert _rel(out, ref) < 1e-6
+    with pytest.raises(ValueError, match="scale_a must be"):
+        fsm.scaled_mm_reference(a, b, xs, sb, torch.float32)  # row-major activation scales
+    with pytest.raises(ValueError, match="scale_b.t"):
+        fsm.scaled_mm_reference(a, b, sa, s, torch.float32)  # the scales not transposed
+    with pytest.raises(ValueError, match="multiples of 16"):
+        fsm.scaled_mm_reference(a, b[:, :20], sa, s[:1].t(), torch.float32)
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-5), (torch.float16, 2e-3)])
+def test_fused_weight_through_row_groups(dtype, tol):
+    """A merged weight with a piece off the 128-row grid: the grid-aligned groups on the
+    library's product equal w8a8 (x quantised per row and group) on the dequantised weight, the
+    20-row group the dequantised weight-only path; the bias is added once."""
+    pieces, k, m = [256, 20, 128], 192, 24  # K = 192: a partial last scale column
+    q, s, rows = _fused_weight(pieces, k, seed=2)
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(m, k, generator=gen).to(DEVICE, dtype)
+    bias = torch.randn(sum(pieces), generator=gen).to(DEVICE, dtype)
+    calls = []
+
+    def mm(*args, out_dtype):
+        calls.append(args[1].shape[1])
+        return fsm.scaled_mm_reference(*args, out_dtype)
+
+    groups = fsm.row_groups(pieces)
+    y = fsm.blockwise_linear(x, q, s, groups, bias, mm=mm)
+    assert calls == [256, 128] and y.shape == (m, sum(pieces)) and y.dtype == dtype
+    w = block_dequantize(q, s, torch.float32, rows=rows)
+    xq, xs = per_token_group_quant_fp8(x)
+    w8a8 = (group_dequantize(xq, xs) @ w.t() + bias.float()).to(dtype)
+    weight_only = torch.nn.functional.linear(x, block_dequantize(q, s, dtype, rows=rows), bias)
+    lib = torch.cat([torch.arange(0, 256), torch.arange(276, 404)])
+    assert _rel(y[:, lib], w8a8[:, lib]) < tol
+    assert _rel(y[:, 256:276], weight_only[:, 256:276]) < tol
+
+
+def test_a_library_that_misreads_the_scales_is_refused(caplog):
+    """A product that treats the weight's scales as untransposed fails the once-per-shape check:
+    that shape keeps the dequantised path (one warning), also on the next call."""
+    q, s, _ = _fused_weight([256], 256, seed=4)
+    x = torch.randn(16, 256).to(DEVICE)
+    calls = []
+
+    def wrong(a, b, sa, sb, out_dtype):
+        calls.append(1)
+        return fsm.scaled_mm_reference(a, b, sa, sb.t().flip(0).t(), out_dtype)
+
+    weight_only = torch.nn.functional.linear(x, block_dequantize(q, s, torch.float32))
+    with caplog.at_level(logging.WARNING, logger=fsm.__name__):
+        y = fsm.blockwise_linear(x, q, s, [(0, 256, 0)], mm=wrong)
+        y2 = fsm.blockwise_linear(x, q, s, [(0, 256, 0)], mm=wrong)
+    assert calls == [1]  # checked once, not called again
+    assert torch.equal(y, y2) and _rel(y, weight_only) < 1e-5
+    assert sum("keeps the dequantised path" in r.message for r in caplog.records) == 1
+
+
+def test_a_refusing_library_falls_back_once(caplog):
+    q, s, _ = _fused_weight([128], 128, seed=5)
+    x = torch.randn(8, 128).to(DEVICE)
+    calls = []
+
+    def refuses(*args, out_dtype):
+        calls.append(1)
+        raise RuntimeError("Invalid scaling configuration.\nmore")
+
+    with caplog.at_level(logging.WARNING, logger=fsm.__name__):
+        for _ in range(2):
+            y = fsm.blockwise_linear(x, q, s, [(0, 128, 0)], mm=refuses)
+    assert calls == [1]
+    assert _rel(y, torch.nn.functional.linear(x, block_dequantize(q, s, torch.float32))) < 1e-5
+    assert any("Invalid scaling configuration." in r.message for r in caplog.records)
+
+
+def test_rejects_bad_inputs():
+    q, s, _ = _fused_weight([128], 128, seed=6)
+    with pytest.raises(ValueError, match="do not cover"):
+        fsm.blockwise_linear(torch.randn(4, 128).to(DEVICE), q, s, [(0, 64, 0)])
+    with pytest.raises(ValueError, match="expected x"):
+        fsm.blockwise_linear(torch.randn(4, 96).to(DEVICE), q, s, [(0, 128, 0)])
+
+
+def test_fp8_linear_layer_with_dense_scaled_mm(monkeypatch):
+    """A merged block-fp8 layer (pieces 96 | 20 | 128, K = 160, a bias) with ``small_m_gemm``
+    and ``dense_scaled_mm`` (what ``KernelChoices.dense_scaled_mm`` sets) above the small-M
+    rows: ``blockwise_linear`` on the layer's row groups, the library called for the two
+    grid-aligned groups; within the activations' e4m3 rounding of the weight-only path; a 3-D
+    x keeps its leading dims; the flag off: ``block_fp8_linear`` as before."""
+    from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS
+    from sglang.srt.layers.linear import MergedColumnParallelLinear
+    from sglang.srt.layers.quantization import quantization_scope
+    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.model_loader.weight_utils import LazyWeight
+
+    pieces, k = [96, 20, 128], 160
+    gen = torch.Generator().manual_seed(8)
+    with quantization_scope(Fp8Config()):
+        layer = MergedColumnParallelLinear(k, pieces, bias=True, params_dtype=torch.float32)
+    for i, n in enumerate(pieces):
+        layer.weight_loader(layer.weight, LazyWeight.from_tensor(
+            f"w{i}", torch.randn(n, k, generator=gen) / k ** 0.5), i)
+    layer.weight_loader(layer.bias, LazyWeight.from_tensor("b", torch.randn(sum(pieces),
+                                                                            generator=gen)))
+    layer = layer.to(DEVICE)
+    x = torch.randn(100, k, generator=gen).to(DEVICE)
+    assert x.shape[0] > SMALL_M_MAX_ROWS
+    ref = torch.nn.functional.linear(x, layer.quant_method.dequantized_weight(layer, x.dtype),
+                                     layer.bias)
+    calls = []
+    monkeypatch.setattr(fsm, "_library_scaled_mm", lambda *a, out_dtype: calls.append(
+        a[1].shape[1]) or fsm.scaled_mm_reference(*a, out_dtype))
+    layer.small_m_gemm = True
+    plain = layer(x)
+    assert not calls and torch.equal(plain, ref)  # flag off: the weight-only path
+    layer.dense_scaled_mm = True
+    got = layer(x)
+    assert calls == [96, 128] and 0 < _rel(got, ref) < 0.1
+    assert _rel(got[:, 96:116], ref[:, 96:116]) < 1e-6  # the 20-row piece: weight-only
+    assert torch.equal(layer(x.reshape(4, 25, k)), got.reshape(4, 25, sum(pieces)))
+
+
+@pytest.mark.gpu
+def test_library_product_on_the_kda_projection_shape_on_cuda():
+    """``torch._scaled_mm`` itself on the 42-layer model's fused KDA projection (q | k | v | b |
+    f | g, K = 2560) at 256 rows in bf16: within bf16 rounding of w8a8 on the dequantised weight.
+    Skipped, with the library's reason, where this torch / cuBLAS does not take block scales."""
+    if not ON_CUDA:
+        pytest.skip("needs CUDA")
+    pieces = [2560, 2560, 2560, 20, 2560, 2560]
+    q, s, rows = _fused_weight(pieces, 2560, seed=7)
+    x = torch.randn(256, 2560, device="cuda", dtype=torch.bfloat16)
+    y = fsm.blockwise_linear(x, q, s, fsm.row_groups(pieces))
+    xq, xs = per_token_group_quant_fp8(x)
+    ref = group_dequantize(xq, xs) @ block_dequantize(q, s, torch.float32, rows=rows).t()
+    assert _rel(y, ref) < 1e-2
+    used = {n: fsm.library_status(x.device, n, 2560, x.dtype) for n in (7680, 20, 5120)}
+    if not used[7680]:
+        pytest.skip(f"the library did not take the block-scaled product here: {used}")
+    assert used == {7680: True, 20: None, 5120: True}  # the 20-row piece never asks it
