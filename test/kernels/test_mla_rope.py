@@ -13,25 +13,28 @@ pytestmark = needs_triton
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if ON_CUDA else [])
 
 
-def _inputs(dtype, t=3, h=11, r=40, d=16, seed=0):
+def _inputs(dtype, t=3, h=11, r=40, d=16, seed=0, rk=None):
+    """``rk``: the key's non-rope width when it differs from the query's ``r`` (normal form)."""
     gen = torch.Generator().manual_seed(seed)
+    rk = r if rk is None else rk
     # q_latent as the absorbed bmm leaves it ([H, T, R] transposed), q_rope / k_rope as slices
     # of wider projection outputs: none of them contiguous beyond the last dim.
     q_latent = torch.randn(h, t, r, generator=gen).to(DEVICE, dtype).transpose(0, 1)
     q_full = torch.randn(t, h, 8 + d, generator=gen).to(DEVICE, dtype)
-    kv = torch.randn(t, r + d, generator=gen).to(DEVICE, dtype)
-    latent = torch.randn(t, r, generator=gen).to(DEVICE, dtype)
+    kv = torch.randn(t, rk + d, generator=gen).to(DEVICE, dtype)
+    latent = torch.randn(t, rk, generator=gen).to(DEVICE, dtype)
     positions = torch.tensor([5, 0, 1000][:t], device=DEVICE)
-    return positions, q_latent, q_full[..., 8:], latent, kv[:, r:]
+    return positions, q_latent, q_full[..., 8:], latent, kv[:, rk:]
 
 
+@pytest.mark.parametrize("rk", [None, 72])  # 72: a key wider than the query (normal form)
 @pytest.mark.parametrize("neox", [False, True])
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_equals_rope_then_cat(dtype, neox):
+def test_equals_rope_then_cat(dtype, neox, rk):
     from sgl_kernel.mla_rope import mla_rope_assemble, mla_rope_reference
     from sglang.srt.layers.rotary_embedding import RotaryEmbedding
 
-    positions, q_latent, q_rope, latent, k_rope = _inputs(dtype)
+    positions, q_latent, q_rope, latent, k_rope = _inputs(dtype, rk=rk)
     rope = RotaryEmbedding(16, 16, 2048, 10000.0, is_neox_style=neox)
     table = rope.cos_sin_cache(positions.device)
     q, k = mla_rope_assemble(positions, table, q_latent, q_rope, latent, k_rope, neox)
@@ -58,7 +61,7 @@ def test_rejects_bad_shapes():
                           k_rope, False)
 
 
-def test_model_with_the_kernel_equals_the_torch_form():
+def test_model_with_the_kernel_equals_the_torch_form(monkeypatch):
     """The bundled model with ``set_rope_backend`` on: prefill and decode logits bit-equal to the
     torch rotation and concatenations (the MLA layers' only change)."""
     from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
@@ -71,16 +74,26 @@ def test_model_with_the_kernel_equals_the_torch_form():
         pytest.skip("no bundled model")
     # The torch form first (the default on CUDA is the kernel).
     runner = ModelRunner(ModelConfig.from_path(str(BUNDLED_MODEL_DIR)), device=DEVICE,
-                         dtype=torch.float32, max_running_requests=2, max_total_tokens=64,
+                         dtype=torch.float32, max_running_requests=4, max_total_tokens=256,
                          kernel_choices=KernelChoices(mla_rope=False))
     ropes = [m for m in runner.model.modules() if isinstance(m, RotaryEmbedding)]
     assert ropes and not runner.triton_rope
-    ref = greedy_logits(runner, list(range(3, 20)), 3)
+    # 17 tokens: the absorbed form; 70 (>= MLA_NORMAL_FORM_MIN_TOKENS): the normal form.
+    from sglang.srt.layers.attention.torch_native_mla import TorchNativeMLABackend
+
+    normal = []
+    real = TorchNativeMLABackend.forward_extend_normal
+    monkeypatch.setattr(TorchNativeMLABackend, "forward_extend_normal",
+                        lambda self, q, *a, **kw: normal.append(q.shape[0]) or real(self, q, *a,
+                                                                                    **kw))
+    prompts = [list(range(3, 20)), [3 + i % 50 for i in range(70)]]
+    ref = [greedy_logits(runner, p, 3) for p in prompts]
     assert set_rope_backend(runner.model, True, runner.device)
     assert all(m.use_triton for m in ropes)
-    got = greedy_logits(runner, list(range(3, 20)), 3)
-    for a, b in zip(ref, got):
+    got = [greedy_logits(runner, p, 3) for p in prompts]
+    for a, b in zip(sum(map(list, ref), []), sum(map(list, got), [])):
         assert torch.equal(a, b)
+    assert set(normal) == {70}  # the long prompt's MLA layers ran in normal form, both times
     set_rope_backend(runner.model, False, runner.device)
 
 

@@ -52,6 +52,25 @@ def test_gated_norm_matches_the_kda_output_norm(activation):
     torch.testing.assert_close(ref(x, gate), expect, rtol=1e-5, atol=1e-5)
 
 
+def test_gate_inside_a_wider_projection_is_read_in_place():
+    """KDA's output gate is ``z.view(T, H, d)`` of a column slice of the fused projection
+    output: the kernel reads its rows where they lie (no flattening copy) and gives the result
+    of the contiguous gate, bit for bit."""
+    from sgl_kernel import rmsnorm as module
+
+    t, h, d = 5, 3, 32
+    fused = _x((t, 2 * h * d + 7), torch.float32, 11)  # [.. | z | ..]: z strided by 2hd+7
+    z = fused[:, h * d + 7:].view(t, h, d)
+    x, w = _x((t, h, d), torch.float32, 12), _x((d,), torch.float32, 13)
+    blocks, inner, s_outer, s_inner = module._gate_rows(z, d)
+    assert blocks.data_ptr() == z.data_ptr() and (inner, s_outer, s_inner) == (h, 2 * h * d + 7, d)
+    got = module.rmsnorm(x, w, 1e-6, gate=z, activation="sigmoid")
+    assert torch.equal(got, module.rmsnorm(x, w, 1e-6, gate=z.contiguous(), activation="sigmoid"))
+    ref = GatedRMSNorm(d, 1e-6, "sigmoid").to(DEVICE)
+    ref.weight.data = w
+    torch.testing.assert_close(got, ref(x, z), rtol=1e-5, atol=1e-5)
+
+
 def test_rows_are_independent_of_the_batch():
     """A row's output is bit-identical alone and inside a larger batch (verify == decode)."""
     from sgl_kernel.rmsnorm import rmsnorm

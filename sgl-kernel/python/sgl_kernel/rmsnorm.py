@@ -34,7 +34,7 @@ GATE_ACTIVATIONS = {None: 0, "sigmoid": 1, "swish": 2, "silu": 2}
 
 @triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, res_out_ptr, D,
-                    s_x, s_res, s_gate, s_w, s_out, s_res_out, eps,
+                    s_x, s_res, s_gate, s_w, s_out, s_res_out, g_inner, s_gate_in, eps,
                     HAS_RES: tl.constexpr, GATE: tl.constexpr, USE_PDL: tl.constexpr,
                     BLOCK: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
@@ -54,7 +54,10 @@ def _rmsnorm_kernel(x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, res_out_ptr, D,
     y = h * tl.rsqrt(tl.sum(h * h, axis=0) / D + eps)
     y = y * w
     if GATE != 0:
-        g = tl.load(gate_ptr + row * s_gate + offs, mask=mask, other=0.0).to(tl.float32)
+        # Gate row ``row`` is row ``row % g_inner`` of block ``row // g_inner``: the heads of
+        # a token inside a wider fused projection output, read where they lie.
+        g_row = (row // g_inner) * s_gate + (row % g_inner) * s_gate_in
+        g = tl.load(gate_ptr + g_row + offs, mask=mask, other=0.0).to(tl.float32)
         if GATE == 1:
             y = y * tl.sigmoid(g)
         else:
@@ -66,6 +69,18 @@ def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
     """``t`` as ``[rows, d]`` with a unit last stride (a copy only when it has to be)."""
     t = t.reshape(-1, d)
     return t if t.stride(1) == 1 else t.contiguous()
+
+
+def _gate_rows(t: torch.Tensor, d: int) -> Tuple[torch.Tensor, int, int, int]:
+    """``(tensor, inner rows, outer stride, inner stride)`` addressing the rows of ``t``
+    (``[..., d]``) as blocks of its second-to-last dim, so that a ``[T, H, d]`` view of a column
+    slice of a wider tensor (KDA's output gate inside the fused projection) is read in place,
+    where flattening it to ``[T * H, d]`` would copy it."""
+    if t.dim() >= 3 and t.stride(-1) == 1:
+        blocks = t.reshape(-1, t.shape[-2], d)  # a view when the leading dims merge
+        return blocks, blocks.shape[1], blocks.stride(0), blocks.stride(1)
+    rows = _rows(t, d)
+    return rows, 1, rows.stride(0), 0
 
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -94,14 +109,15 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     out = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
     res2 = _rows(residual, d) if residual is not None else x2
     res_out = torch.empty_like(out) if residual is not None else out
-    gate2 = _rows(gate, d) if gate is not None else x2
+    gate2, g_inner, s_gate, s_gate_in = (_gate_rows(gate, d) if gate is not None
+                                         else (x2, 1, x2.stride(0), 0))
     rows = x2.shape[0]
     if rows:
         pdl_on = pdl.use_pdl(rows)
         _rmsnorm_kernel[(rows,)](
             x2, res2, gate2, weight, out, res_out, d,
-            x2.stride(0), res2.stride(0), gate2.stride(0), weight.stride(0), out.stride(0),
-            res_out.stride(0), float(eps), HAS_RES=residual is not None,
+            x2.stride(0), res2.stride(0), s_gate, weight.stride(0), out.stride(0),
+            res_out.stride(0), g_inner, s_gate_in, float(eps), HAS_RES=residual is not None,
             GATE=GATE_ACTIVATIONS[activation], USE_PDL=pdl_on, BLOCK=triton.next_power_of_2(d),
             **pdl.launch_options(pdl_on))
     if residual is None:

@@ -356,12 +356,10 @@ class BailingMLA(nn.Module):
                        forward_batch: ForwardBatch) -> torch.Tensor:
         """Normal form: per-head ``q = [q_nope ‖ rope(q_rope)]``; the backend expands the cache
         rows into keys and values with w_kc / w_vc. Returns head outputs ``[T, h, v]``."""
-        # The torch form of assemble_mla (its one-launch Triton form needs q's non-rope part as
-        # wide as the latent, and matches this bit for bit): the cache rows k, and so the decode
-        # that follows, are exactly the absorbed path's.
-        q_rope, k_rope = self.rotary_emb(positions, q_rope, k_rope)
-        q = torch.cat([q_nope, q_rope], dim=-1)  # [T, h, qk_nope + qk_rope]
-        k = torch.cat([latent, k_rope], dim=-1)  # [T, kv_lora_rank + qk_rope]
+        # q [T, h, qk_nope + qk_rope] and the cache rows k [T, kv_lora_rank + qk_rope] as the
+        # absorbed path assembles them (one launch with KernelChoices.mla_rope, else torch; the
+        # two agree bit for bit), so the decode that follows reads the same cache rows.
+        q, k = self.rotary_emb.assemble_mla(positions, q_nope, q_rope, latent, k_rope)
         return self.attn.forward_normal(q, k, self.w_kc, self.w_vc, forward_batch)
 
 
