@@ -354,6 +354,7 @@ def test_fla_varlen_offsets_and_slots():
     assert v.lens == (3, 1, 5)
     assert v.cu_seqlens.tolist() == v.cu_seqlens_cpu.tolist() == [0, 3, 4, 9]
     assert v.slots.tolist() == [7, 2, 4] and v.slots.dtype == torch.int64
+    assert v.host_slots == (7, 2, 4)
     with pytest.raises(ValueError, match="2 lengths for 1 slots"):
         fla_kda.fla_varlen([1, 2], [0], torch.device("cpu"))
 

@@ -44,6 +44,7 @@ class FlaVarlen:
     cu_seqlens: torch.Tensor  # int64 [N + 1] on the device
     cu_seqlens_cpu: torch.Tensor  # the same values on the host
     slots: torch.Tensor  # int64 [N] state-pool slots on the device
+    host_slots: Tuple[int, ...]  # the same slots on the host
 
 
 def fla_varlen(lens: Sequence[int], slots: Sequence[int], device: torch.device) -> FlaVarlen:
@@ -56,7 +57,8 @@ def fla_varlen(lens: Sequence[int], slots: Sequence[int], device: torch.device) 
     n = len(lens)
     cu_cpu = host[:n + 1].cumsum(0)
     both = host.to(device, non_blocking=True)
-    return FlaVarlen(tuple(int(x) for x in lens), both[:n + 1].cumsum(0), cu_cpu, both[n + 1:])
+    return FlaVarlen(tuple(int(x) for x in lens), both[:n + 1].cumsum(0), cu_cpu, both[n + 1:],
+                     tuple(int(x) for x in slots))
 
 
 def chunk_kda_varlen(

@@ -198,17 +198,15 @@ class TorchNativeKDABackend(AttentionBackend):
                              "draft (MTP layer) is MLA-only, KDA layers never run in a draft forward")
         mixed, conv_pool, ssm_pool = self._prepare(q, k, v, g, beta, layer, forward_batch, gate)
         t = mixed.shape[0]
-        out = q.new_empty(t, layer.num_heads, layer.head_dim)
         if t == 0:
-            return out
+            return q.new_empty(0, layer.num_heads, layer.head_dim)
         lay: ExtendLayout = self._cache.get(forward_batch, self._build)
         reqs = [(s, st, n) for s, st, n in zip(lay.slots, lay.starts, lay.extend_lens) if n > 0]
         conv = self._prefill_conv_kernel(mixed)
         if conv is not None and self._use_fla(mixed):
             y3 = self._conv_qkv_planes(conv, mixed, layer, conv_pool, reqs)
-            self._extend_fla(y3, g, beta, gate, layer, self._fla_varlen(lay, reqs, y3.device),
-                             ssm_pool, out)
-            return out
+            return self._extend_fla(y3, g, beta, gate, layer,
+                                    self._fla_varlen(lay, reqs, y3.device), ssm_pool)
         # Short convolution per request (it needs that request's window), state written back.
         y = torch.empty_like(mixed)
         for slot, start, n in reqs:
@@ -220,9 +218,9 @@ class TorchNativeKDABackend(AttentionBackend):
                                                        conv_pool[slot])
             conv_pool[slot].copy_(window)
         if self._use_fla(mixed):
-            self._extend_fla(y, g, beta, gate, layer, self._fla_varlen(lay, reqs, y.device),
-                             ssm_pool, out)
-            return out
+            return self._extend_fla(y, g, beta, gate, layer,
+                                    self._fla_varlen(lay, reqs, y.device), ssm_pool)
+        out = q.new_empty(t, layer.num_heads, layer.head_dim)
         qn, kn, vn = self._split_heads(y, layer)
         gf, bf = self._gate(g, beta, gate, layer)
         for slot, start, n in reqs:
@@ -263,13 +261,14 @@ class TorchNativeKDABackend(AttentionBackend):
 
     @staticmethod
     def _extend_fla(y, g, beta, gate: Optional[KDAGate], layer, varlen: "fla_kda.FlaVarlen",
-                    ssm_pool, out):
+                    ssm_pool) -> torch.Tensor:
         """All requests in one varlen ``chunk_kda`` call on the conv output as it is, ``y [T,
         3C]`` or the planes ``[3, T, C]`` (:meth:`_conv_qkv_planes`: q, k, v contiguous): fla
         L2-normalises q and k and, given the raw gate inputs (:class:`KDAGate`), forms the
         decay and beta inside its kernels, so no fp32 copy of q, k, g or beta is written. The
-        requests' rows are consecutive (each starts where the previous one ends), so the
-        output needs no scatter."""
+        requests' rows are consecutive (each starts where the previous one ends), so fla's
+        output ``[T, H, D]`` is the layer's as it is (no copy). One request reads and writes its
+        state slot as a slice of the pool (no gather)."""
         h, d = layer.num_heads, layer.head_dim
         if y.dim() == 3:  # planes: q, k, v each contiguous [T, H, D]
             t = y.shape[1]
@@ -277,18 +276,25 @@ class TorchNativeKDABackend(AttentionBackend):
         else:
             t = y.shape[0]
             qkv = y.view(t, 3, h, d)
-        slots = varlen.slots
+        if len(varlen.host_slots) == 1:  # a view of the slot, no gather / scatter launches
+            s = varlen.host_slots[0]
+            state = ssm_pool[s:s + 1]
+        else:
+            state = ssm_pool[varlen.slots]
         if gate is not None:
             g, beta = gate.f.reshape(t, h, d), gate.b
             params = (gate.A_log, gate.dt_bias, gate.lower_bound)
         else:
             params = None
         o, final = fla_kda.chunk_kda_varlen(
-            qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, layer.scale, ssm_pool[slots], varlen.lens,
+            qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, layer.scale, state, varlen.lens,
             cu_seqlens=varlen.cu_seqlens, cu_seqlens_cpu=varlen.cu_seqlens_cpu,
             l2norm_in_kernel=True, gate_params=params)
-        out.copy_(o.view_as(out))
-        ssm_pool.index_copy_(0, slots, final)
+        if len(varlen.host_slots) == 1:
+            state.copy_(final)
+        else:
+            ssm_pool.index_copy_(0, varlen.slots, final)
+        return o.view(t, h, d)
 
     def _forward_target_verify(self, q, k, v, g, beta, layer, forward_batch,
                                gate: Optional[KDAGate] = None):
