@@ -302,6 +302,44 @@ def test_interleaved_swiglu_tile_matches_two_accumulators(mgg, fmt, dtype, tol, 
     assert _rel(one, two) < tol  # per output column the same arithmetic
 
 
+@pytest.mark.parametrize("fmt,dtype,il", [("w8a8", torch.float32, False),
+                                          ("w8a8", torch.float16, True),
+                                          ("fp8", torch.float16, False),
+                                          ("plain", torch.float32, False)])
+def test_quantized_output_equals_quantizing_the_output(mgg, fmt, dtype, il):
+    """``quantize_out``: the epilogue's e4m3 rows and group scales are bit for bit
+    ``per_token_group_quant_fp8`` of the plain output (``I = 160``: a full and a partial
+    group; interleaved tiles of 256 columns too); tiles of another width are refused."""
+    from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
+    from sgl_kernel.fp8_blocks import block_quantize
+
+    t, k, e, h, i = 20, 3, 6, 192, 160
+    gen = torch.Generator().manual_seed(51)
+    x = (torch.randn(t, h, generator=gen) * 3).to(DEVICE, dtype)
+    w13, s13, kw = _weights(e, 2 * i, h, dtype, 52), None, {}
+    if fmt != "plain":
+        w13, s13 = block_quantize(_weights(e, 2 * i, h, torch.float32, 52), split=i)
+    if fmt == "w8a8":
+        xq, xs = per_token_group_quant_fp8(x)
+        x, kw = xq, dict(x_scale=xs, out_dtype=dtype)
+    ids = _routes(t, k, e, seed=53)
+    cfg = mgg.LaunchConfig(block_n=256 if il else 128, block_k=64, block_m=16,
+                           swiglu_interleave=il)
+    al = mgg.moe_align(ids, e, 16)
+    plain = mgg.moe_grouped_gemm(x, w13, al, rows_per_x=k, swiglu=True, swiglu_limit=2.0,
+                                 w_scale=s13, config=cfg, **kw)
+    q, scale = mgg.moe_grouped_gemm(x, w13, al, rows_per_x=k, swiglu=True, swiglu_limit=2.0,
+                                    w_scale=s13, config=cfg, quantize_out=True, **kw)
+    q_ref, scale_ref = per_token_group_quant_fp8(plain)
+    assert q.dtype == torch.float8_e4m3fn and scale.shape == (t * k, 2)
+    assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+    assert torch.equal(scale, scale_ref)
+    assert not mgg.quantizes_out(cfg._replace(block_n=64), swiglu=True)
+    with pytest.raises(ValueError, match="quantize_out needs tiles of 128"):
+        mgg.moe_grouped_gemm(x, w13, al, rows_per_x=k, swiglu=True, w_scale=s13,
+                             config=cfg._replace(block_n=64), quantize_out=True, **kw)
+
+
 def test_rejects_bad_inputs(mgg):
     x = torch.zeros(4, 32, device=DEVICE)
     w = torch.zeros(3, 16, 32, device=DEVICE)

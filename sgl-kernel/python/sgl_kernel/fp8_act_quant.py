@@ -29,7 +29,7 @@ from sgl_kernel._triton_mode import INTERPRETED, compiler_options
 from sgl_kernel.fp8_blocks import FP8_MAX, QBLOCK
 
 __all__ = ["per_token_group_quant_fp8", "per_token_group_quant_fp8_reference",
-           "group_dequantize"]
+           "group_dequantize", "quantize_groups"]
 
 # Rows per program: a 16 x 128 tile is 2048 values, 16 per thread at 4 warps. The
 # interpreter pays per program, so it takes taller blocks.
@@ -49,6 +49,21 @@ def _round_to_e4m3_grid(v):
     return (v + big) - big
 
 
+@triton.jit
+def quantize_groups(x, FMAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
+    """The module's rule on a tile ``x [rows, group]`` (fp32; columns past the data must be 0):
+    ``(q [rows, group] fp32, exactly an e4m3 value when ROUND_IN_FP32 or after the caller's
+    cast, scale [rows])``. Shared by this module's kernel and the grouped MoE GEMM's fp8
+    epilogue, so both quantise alike."""
+    amax = tl.max(tl.abs(x), axis=1)
+    scale = tl.where(amax > 0, tl.div_rn(amax, FMAX), 1.0)
+    q = tl.div_rn(x, scale[:, None])
+    q = tl.minimum(tl.maximum(q, -FMAX), FMAX)
+    if ROUND_IN_FP32:  # then the caller's cast is exact
+        q = _round_to_e4m3_grid(q)
+    return q, scale
+
+
 @triton.jit(do_not_specialize=["M"])
 def _per_token_group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s,
                                   FMAX: tl.constexpr, GROUP: tl.constexpr,
@@ -60,12 +75,7 @@ def _per_token_group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q,
     rows64 = rows.to(tl.int64)
     x = tl.load(x_ptr + rows64[:, None] * stride_x + cols[None, :], mask=mask,
                 other=0.0).to(tl.float32)
-    amax = tl.max(tl.abs(x), axis=1)
-    scale = tl.where(amax > 0, tl.div_rn(amax, FMAX), 1.0)
-    q = tl.div_rn(x, scale[:, None])
-    q = tl.minimum(tl.maximum(q, -FMAX), FMAX)
-    if ROUND_IN_FP32:  # then the cast below is exact
-        q = _round_to_e4m3_grid(q)
+    q, scale = quantize_groups(x, FMAX, ROUND_IN_FP32)
     tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :],
              q.to(q_ptr.dtype.element_ty), mask=mask)
     tl.store(s_ptr + rows64 * stride_s + group, scale, mask=rows < M)

@@ -33,8 +33,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
-from sgl_kernel.fp8_blocks import QBLOCK
+from sgl_kernel.fp8_act_quant import group_dequantize, per_token_group_quant_fp8
+from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize
 from sgl_kernel.fp8_gemm import block_fp8_dequantize
 
 __all__ = ["RowGroup", "row_groups", "scaled_mm_operands", "scaled_mm_reference",
@@ -131,11 +131,9 @@ def scaled_mm_reference(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch
     if not (sbt.dim() == 2 and _stride_ok(sbt, 0, nb, kb) and _stride_ok(sbt, 1, kb, 1)):
         raise ValueError(f"scaled_mm: scale_b.t() must be [{nb}, {kb}] row-major, got "
                          f"{tuple(sbt.shape)} stride {sbt.stride()}")
-    cols = torch.arange(k, device=mat_a.device) // QBLOCK
-    a = mat_a.float() * scale_a.float()[:, cols]
-    rows = torch.arange(n, device=mat_a.device) // QBLOCK
-    b = mat_b.float() * sbt.float()[rows][:, cols].t()
-    return (a @ b).to(out_dtype)
+    a = group_dequantize(mat_a, scale_a)
+    b = block_dequantize(mat_b.t(), sbt, torch.float32)  # [N, K]
+    return (a @ b.t()).to(out_dtype)
 
 
 def _library_scaled_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor,
@@ -147,12 +145,8 @@ def _dequantized_any(q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor,
                      w_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
     """The product of the dequantised operands (fp32 sums, one rounding): the reference of the
     once-per-shape check, for any shape."""
-    k = q.shape[1]
-    cols = torch.arange(k, device=q.device) // QBLOCK
-    rows = torch.arange(w.shape[0], device=q.device) // QBLOCK
-    a = q.float() * q_scale.float()[:, cols]
-    b = w.float() * w_scale.float()[rows][:, cols]
-    return (a @ b.t()).to(out_dtype)
+    a = group_dequantize(q, q_scale)
+    return (a @ block_dequantize(w, w_scale, torch.float32).t()).to(out_dtype)
 
 
 def _group_uses_library(key: Tuple[int, int, int, torch.dtype], q: torch.Tensor,

@@ -73,22 +73,25 @@ import functools
 import json
 import math
 import os
-from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple
+from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple, Union
 
 import torch
 import triton
 import triton.language as tl
 
 from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options, placeholder
-from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
+from sgl_kernel.fp8_act_quant import quantize_groups
+from sgl_kernel.fp8_blocks import FP8_MAX, QBLOCK, block_dequantize, check_block_scale
 
 __all__ = ["MoEAlignment", "moe_align", "max_padded_pairs", "moe_grouped_gemm",
            "moe_grouped_gemm_reference", "launch_config", "fallback_config", "config_key",
            "config_fields", "load_config_table", "table_entry", "nearest_bucket",
            "select_config", "config_change_points", "launch_int_args", "CONFIG_PATH",
-           "DEFAULT_CONFIG", "LaunchConfig"]
+           "DEFAULT_CONFIG", "LaunchConfig", "quantizes_out"]
 
 CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "moe_grouped_gemm.json")
+# The model dtypes the epilogue rounds to (gate and up, and the output before a quantisation).
+_TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
 
 
 class MoEAlignment(NamedTuple):
@@ -148,10 +151,12 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
 
 
 @triton.jit
-def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, pairs_ptr, bexp_ptr,
+def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, os_ptr, pairs_ptr, bexp_ptr,
                              nblk_ptr, N, K, num_pairs, rows_per_x, max_blocks,
-                             stride_x, stride_xs, stride_we, stride_wn, stride_o,
+                             stride_x, stride_xs, stride_we, stride_wn, stride_o, stride_os,
                              stride_se, stride_sn, stride_sk, up_row, up_scale_row, limit,
+                             ACT_DT: tl.constexpr, QUANT_OUT: tl.constexpr,
+                             FMAX: tl.constexpr, ROUND_E4M3: tl.constexpr,
                              SWIGLU: tl.constexpr, INTERLEAVE: tl.constexpr,
                              HAS_LIMIT: tl.constexpr,
                              HAS_SCALE: tl.constexpr, PRESCALE: tl.constexpr,
@@ -245,8 +250,8 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, pairs_ptr, be
         else:
             gate_acc, up_acc = acc, acc_up
         # As the unfused path: gate and up rounded to the model dtype, then SwiGLU in fp32.
-        gate = gate_acc.to(out_ptr.dtype.element_ty).to(tl.float32)
-        up = up_acc.to(out_ptr.dtype.element_ty).to(tl.float32)
+        gate = gate_acc.to(ACT_DT).to(tl.float32)
+        up = up_acc.to(ACT_DT).to(tl.float32)
         act = gate * tl.sigmoid(gate)
         if HAS_LIMIT:
             act = tl.minimum(act, limit)
@@ -255,8 +260,17 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, pairs_ptr, be
     else:
         result = acc
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_o + offs_o[None, :]
-    tl.store(out_ptrs, result.to(out_ptr.dtype.element_ty),
-             mask=valid[:, None] & (offs_o < N)[None, :])
+    mask_o = valid[:, None] & (offs_o < N)[None, :]
+    if QUANT_OUT:
+        # The down-projection's input quantised here (TILE_OUT is one 128-column group): the
+        # result rounded to the model dtype, as the unfused path stores it, then
+        # fp8_act_quant's rule on that group; columns past N are zero and leave amax alone.
+        r = tl.where(mask_o, result.to(ACT_DT).to(tl.float32), 0.0)
+        q, q_scale = quantize_groups(r, FMAX, ROUND_E4M3)
+        tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=mask_o)
+        tl.store(os_ptr + pairs.to(tl.int64) * stride_os + pid_n, q_scale, mask=valid)
+    else:
+        tl.store(out_ptrs, result.to(ACT_DT), mask=mask_o)
 
 
 # ------------------------------------------------------------------------------ launch configs
@@ -438,7 +452,9 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
                      config: Optional[LaunchConfig] = None,
                      out: Optional[torch.Tensor] = None,
                      x_scale: Optional[torch.Tensor] = None,
-                     out_dtype: Optional[torch.dtype] = None) -> torch.Tensor:
+                     out_dtype: Optional[torch.dtype] = None,
+                     quantize_out: bool = False
+                     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """``out [P, N_out]`` (x's dtype) with ``out[p] = w[e_p] @ x[p // rows_per_x]`` for every
     pair of ``align`` (:func:`moe_align` of the routes), or with ``swiglu`` the clamped SwiGLU of
     ``[gate; up] = w[e_p] @ x[..]`` (``N_out = N / 2``; ``swiglu_limit`` 0 = no clamp).
@@ -456,7 +472,14 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
     ``w``: the dot runs on the e4m3 operands and each K slice's sum is scaled by the row's
     activation scale times the column's weight scale (``fp8_prescale`` does not apply).
     ``out_dtype`` (the model dtype; needed when ``out`` is not given) is then the output's
-    dtype; otherwise the output has x's dtype."""
+    dtype; otherwise the output has x's dtype.
+
+    ``quantize_out`` (the w8a8 up-projection, whose output is the down-projection's input):
+    the result, rounded to that dtype as it would be stored, is quantised per row and
+    128-column group by :mod:`sgl_kernel.fp8_act_quant`'s rule inside the epilogue, and
+    ``(q float8_e4m3fn [P, N_out], scale fp32 [P, ceil(N_out / 128)])`` is returned: bit for
+    bit ``per_token_group_quant_fp8`` of the plain output, without storing it. Needs a tile of
+    128 output columns (:func:`quantizes_out`); ``out`` is not taken."""
     e, n, k = w.shape if w.dim() == 3 else (None, None, None)
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != k:
         raise ValueError(f"moe_grouped_gemm: expected x [M, K], w [E, N, K]; got "
@@ -495,7 +518,12 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
     n_out = n // 2 if swiglu else n
     if fp8:
         check_block_scale(w, w_scale, n_out if swiglu else None, "moe_grouped_gemm w")
-    if out is None:
+    if quantize_out and out is not None:
+        raise ValueError("moe_grouped_gemm: quantize_out allocates its own outputs; pass no out")
+    if quantize_out:
+        out = torch.empty(p, n_out, dtype=torch.float8_e4m3fn, device=x.device)
+        out_scale = torch.empty(p, -(-n_out // QBLOCK), dtype=torch.float32, device=x.device)
+    elif out is None:
         out = torch.empty(p, n_out, dtype=out_dtype, device=x.device)
     elif tuple(out.shape) != (p, n_out) or out.stride(1) != 1 or out.dtype != out_dtype:
         raise ValueError(f"moe_grouped_gemm: out must be [{p}, {n_out}] {out_dtype} with a "
@@ -507,9 +535,13 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
         raise ValueError(f"moe_grouped_gemm: config.block_m {config.block_m} != the alignment's "
                          f"{align.block_m}")
     _check_config(config, fp8)
+    if quantize_out and not quantizes_out(config, swiglu):
+        raise ValueError(f"moe_grouped_gemm: quantize_out needs tiles of {QBLOCK} output "
+                         f"columns (one activation group), got block_n {config.block_n}"
+                         f"{' interleaved' if swiglu and config.swiglu_interleave else ''}")
     max_blocks = align.block_expert.shape[0]
     if p == 0 or n_out == 0 or max_blocks == 0:
-        return out
+        return (out, out_scale) if quantize_out else out
     scale = w_scale if fp8 else placeholder(x.device)
     xs = x_scale if act_fp8 else placeholder(x.device)
     limit = float(swiglu_limit)
@@ -518,18 +550,28 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
     interleave = swiglu and bool(config.swiglu_interleave)
     tile_out = config.block_n // 2 if interleave else config.block_n
     grid = (max_blocks * triton.cdiv(n_out, tile_out),)
+    os_ = out_scale if quantize_out else placeholder(x.device)
     _moe_grouped_gemm_kernel[grid](
-        x, w, scale, xs, out, align.sorted_pairs, align.block_expert, align.num_blocks,
+        x, w, scale, xs, out, os_, align.sorted_pairs, align.block_expert, align.num_blocks,
         n_out, k, p, rows_per_x, max_blocks, x.stride(0), xs.stride(0) if act_fp8 else 0,
         w.stride(0), w.stride(1),
-        out.stride(0), scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
+        out.stride(0), os_.stride(0) if quantize_out else 0,
+        scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
         scale.stride(2) if fp8 else 0, n_out * w.stride(1), -(-n_out // QBLOCK), limit,
-        SWIGLU=swiglu, INTERLEAVE=interleave, HAS_LIMIT=swiglu and limit > 0, HAS_SCALE=fp8,
+        ACT_DT=_TL_DTYPES[out_dtype], QUANT_OUT=quantize_out, FMAX=FP8_MAX,
+        ROUND_E4M3=INTERPRETED, SWIGLU=swiglu, INTERLEAVE=interleave, HAS_LIMIT=swiglu and limit > 0, HAS_SCALE=fp8,
         PRESCALE=fp8 and not act_fp8 and bool(config.fp8_prescale), A_SCALE=act_fp8,
         QB=QBLOCK, DOT_PREC=prec,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
         GROUP_M=config.group_m, **compiler_options(config.num_warps, config.num_stages))
-    return out
+    return (out, out_scale) if quantize_out else out
+
+
+def quantizes_out(config: LaunchConfig, swiglu: bool) -> bool:
+    """Whether :func:`moe_grouped_gemm` with ``config`` can quantise its output in the
+    epilogue (``quantize_out``): each program's output tile is one 128-column group."""
+    tile_out = config.block_n // 2 if swiglu and config.swiglu_interleave else config.block_n
+    return tile_out == QBLOCK
 
 
 def moe_grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, *,

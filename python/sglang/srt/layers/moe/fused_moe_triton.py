@@ -98,11 +98,14 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     (``KernelChoices.moe_fp8_activations``; block-fp8 experts only, ignored otherwise) quantises
     each GEMM's input per token and 128-column group and runs both GEMMs on the fp8 tensor
     cores (w8a8): the hidden states before the up-projection, the SwiGLU output (rounded to the
-    model dtype first, as the weight-only path hands it on) before the down-projection.
+    model dtype first, as the weight-only path hands it on) before the down-projection, inside
+    the up-projection's epilogue when its tiles are one 128-column group wide (the same values:
+    ``moe_grouped_gemm``'s ``quantize_out``).
     """
     from sgl_kernel.moe_combine import moe_combine  # Triton: imported on first use
     from sgl_kernel.moe_align import moe_align_triton
-    from sgl_kernel.moe_grouped_gemm import launch_config, moe_align, moe_grouped_gemm
+    from sgl_kernel.moe_grouped_gemm import (launch_config, moe_align, moe_grouped_gemm,
+                                             quantizes_out)
 
     check_moe_inputs(hidden, w13, w2, topk_ids, topk_weights)
     t, k = topk_ids.shape
@@ -123,10 +126,15 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
 
         xq, xs = per_token_group_quant_fp8(x)
-        act = moe_grouped_gemm(xq, w13, up_align, rows_per_x=k, swiglu=True, swiglu_limit=limit,
-                               w_scale=w13_scale, config=up_cfg, x_scale=xs,
-                               out_dtype=x.dtype)  # [T*k, I]
-        aq, as_ = per_token_group_quant_fp8(act)
+        if quantizes_out(up_cfg, swiglu=True):  # the SwiGLU output quantised in the epilogue
+            aq, as_ = moe_grouped_gemm(xq, w13, up_align, rows_per_x=k, swiglu=True,
+                                       swiglu_limit=limit, w_scale=w13_scale, config=up_cfg,
+                                       x_scale=xs, out_dtype=x.dtype, quantize_out=True)
+        else:
+            act = moe_grouped_gemm(xq, w13, up_align, rows_per_x=k, swiglu=True,
+                                   swiglu_limit=limit, w_scale=w13_scale, config=up_cfg,
+                                   x_scale=xs, out_dtype=x.dtype)  # [T*k, I]
+            aq, as_ = per_token_group_quant_fp8(act)
         y = moe_grouped_gemm(aq, w2, down_align, rows_per_x=1, swiglu=False, w_scale=w2_scale,
                              config=down_cfg, x_scale=as_, out_dtype=x.dtype)  # [T*k, H]
     else:
