@@ -4,7 +4,7 @@
 (:mod:`sgl_kernel.fp8_blocks`) and ``x`` is quantised per row and 128-column group
 (:mod:`sgl_kernel.fp8_act_quant`): the "DeepSeek recipe" that cuBLASLt runs on sm_90 (CUDA
 12.9 and later) behind ``torch._scaled_mm``. Torch infers the scheme from the scale tensors'
-shapes and strides (``aten/src/ATen/native/cuda/ScaledBlas.cpp``'s checks, in our words):
+shapes and strides; its checks, in our words:
 
 * ``mat_a`` row-major ``[M, K]`` e4m3 with ``scale_a [M, ceil(K/128)]`` fp32 *outer-dim-major*
   (stride ``(1, M)``: the column-major copy of the quantiser's row-major scales);
