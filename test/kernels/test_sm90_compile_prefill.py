@@ -17,7 +17,9 @@ constexprs of its real launches:
   and its one-pass ``_dequantize_kernel``;
 * ``fp8_act_quant._per_token_group_quant_kernel``: bf16 activations to e4m3 and fp32 group
   scales (the hardware cast's rounding, not the interpreter's fp32 rounding);
-* ``kda_prefill_conv._kda_prefill_conv_kernel``: bf16 x and taps, fp32 window pool, K = 4.
+* ``kda_prefill_conv._kda_prefill_conv_kernel``: bf16 x and taps, fp32 window pool, K = 4;
+* ``rmsnorm._rmsnorm_kernel`` (residual norm with PDL, KDA's gated norm) and
+  ``mla_rope._mla_rope_kernel`` (absorbed and normal form), which the prefill now runs too.
 
 Skipped where the backend finds no ``ptxas``. Marked slow: each subprocess imports torch and
 triton and compiles a few kernels (tens of seconds on 2 cores).
@@ -157,10 +159,35 @@ out = build("kda prefill conv", kernel, dict(x_ptr="*bf16", w_ptr="*bf16", win_p
 assert spill_bytes(out) == 0
 """
 
+_RMSNORM = _PRELUDE + r"""
+from sgl_kernel.rmsnorm import _rmsnorm_kernel as kernel
+
+# The residual norm (hidden 2560) and KDA's gated output norm (head dim 128, the gate read
+# through (token, head) strides), with PDL as decode launches them.
+ptrs = {p: "*bf16" for p in ("x_ptr", "res_ptr", "gate_ptr", "w_ptr", "out_ptr", "res_out_ptr")}
+build("residual rmsnorm", kernel, ptrs, dict(HAS_RES=True, GATE=0, USE_PDL=True, BLOCK=4096),
+      {"eps": "fp32"}, num_warps=4)
+build("gated rmsnorm", kernel, ptrs, dict(HAS_RES=False, GATE=1, USE_PDL=False, BLOCK=128),
+      {"eps": "fp32"}, num_warps=4)
+"""
+
+_MLA_ROPE = _PRELUDE + r"""
+from sgl_kernel.mla_rope import _mla_rope_kernel as kernel
+
+# Absorbed form (query latent and key latent both 512 wide) and the prefill's normal form
+# (q_nope 128 wide beside the 512-wide latent row).
+ptrs = dict(pos_ptr="*i64", cs_ptr="*fp32", ql_ptr="*bf16", qr_ptr="*bf16", lat_ptr="*bf16",
+            kr_ptr="*bf16", q_ptr="*bf16", k_ptr="*bf16")
+for rq in (512, 128):
+    build(f"mla rope {rq}|512", kernel, ptrs, dict(NEOX=False, USE_PDL=False, BLOCK_H=8,
+          BLOCK_RQ=rq, BLOCK_RK=512, HALF=32), num_warps=4)
+"""
+
 # module -> (script, variants compiled, of which GEMMs: Hopper's wgmma expected in their PTX,
 # of which w8a8: the wgmma on e4m3 operands).
 CASES = {"moe_grouped_gemm": (_MOE, 10, 10, 4), "fp8_gemm": (_FP8_GEMM, 7, 6, 2),
-         "fp8_act_quant": (_FP8_ACT_QUANT, 1, 0, 0), "kda_prefill_conv": (_KDA_CONV, 1, 0, 0)}
+         "fp8_act_quant": (_FP8_ACT_QUANT, 1, 0, 0), "kda_prefill_conv": (_KDA_CONV, 1, 0, 0),
+         "rmsnorm": (_RMSNORM, 2, 0, 0), "mla_rope": (_MLA_ROPE, 2, 0, 0)}
 
 
 @pytest.mark.parametrize("module", list(CASES))
