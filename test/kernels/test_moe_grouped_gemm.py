@@ -543,6 +543,50 @@ def test_grouped_moe_fp8_activations(mgg):
                        fused_moe_grouped(hidden, w13, w2, weights, ids, 0.4))
 
 
+@pytest.mark.parametrize("fmt,limits,align_kernel", [
+    ("plain", (0.4, 0.0), False), ("plain", (0.0, 0.3), True), ("fp8", (0.4, 0.4), False),
+    ("w8a8", (0.0, 0.3), False),
+])
+def test_grouped_moe_shared_expert_as_pairs(mgg, fmt, limits, align_kernel):
+    """``shared_weights``: the shared expert as one more expert every token takes with weight
+    1, in the routed experts' two launches, equals the same kernels run on the shared expert
+    alone with its output added in the combine, bit for bit (each row's arithmetic is its
+    own); a clamp on one side only (routed or shared) stays on that side."""
+    from sgl_kernel.fp8_blocks import block_quantize
+    from sglang.srt.layers.moe.fused_moe_triton import SharedExpertWeights
+
+    routed_limit, shared_limit = limits
+    hidden, w13, w2, weights, ids = _moe_inputs(torch.float32, t=24, e=6, h=160, i=128, k=3,
+                                                seed=61)
+    gen = torch.Generator().manual_seed(62)
+    sw13 = (torch.randn(2 * 128, 160, generator=gen) / 160 ** 0.5).to(DEVICE)
+    sw2 = (torch.randn(160, 128, generator=gen) / 128 ** 0.5).to(DEVICE)
+    kw, skw, s13, s2 = {}, {}, None, None
+    if fmt != "plain":
+        (w13, s13), (w2, s2) = block_quantize(w13, split=128), block_quantize(w2)
+        (sw13, ss13), (sw2, ss2) = block_quantize(sw13, split=128), block_quantize(sw2)
+        kw = dict(w13_scale=s13, w2_scale=s2, fp8_activations=fmt == "w8a8")
+        skw = dict(w13_scale=ss13[None], w2_scale=ss2[None], fp8_activations=fmt == "w8a8")
+    alone = fused_moe_grouped(hidden, sw13[None], sw2[None], torch.ones(24, 1, device=DEVICE),
+                              torch.zeros(24, 1, dtype=torch.int64, device=DEVICE),
+                              shared_limit, **skw)
+    ref = fused_moe_grouped(hidden, w13, w2, weights, ids, routed_limit, shared=alone,
+                            align_kernel=align_kernel, **kw)
+    shared = SharedExpertWeights(sw13, sw2, shared_limit, *(
+        (skw["w13_scale"][0], skw["w2_scale"][0]) if skw else ()))
+    got = fused_moe_grouped(hidden, w13, w2, weights, ids, routed_limit,
+                            shared_weights=shared, align_kernel=align_kernel, **kw)
+    assert torch.equal(got, ref)
+    # The clamp reaches only its own side: without it the result changes.
+    unclamped = fused_moe_grouped(hidden, w13, w2, weights, ids, routed_limit,
+                                  shared_weights=shared._replace(limit=0.0),
+                                  align_kernel=align_kernel, **kw)
+    assert torch.equal(unclamped, got) == (shared_limit == 0.0)
+    with pytest.raises(ValueError, match="output or its weights"):
+        fused_moe_grouped(hidden, w13, w2, weights, ids, routed_limit, shared=alone,
+                          shared_weights=shared, **kw)
+
+
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_model_prefill_through_grouped_gemm_matches_native(mgg, tmp_path, monkeypatch,
                                                            quantization):
@@ -568,12 +612,14 @@ def test_model_prefill_through_grouped_gemm_matches_native(mgg, tmp_path, monkey
         if backend == "triton":
             monkeypatch.setattr(moe_layer, "SMALL_M_MAX_PAIRS", 2)  # top-2: decode stays small
             real = fmt.fused_moe_grouped
-            monkeypatch.setattr(fmt, "fused_moe_grouped",
-                                lambda *a, **kw: calls.append(1) or real(*a, **kw))
+            monkeypatch.setattr(fmt, "fused_moe_grouped", lambda *a, **kw: calls.append(
+                kw.get("shared_weights") is not None) or real(*a, **kw))
             monkeypatch.setattr(native, "fused_moe_loop", None)  # must not be reached
             assert runner.max_cuda_graph_tokens() is None
         logits[backend] = greedy_logits(runner, ids, 1)
-        assert bool(calls) == (backend == "triton")
+        # The Triton prefill carries the shared expert as pairs of the grouped GEMMs.
+        assert calls == ([True] * len(calls) if backend == "triton" else []) and bool(calls) == (
+            backend == "triton")
     for got, ref in zip(logits["triton"], logits["torch_native"]):
         assert _rel(got, ref) < 1e-5
 

@@ -10,8 +10,8 @@ constexprs of its real launches:
 * ``moe_grouped_gemm._moe_grouped_gemm_kernel``: bf16 experts with the SwiGLU epilogue (both
   tile layouts), block-fp8 experts with both fp8 inner loops (per-block product scaling,
   pre-scaled tiles) and on fp8 activations (w8a8), up-projection (SwiGLU, both layouts) and
-  down-projection, and the up-projection quantising its output; the w8a8 ones at the table's
-  65536-pair tile spill no register;
+  down-projection, the up-projection quantising its output and both with the shared expert as
+  pairs; the w8a8 ones at the table's 65536-pair tile spill no register;
 * ``fp8_gemm._block_fp8_gemm_kernel`` with both inner loops (plain and swapped tiles), its
   w8a8 variant (``A_SCALE``: e4m3 activations and weight on the fp8 wgmma, plain and swapped)
   and its one-pass ``_dequantize_kernel``;
@@ -82,36 +82,40 @@ import triton.language as tl
 
 base = dict(QB=128, DOT_PREC=None, BLOCK_M=64, BLOCK_N=128, GROUP_M=8, A_SCALE=False,
             INTERLEAVE=False, ACT_DT=tl.bfloat16, QUANT_OUT=False, FMAX=448.0,
-            ROUND_E4M3=False)
+            ROUND_E4M3=False, HAS_SHARED=False)
 ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", s_ptr="*fp32", xs_ptr="*fp32", out_ptr="*bf16",
-            os_ptr="*fp32", pairs_ptr="*i32", bexp_ptr="*i32", nblk_ptr="*i32")
+            os_ptr="*fp32", ws_ptr="*bf16", ss_ptr="*fp32", pairs_ptr="*i32", bexp_ptr="*i32",
+            nblk_ptr="*i32")
+floats = {"limit": "fp32", "shared_limit": "fp32"}
 # Multiples of 16 at Ling-3.0-flash's shapes (N, K, their strides, a prefill's pair count).
 aligned = ("N", "K", "num_pairs", "stride_x", "stride_we", "stride_wn", "stride_o", "up_row")
-fp8 = {**ptrs, "w_ptr": "*fp8e4nv"}
+fp8 = {**ptrs, "w_ptr": "*fp8e4nv", "ws_ptr": "*fp8e4nv"}
 opts = dict(num_warps=4, num_stages=3)
 for il in (False, True):
     build(f"bf16 up+SwiGLU{' interleaved' if il else ''}", kernel, ptrs, dict(
           base, SWIGLU=True, INTERLEAVE=il, HAS_LIMIT=True, HAS_SCALE=False, PRESCALE=False,
-          BLOCK_K=64), {"limit": "fp32"}, aligned, **opts)
+          BLOCK_K=64), floats, aligned, **opts)
 for prescale in (False, True):
     scheme = "pre-scaled" if prescale else "per-block"
     build(f"fp8 {scheme} up+SwiGLU", kernel, fp8, dict(base, SWIGLU=True, HAS_LIMIT=True,
-          HAS_SCALE=True, PRESCALE=prescale, BLOCK_K=128), {"limit": "fp32"}, aligned, **opts)
+          HAS_SCALE=True, PRESCALE=prescale, BLOCK_K=128), floats, aligned, **opts)
     build(f"fp8 {scheme} down", kernel, fp8, dict(base, SWIGLU=False, HAS_LIMIT=False,
-          HAS_SCALE=True, PRESCALE=prescale, BLOCK_K=128), {"limit": "fp32"}, aligned, **opts)
+          HAS_SCALE=True, PRESCALE=prescale, BLOCK_K=128), floats, aligned, **opts)
 # w8a8: e4m3 activations with their group scales, the dot on two e4m3 operands; at the
 # table's 65536-pair tile (64 x 128 x 128, 8 warps) in both SwiGLU layouts, which spill nothing.
 w8a8 = {**fp8, "x_ptr": "*fp8e4nv"}
-# The up-projection also with its output quantised in the epilogue (e4m3 rows + group scales).
+# The up-projection also with its output quantised in the epilogue (e4m3 rows + group scales)
+# and with the shared expert as pairs (the prefill's default: both).
 w8a8_q = {**w8a8, "out_ptr": "*fp8e4nv"}
-for swiglu, il, quant in ((True, False, False), (True, True, False), (False, False, False),
-                          (True, False, True)):
+for swiglu, il, quant, shared in ((True, False, False, False), (True, True, False, False),
+                                  (False, False, False, False), (True, False, True, True),
+                                  (False, False, False, True)):
     name = (f"w8a8 {'up+SwiGLU' if swiglu else 'down'}{' interleaved' if il else ''}"
-            f"{' quantised out' if quant else ''}")
+            f"{' quantised out' if quant else ''}{' with the shared expert' if shared else ''}")
     out = build(name, kernel, w8a8_q if quant else w8a8, dict(
                 base, SWIGLU=swiglu, INTERLEAVE=il, HAS_LIMIT=swiglu, HAS_SCALE=True,
-                PRESCALE=False, A_SCALE=True, BLOCK_K=128, QUANT_OUT=quant), {"limit": "fp32"},
-                aligned, num_warps=8, num_stages=3)
+                PRESCALE=False, A_SCALE=True, BLOCK_K=128, QUANT_OUT=quant, HAS_SHARED=shared),
+                floats, aligned, num_warps=8, num_stages=3)
     assert spill_bytes(out) == 0, name
 """
 
@@ -185,7 +189,7 @@ for rq in (512, 128):
 
 # module -> (script, variants compiled, of which GEMMs: Hopper's wgmma expected in their PTX,
 # of which w8a8: the wgmma on e4m3 operands).
-CASES = {"moe_grouped_gemm": (_MOE, 10, 10, 4), "fp8_gemm": (_FP8_GEMM, 7, 6, 2),
+CASES = {"moe_grouped_gemm": (_MOE, 11, 11, 5), "fp8_gemm": (_FP8_GEMM, 7, 6, 2),
          "fp8_act_quant": (_FP8_ACT_QUANT, 1, 0, 0), "kda_prefill_conv": (_KDA_CONV, 1, 0, 0),
          "rmsnorm": (_RMSNORM, 2, 0, 0), "mla_rope": (_MLA_ROPE, 2, 0, 0)}
 

@@ -151,10 +151,11 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
 
 
 @triton.jit
-def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, os_ptr, pairs_ptr, bexp_ptr,
-                             nblk_ptr, N, K, num_pairs, rows_per_x, max_blocks,
-                             stride_x, stride_xs, stride_we, stride_wn, stride_o, stride_os,
-                             stride_se, stride_sn, stride_sk, up_row, up_scale_row, limit,
+def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, os_ptr, ws_ptr, ss_ptr,
+                             pairs_ptr, bexp_ptr, nblk_ptr, N, K, num_pairs, rows_per_x,
+                             max_blocks, stride_x, stride_xs, stride_we, stride_wn, stride_o,
+                             stride_os, stride_se, stride_sn, stride_sk, up_row, up_scale_row,
+                             limit, shared_expert, shared_limit, HAS_SHARED: tl.constexpr,
                              ACT_DT: tl.constexpr, QUANT_OUT: tl.constexpr,
                              FMAX: tl.constexpr, ROUND_E4M3: tl.constexpr,
                              SWIGLU: tl.constexpr, INTERLEAVE: tl.constexpr,
@@ -194,9 +195,15 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, os_ptr, pairs
     a_ptrs = x_ptr + rows[:, None] * stride_x + offs_k[None, :]
     xs_ptrs = xs_ptr + rows * stride_xs  # w8a8: each row's group scales
     # The weight tile as [BLOCK_K, BLOCK_N] (K contiguous): w[e]^T without a copy.
-    b_ptrs = w_ptr + expert * stride_we + offs_n.to(tl.int64)[None, :] * stride_wn \
-        + offs_k[:, None]
-    s_gate = s_ptr + expert * stride_se + (offs_n // QB) * stride_sn
+    w_base = w_ptr + expert * stride_we
+    s_base = s_ptr + expert * stride_se
+    if HAS_SHARED:  # the shared expert's rows: its own weight (same row layout), own clamp
+        is_shared = expert == shared_expert
+        w_base = tl.where(is_shared, ws_ptr, w_base)
+        s_base = tl.where(is_shared, ss_ptr, s_base)
+        limit = tl.where(is_shared, shared_limit, limit)
+    b_ptrs = w_base + offs_n.to(tl.int64)[None, :] * stride_wn + offs_k[:, None]
+    s_gate = s_base + (offs_n // QB) * stride_sn
     s_up = s_gate + up_scale_row * stride_sn  # the up half's block rows follow the gate half's
     if INTERLEAVE:  # the odd columns read the up rows and their scale rows
         b_ptrs += (half * up_row).to(tl.int64)[None, :]
@@ -453,7 +460,10 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
                      out: Optional[torch.Tensor] = None,
                      x_scale: Optional[torch.Tensor] = None,
                      out_dtype: Optional[torch.dtype] = None,
-                     quantize_out: bool = False
+                     quantize_out: bool = False,
+                     shared_w: Optional[torch.Tensor] = None,
+                     shared_scale: Optional[torch.Tensor] = None,
+                     shared_limit: float = 0.0
                      ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
     """``out [P, N_out]`` (x's dtype) with ``out[p] = w[e_p] @ x[p // rows_per_x]`` for every
     pair of ``align`` (:func:`moe_align` of the routes), or with ``swiglu`` the clamped SwiGLU of
@@ -479,15 +489,23 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
     128-column group by :mod:`sgl_kernel.fp8_act_quant`'s rule inside the epilogue, and
     ``(q float8_e4m3fn [P, N_out], scale fp32 [P, ceil(N_out / 128)])`` is returned: bit for
     bit ``per_token_group_quant_fp8`` of the plain output, without storing it. Needs a tile of
-    128 output columns (:func:`quantizes_out`); ``out`` is not taken."""
+    128 output columns (:func:`quantizes_out`); ``out`` is not taken.
+
+    ``shared_w [N, K]`` (with ``shared_scale`` for block fp8, and its own SwiGLU clamp
+    ``shared_limit``): one more expert, id ``E`` in ``align`` (aligned over ``E + 1``
+    experts), whose rows use this weight instead of ``w[E]``: the shared expert as pairs of
+    the routed experts' launches (every token routed to it once). Its layout must be one
+    routed expert's (same shape, dtype and row strides; a TP slice of each is fine)."""
     e, n, k = w.shape if w.dim() == 3 else (None, None, None)
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != k:
         raise ValueError(f"moe_grouped_gemm: expected x [M, K], w [E, N, K]; got "
                          f"{tuple(x.shape)}, {tuple(w.shape)}")
     p = align.num_pairs
-    if rows_per_x < 1 or x.shape[0] * rows_per_x != p or align.num_experts != e:
+    has_shared = shared_w is not None
+    if rows_per_x < 1 or x.shape[0] * rows_per_x != p or align.num_experts != e + has_shared:
         raise ValueError(f"moe_grouped_gemm: x has {x.shape[0]} rows x rows_per_x {rows_per_x} "
-                         f"for {p} aligned pairs of {align.num_experts} experts (w has {e})")
+                         f"for {p} aligned pairs of {align.num_experts} experts (w has {e}"
+                         f"{' and a shared expert' if has_shared else ''})")
     if x.stride(1) != 1 or w.stride(2) != 1:
         raise ValueError("moe_grouped_gemm: the last dims of x and w must be contiguous")
     fp8 = w.dtype == torch.float8_e4m3fn
@@ -518,6 +536,14 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
     n_out = n // 2 if swiglu else n
     if fp8:
         check_block_scale(w, w_scale, n_out if swiglu else None, "moe_grouped_gemm w")
+    if has_shared and (tuple(shared_w.shape) != (n, k) or shared_w.dtype != w.dtype
+                       or shared_w.stride() != w.stride()[1:]
+                       or (shared_scale is None) != (w_scale is None)
+                       or (fp8 and (tuple(shared_scale.shape) != tuple(w_scale.shape[1:])
+                                    or shared_scale.stride() != w_scale.stride()[1:]))):
+        raise ValueError(f"moe_grouped_gemm: the shared expert must be laid out as one routed "
+                         f"expert ({w.dtype} [{n}, {k}], its scales beside it), got "
+                         f"{shared_w.dtype} {tuple(shared_w.shape)} stride {shared_w.stride()}")
     if quantize_out and out is not None:
         raise ValueError("moe_grouped_gemm: quantize_out allocates its own outputs; pass no out")
     if quantize_out:
@@ -544,22 +570,30 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
         return (out, out_scale) if quantize_out else out
     scale = w_scale if fp8 else placeholder(x.device)
     xs = x_scale if act_fp8 else placeholder(x.device)
-    limit = float(swiglu_limit)
+    # With a shared expert the clamp is chosen per row block; "no clamp" is then +inf, whose
+    # min / clamp leave every value as it is.
+    lims = [float(swiglu_limit), float(shared_limit) if has_shared else 0.0]
+    has_limit = swiglu and any(v > 0 for v in lims)
+    limit, s_limit = (v if v > 0 or not has_limit else float("inf") for v in lims)
     # fp32 operands: full-precision products (Triton's default on CUDA would be TF32).
     prec = "ieee" if x.dtype == torch.float32 else None
     interleave = swiglu and bool(config.swiglu_interleave)
     tile_out = config.block_n // 2 if interleave else config.block_n
     grid = (max_blocks * triton.cdiv(n_out, tile_out),)
     os_ = out_scale if quantize_out else placeholder(x.device)
+    ws = shared_w if has_shared else placeholder(x.device)
+    ss = shared_scale if has_shared and fp8 else placeholder(x.device)
     _moe_grouped_gemm_kernel[grid](
-        x, w, scale, xs, out, os_, align.sorted_pairs, align.block_expert, align.num_blocks,
-        n_out, k, p, rows_per_x, max_blocks, x.stride(0), xs.stride(0) if act_fp8 else 0,
-        w.stride(0), w.stride(1),
+        x, w, scale, xs, out, os_, ws, ss, align.sorted_pairs, align.block_expert,
+        align.num_blocks, n_out, k, p, rows_per_x, max_blocks, x.stride(0),
+        xs.stride(0) if act_fp8 else 0, w.stride(0), w.stride(1),
         out.stride(0), os_.stride(0) if quantize_out else 0,
         scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
         scale.stride(2) if fp8 else 0, n_out * w.stride(1), -(-n_out // QBLOCK), limit,
+        e, s_limit, HAS_SHARED=has_shared,
         ACT_DT=_TL_DTYPES[out_dtype], QUANT_OUT=quantize_out, FMAX=FP8_MAX,
-        ROUND_E4M3=INTERPRETED, SWIGLU=swiglu, INTERLEAVE=interleave, HAS_LIMIT=swiglu and limit > 0, HAS_SCALE=fp8,
+        ROUND_E4M3=INTERPRETED, SWIGLU=swiglu, INTERLEAVE=interleave, HAS_LIMIT=has_limit,
+        HAS_SCALE=fp8,
         PRESCALE=fp8 and not act_fp8 and bool(config.fp8_prescale), A_SCALE=act_fp8,
         QB=QBLOCK, DOT_PREC=prec,
         BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,

@@ -82,7 +82,8 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       w13_scale: Optional[torch.Tensor] = None,
                       w2_scale: Optional[torch.Tensor] = None,
                       combine_kernel: bool = True, align_kernel: bool = False,
-                      fp8_activations: bool = False) -> torch.Tensor:
+                      fp8_activations: bool = False,
+                      shared_weights: Optional[SharedExpertWeights] = None) -> torch.Tensor:
     """``sum_i w_i * Expert_{id_i}(x) (+ shared)`` per token ``[T, H]`` for large batches.
 
     The pairs sorted by expert on the device (:func:`sgl_kernel.moe_grouped_gemm.moe_align`),
@@ -101,6 +102,9 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     model dtype first, as the weight-only path hands it on) before the down-projection, inside
     the up-projection's epilogue when its tiles are one 128-column group wide (the same values:
     ``moe_grouped_gemm``'s ``quantize_out``).
+    ``shared_weights`` (instead of ``shared``): the shared expert as one more expert that every
+    token is routed to with weight 1, its rows in the same two launches (no separate MLP), its
+    output added in the combine as the routed ones are.
     """
     from sgl_kernel.moe_combine import moe_combine  # Triton: imported on first use
     from sgl_kernel.moe_align import moe_align_triton
@@ -108,8 +112,19 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                                              quantizes_out)
 
     check_moe_inputs(hidden, w13, w2, topk_ids, topk_weights)
-    t, k = topk_ids.shape
+    if shared_weights is not None and shared is not None:
+        raise ValueError("fused_moe_grouped: give the shared expert's output or its weights")
     e = w13.shape[0]
+    sh: dict = {}
+    ids = topk_ids
+    if shared_weights is not None:  # expert id e: every token's one more pair, weight 1
+        ids = torch.cat([topk_ids, topk_ids.new_full((topk_ids.shape[0], 1), e)], dim=1)
+        topk_weights = torch.cat([topk_weights, topk_weights.new_ones(
+            topk_weights.shape[0], 1)], dim=1)
+        sh = dict(up=dict(shared_w=shared_weights.w13, shared_scale=shared_weights.w13_scale,
+                          shared_limit=shared_weights.limit),
+                  down=dict(shared_w=shared_weights.w2, shared_scale=shared_weights.w2_scale))
+    t, k = ids.shape
     fp8 = w13_scale is not None
     act_fp8 = fp8 and fp8_activations
     x = hidden.contiguous()
@@ -118,10 +133,12 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     down_cfg = launch_config(e, w2.shape[1], w2.shape[2], t * k, fp8, x.device,
                              act_fp8=act_fp8)
     align = moe_align_triton if align_kernel else moe_align
-    up_align = align(topk_ids, e, up_cfg.block_m)
+    n_align = e + (shared_weights is not None)
+    up_align = align(ids, n_align, up_cfg.block_m)
     # The two tables may pick different row blocks: each GEMM gets the padding its tiles need.
     down_align = (up_align if down_cfg.block_m == up_cfg.block_m
-                  else align(topk_ids, e, down_cfg.block_m))
+                  else align(ids, n_align, down_cfg.block_m))
+    up_sh, down_sh = sh.get("up", {}), sh.get("down", {})
     if act_fp8:
         from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
 
@@ -129,19 +146,21 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
         if quantizes_out(up_cfg, swiglu=True):  # the SwiGLU output quantised in the epilogue
             aq, as_ = moe_grouped_gemm(xq, w13, up_align, rows_per_x=k, swiglu=True,
                                        swiglu_limit=limit, w_scale=w13_scale, config=up_cfg,
-                                       x_scale=xs, out_dtype=x.dtype, quantize_out=True)
+                                       x_scale=xs, out_dtype=x.dtype, quantize_out=True,
+                                       **up_sh)
         else:
             act = moe_grouped_gemm(xq, w13, up_align, rows_per_x=k, swiglu=True,
                                    swiglu_limit=limit, w_scale=w13_scale, config=up_cfg,
-                                   x_scale=xs, out_dtype=x.dtype)  # [T*k, I]
+                                   x_scale=xs, out_dtype=x.dtype, **up_sh)  # [T*k, I]
             aq, as_ = per_token_group_quant_fp8(act)
         y = moe_grouped_gemm(aq, w2, down_align, rows_per_x=1, swiglu=False, w_scale=w2_scale,
-                             config=down_cfg, x_scale=as_, out_dtype=x.dtype)  # [T*k, H]
+                             config=down_cfg, x_scale=as_, out_dtype=x.dtype,
+                             **down_sh)  # [T*k, H]
     else:
         act = moe_grouped_gemm(x, w13, up_align, rows_per_x=k, swiglu=True, swiglu_limit=limit,
-                               w_scale=w13_scale, config=up_cfg)  # [T*k, I]
+                               w_scale=w13_scale, config=up_cfg, **up_sh)  # [T*k, I]
         y = moe_grouped_gemm(act, w2, down_align, rows_per_x=1, swiglu=False, w_scale=w2_scale,
-                             config=down_cfg)  # [T*k, H]
+                             config=down_cfg, **down_sh)  # [T*k, H]
     if combine_kernel:
         return moe_combine(y, topk_weights, shared)
     return combine_expert_outputs(y, topk_weights, shared)

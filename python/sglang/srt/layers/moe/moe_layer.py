@@ -128,8 +128,8 @@ class FusedMoE(nn.Module):
                 shared_weights: Optional[SharedExpertWeights] = None) -> torch.Tensor:
         """Partial (this rank's intermediate slice) output ``[T, H]``, not reduced: the routed
         experts plus the shared expert, given as its output ``shared`` (added in the fp32
-        combine) or, on the small-batch Triton path, as ``shared_weights`` run in the same
-        launches."""
+        combine) or, on the Triton paths (small-batch grouped mat-vec, grouped GEMM), as
+        ``shared_weights`` run in the same launches."""
         return self.quant_method.apply(self, hidden, topk_weights, topk_ids, shared,
                                        shared_weights)
 
@@ -191,8 +191,9 @@ class BailingMoE(nn.Module):
         """``[T, H] -> [T, H]``: routed + shared experts (summed in fp32, one rounding),
         complete after the one all-reduce."""
         topk = self.gate(hidden)
-        shared_pairs = (self._shared_as_pairs() if self.experts.small_m(topk.topk_ids)
-                        else None)
+        ids = topk.topk_ids
+        shared_pairs = (self._shared_as_pairs()
+                        if self.experts.small_m(ids) or self.experts.large_m(ids) else None)
         shared = None
         if self.shared_experts is not None and shared_pairs is None:
             shared = self.shared_experts(hidden)

@@ -389,8 +389,8 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                                      combine_kernel=layer.fused_combine,
                                      w13_scale=layer.w13_weight_scale_inv,
                                      w2_scale=layer.w2_weight_scale_inv)
-        if shared_weights is not None:
-            raise ValueError("FusedMoE: shared_weights only ride the small-batch Triton path")
+        if shared_weights is not None and not layer.large_m(topk_ids):
+            raise ValueError("FusedMoE: shared_weights only ride the Triton paths")
         if layer.large_m(topk_ids):
             return fused_moe_grouped(hidden, layer.w13_weight, layer.w2_weight, topk_weights,
                                      topk_ids, layer.swiglu_limit, shared,
@@ -398,6 +398,7 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                                      w2_scale=layer.w2_weight_scale_inv,
                                      combine_kernel=layer.fused_combine,
                                      align_kernel=layer.align_kernel,
+                                     shared_weights=shared_weights,
                                      fp8_activations=layer.fp8_activations)
         w13, w2 = self.experts(layer, hidden.dtype)
         return fused_moe(hidden, w13, w2, topk_weights, topk_ids, layer.swiglu_limit,
