@@ -213,7 +213,7 @@ def test_model_with_triton_moe_matches_native(triton_mode, tmp_path, monkeypatch
         assert all(m.fused_combine == (fused == "1") for m in moes)
         assert runner.small_m_gemm == (fused == "1")
         if fused == "1":  # the tiny model's shared expert has the routed experts' shape
-            assert all(m._shared_as_pairs() is not None for m in runner.model.modules()
+            assert all(m.shared_as_pairs() is not None for m in runner.model.modules()
                        if isinstance(m, BailingMoE))
         kda = [m for m in runner.model.modules() if hasattr(m, "norm_in_o_proj")]
         assert kda and all(m.norm_in_o_proj == (norm_in == "1") for m in kda)

@@ -41,15 +41,17 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # test/srt/conftest.py
 
 
 # ------------------------------------------------------------------------------ the plan
-def _grouped_gemms(cfg, fp8: bool, device_name: str = H200) -> Tuple[pw.GroupedGemm, ...]:
-    """The up and down grouped GEMMs of a config's experts, with ``device_name``'s table."""
+def _grouped_gemms(cfg, fp8: bool, device_name: str = H200,
+                   shared: bool = False) -> Tuple[pw.GroupedGemm, ...]:
+    """The up and down grouped GEMMs of a config's experts, with ``device_name``'s table;
+    ``shared``: the shared expert rides them as pairs."""
     e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
     return tuple(pw.GroupedGemm(f"{which} {mgg.config_key(e, n, k, fp8)}", e, fp8,
-                                mgg.table_entry(e, n, k, fp8, device_name))
+                                mgg.table_entry(e, n, k, fp8, device_name), shared)
                  for which, n, k in (("up", 2 * i, h), ("down", h, i)))
 
 
-def _flash_paths(fp8: bool) -> Tuple[pw.PrefillPaths, int]:
+def _flash_paths(fp8: bool, shared: bool = False) -> Tuple[pw.PrefillPaths, int]:
     """The preset's paths as a default H200 server has them (bf16: no small-M dense GEMM;
     fp8: the small-M GEMM reads the fp8 weights at decode sizes), and the default bound."""
     from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS
@@ -60,7 +62,7 @@ def _flash_paths(fp8: bool) -> Tuple[pw.PrefillPaths, int]:
                             dense_small_m_rows=SMALL_M_MAX_ROWS if fp8 else None,
                             mla_normal_min_tokens=MLA_NORMAL_FORM_MIN_TOKENS,
                             moe_small_m_pairs=SMALL_M_MAX_PAIRS,
-                            moe_gemms=_grouped_gemms(cfg, fp8))
+                            moe_gemms=_grouped_gemms(cfg, fp8, shared=shared))
     bound = min(pw.prefill_token_bound(DEFAULT_CHUNKED_PREFILL_SIZE, DEFAULT_MAX_PREFILL_TOKENS),
                 mc.context_len)
     return paths, bound
@@ -77,11 +79,11 @@ def _reached(paths: pw.PrefillPaths, t: int) -> Set[Hashable]:
     out: Set[Hashable] = set()
     if t == 1 or t % 2 or t % 16 == 0:
         out.add(("tokens", sides, "1" if t == 1 else "16" if t % 16 == 0 else "odd"))
-    pairs = t * paths.top_k
-    if paths.moe_gemms and pairs > paths.moe_small_m_pairs:
-        for g in paths.moe_gemms:
+    if paths.moe_gemms and t * paths.top_k > paths.moe_small_m_pairs:  # the routed pairs
+        for g in paths.moe_gemms:  # each GEMM's own pairs (the shared expert's included)
+            pairs = t * (paths.top_k + int(g.shared_pairs))
             c = mgg.select_config(g.table, g.num_experts, pairs, g.fp8)
-            ints = mgg.launch_int_args(pairs, g.num_experts, c.block_m)
+            ints = mgg.launch_int_args(pairs, g.num_experts + int(g.shared_pairs), c.block_m)
             out.add(("moe", g.name, c, tuple(cls(v) for v in ints)))
     return out
 
@@ -104,21 +106,25 @@ def _check_plan(paths: pw.PrefillPaths, bound: int, shapes: List[Tuple[int, ...]
         assert {sum(s) >= m for s in shapes if len(s) == 2} == {False, True}
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["routed", "with-shared-pairs"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-def test_flash_preset_plan_at_default_flags(fp8):
+def test_flash_preset_plan_at_default_flags(fp8, shared):
     """Every tile configuration the H200 table gives the grouped GEMMs between the small-M path
     and the default bound is launched, and so is every bucket's configuration; both sides of
-    each threshold; nothing above 8192."""
-    paths, bound = _flash_paths(fp8)
+    each threshold; nothing above 8192. With the shared expert as pairs (the default on CUDA)
+    a token brings one more pair to each GEMM."""
+    paths, bound = _flash_paths(fp8, shared)
     assert bound == min(DEFAULT_CHUNKED_PREFILL_SIZE, DEFAULT_MAX_PREFILL_TOKENS) == 8192
     shapes = pw.prefill_warmup_shapes(paths, bound, max_requests=256)
     _check_plan(paths, bound, shapes)
     k = paths.top_k
-    launched = {(g.name, mgg.select_config(g.table, g.num_experts, sum(s) * k, g.fp8))
+    kg = k + int(shared)
+    launched = {(g.name, mgg.select_config(g.table, g.num_experts, sum(s) * kg, g.fp8))
                 for s in shapes for g in paths.moe_gemms if sum(s) * k > SMALL_M_MAX_PAIRS}
     for g in paths.moe_gemms:
         assert g.table is not None  # the shipped table has H200 entries for bf16 and fp8
-        pairs = range(SMALL_M_MAX_PAIRS + 1, bound * k + 1)  # every grouped batch up to 8192
+        tokens = range(SMALL_M_MAX_PAIRS // k + 1, bound + 1)  # every grouped batch to 8192
+        pairs = [t * kg for t in tokens]
         wanted = {mgg.select_config(g.table, g.num_experts, p, g.fp8) for p in pairs}
         assert {c for name, c in launched if name == g.name} == wanted
         # bf16: buckets 1024 and 8192 share their tiles; fp8: two buckets, two tiles

@@ -404,8 +404,8 @@ def test_triton_paths_read_fp8_weights(ckpts):
                          kernel_choices=KernelChoices(small_m_gemm=True))
     assert runner.kernel_choices.moe_combine and runner.kernel_choices.small_m_gemm
     moes = [m for m in runner.model.modules() if isinstance(m, BailingMoE)]
-    assert moes and all(m._shared_as_pairs() is not None for m in moes)
-    assert all(m._shared_as_pairs().w13_scale is not None for m in moes)
+    assert moes and all(m.shared_as_pairs() is not None for m in moes)
+    assert all(m.shared_as_pairs().w13_scale is not None for m in moes)
     got = _prefill_logits(runner, ids)
     err = (got - ref).abs().max().item()
     assert err <= 1e-5 * ref.abs().max().item(), err

@@ -77,12 +77,24 @@ class GroupedGemm:
     """One of the MoE prefill's grouped GEMMs (``sgl_kernel.moe_grouped_gemm``): its name in the
     plan, its expert count, whether its weight is block fp8, and the tile table's entry for its
     weight on this GPU (:func:`sgl_kernel.moe_grouped_gemm.table_entry`; None: no entry, the
-    kernel's fallback tiles)."""
+    kernel's fallback tiles). ``shared_pairs``: the shared expert rides it as one more expert
+    (``fused_moe_grouped(..., shared_weights=...)``), so a token brings ``top_k + 1`` pairs
+    and the pairs are aligned over ``num_experts + 1`` experts."""
 
     name: str
     num_experts: int
     fp8: bool
     table: Optional[Mapping[str, Mapping[str, Any]]] = None
+    shared_pairs: bool = False
+
+    def pairs_per_token(self, top_k: int) -> int:
+        """The GEMM's pairs per token: the routed ``top_k``, plus the shared expert's."""
+        return top_k + int(self.shared_pairs)
+
+    @property
+    def aligned_experts(self) -> int:
+        """The experts its pair list is sorted over (the shared expert's id is the last)."""
+        return self.num_experts + int(self.shared_pairs)
 
 
 @dataclass(frozen=True)
@@ -144,14 +156,15 @@ def _regions(paths: PrefillPaths, max_tokens: int) -> List[Tuple[int, int]]:
     if paths.moe_gemms and paths.top_k > 0:
         from sgl_kernel.moe_grouped_gemm import config_change_points
 
-        k = paths.top_k
-        lo_pairs = paths.moe_small_m_pairs or 0
         for g in paths.moe_gemms:
+            k = g.pairs_per_token(paths.top_k)
+            # The routed pairs choose the path: the small-M bound in this GEMM's pairs.
+            lo_pairs = (paths.moe_small_m_pairs or 0) * k // paths.top_k
             # Below E pairs the padded pair list grows with every pair, above it with every
             # block (max_padded_pairs): the integer classes repeat differently on each side,
             # which matters only where the grouped GEMM runs.
-            if g.num_experts > lo_pairs:
-                cuts.add(g.num_experts // k)
+            if g.aligned_experts > lo_pairs:
+                cuts.add(g.aligned_experts // k)
             for p in config_change_points(g.table, g.num_experts, g.fp8, lo_pairs,
                                           max_tokens * k):
                 cuts.add(-(-p // k) - 1)  # tokens t with t * k >= p take the new tiles
@@ -177,8 +190,8 @@ def _candidates(paths: PrefillPaths, max_tokens: int) -> Dict[FrozenSet[Hashable
     for lo, hi in _regions(paths, max_tokens):
         tiles = []
         if grouped and lo * k > (paths.moe_small_m_pairs or 0):
-            tiles = [(g, select_config(g.table, g.num_experts, lo * k, g.fp8))
-                     for g in paths.moe_gemms]
+            tiles = [(g, select_config(g.table, g.num_experts, lo * g.pairs_per_token(k),
+                                       g.fp8)) for g in paths.moe_gemms]
         period = 16 * max([cfg.block_m for _, cfg in tiles], default=1)
         for t in range(lo, min(hi, lo + period - 1) + 1):
             keys = set()
@@ -186,7 +199,8 @@ def _candidates(paths: PrefillPaths, max_tokens: int) -> Dict[FrozenSet[Hashable
             if cls is not None:
                 keys.add(("tokens", lo, cls))
             for g, cfg in tiles:
-                ints = launch_int_args(t * k, g.num_experts, cfg.block_m)
+                ints = launch_int_args(t * g.pairs_per_token(k), g.aligned_experts,
+                                       cfg.block_m)
                 keys.add(("moe", g.name, cfg, tuple(_int_class(v) for v in ints)))
             if keys:
                 frozen = frozenset(keys)
@@ -249,7 +263,7 @@ def prefill_paths(runner: "ModelRunner") -> PrefillPaths:
 
     moes = [m for m in runner.model.modules() if isinstance(m, BailingMoE)]
     top_k = max([m.gate.top_k for m in moes], default=0)
-    triton_moe = [m.experts for m in moes if m.experts.runner_backend == "triton"
+    triton_moe = [m for m in moes if m.experts.runner_backend == "triton"
                   and m.experts.quant_method.triton_small_m_ok()]
     dense_rows = None
     if runner.small_m_gemm:
@@ -278,21 +292,24 @@ def prefill_paths(runner: "ModelRunner") -> PrefillPaths:
                         pdl_rows_per_token=tuple(sorted(per_token)))
 
 
-def _grouped_gemms(runner: "ModelRunner", experts: Sequence[Any]) -> Tuple[GroupedGemm, ...]:
-    """The up and down grouped GEMMs of every distinct expert weight shape among ``experts``,
-    with the tile table's entries for the runner's GPU."""
+def _grouped_gemms(runner: "ModelRunner", blocks: Sequence[Any]) -> Tuple[GroupedGemm, ...]:
+    """The up and down grouped GEMMs of every distinct expert weight shape among the MoE
+    ``blocks`` (with or without the shared expert as pairs), with the tile table's entries for
+    the runner's GPU."""
     from sgl_kernel.moe_grouped_gemm import config_key, table_entry
 
     device_name = torch.cuda.get_device_name(runner.device)
     out: Dict[str, GroupedGemm] = {}
-    for m in experts:
+    for block in blocks:
+        m = block.experts
+        shared = block.shared_as_pairs() is not None
         for which, w in (("up", m.w13_weight), ("down", m.w2_weight)):
             e, n, k = w.shape
             fp8 = w.dtype == torch.float8_e4m3fn
             act_fp8 = fp8 and bool(getattr(m, "fp8_activations", False))  # the w8a8 tiles
-            name = f"{which} {config_key(e, n, k, fp8, act_fp8)}"
+            name = f"{which} {config_key(e, n, k, fp8, act_fp8)}{' + shared' if shared else ''}"
             out.setdefault(name, GroupedGemm(name, e, fp8, table_entry(e, n, k, fp8, device_name,
-                                                                      act_fp8=act_fp8)))
+                                                                      act_fp8=act_fp8), shared))
     return tuple(out.values())
 
 

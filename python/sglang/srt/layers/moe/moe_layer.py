@@ -169,7 +169,7 @@ class BailingMoE(nn.Module):
         pairs = self.experts.quant_method.max_graph_pairs(self.experts)
         return None if pairs is None else max(pairs // self.gate.top_k, 0)
 
-    def _shared_as_pairs(self) -> Optional[SharedExpertWeights]:
+    def shared_as_pairs(self) -> Optional[SharedExpertWeights]:
         """The shared expert's weights when they ride the routed experts' launches
         (``KernelChoices.moe_combine``, and the same per-expert shape and dtype), else None."""
         mlp = self.shared_experts
@@ -192,7 +192,7 @@ class BailingMoE(nn.Module):
         complete after the one all-reduce."""
         topk = self.gate(hidden)
         ids = topk.topk_ids
-        shared_pairs = (self._shared_as_pairs()
+        shared_pairs = (self.shared_as_pairs()
                         if self.experts.small_m(ids) or self.experts.large_m(ids) else None)
         shared = None
         if self.shared_experts is not None and shared_pairs is None:
