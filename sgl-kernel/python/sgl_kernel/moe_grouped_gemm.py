@@ -30,8 +30,8 @@ rounds each to x's dtype (the reference's ``h13`` in the model dtype), applies
 accumulator serve both halves and the epilogue splits the even and odd columns. Per output
 column the arithmetic is the same; what changes is the registers a program holds (one
 ``[BLOCK_M, BLOCK_N]`` accumulator and, with block-fp8 scales, one dot result instead of two of
-each: the two-accumulator form spills at the table's tiles, docs/performance.md) against
-twice the programs reading each gathered row of ``x``. The tile sweep decides.
+each: fewer registers at every tile, which leaves room for larger tiles; docs/performance.md)
+against twice the programs reading each gathered row of ``x``. The tile sweep decides.
 
 Block fp8 (``w_scale`` given; :mod:`sgl_kernel.fp8_blocks` layout): weight-only fp8 ("w8a16"),
 no per-call dequantised copy of any expert. One ``BLOCK_K`` slice never straddles a 128-column
