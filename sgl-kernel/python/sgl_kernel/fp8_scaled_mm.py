@@ -100,8 +100,13 @@ def scaled_mm_operands(q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor,
     ``q [M, K]`` with their row-major group scales ``q_scale [M, ceil(K/128)]`` and a weight
     group ``w [N, K]`` with its row-major block scales ``w_scale [ceil(N/128), ceil(K/128)]``
     (module docstring: the activations' scales go column-major, the weight and its scales are
-    passed transposed, no copy)."""
-    return q, w.t(), q_scale.t().contiguous().t(), w_scale.t()
+    passed transposed, no copy; scales already outer-dim-major are not copied either)."""
+    return q, w.t(), _outer_dim_major(q_scale), w_scale.t()
+
+
+def _outer_dim_major(scale: torch.Tensor) -> torch.Tensor:
+    """``scale [M, G]`` with stride ``(1, M)`` (a copy only when it is not laid out so)."""
+    return scale.t().contiguous().t()
 
 
 def _stride_ok(scale: torch.Tensor, dim: int, size: int, stride: int) -> bool:
@@ -189,6 +194,7 @@ def blockwise_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                          f"{w.shape[0]} rows in order")
     mm = mm or _library_scaled_mm
     q, q_scale = per_token_group_quant_fp8(x if x.stride(1) == 1 else x.contiguous())
+    q_scale = _outer_dim_major(q_scale)  # once for every group's call
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     outs = []
     for r0, r1, s0 in groups:

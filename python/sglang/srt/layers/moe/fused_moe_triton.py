@@ -115,15 +115,14 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     if shared_weights is not None and shared is not None:
         raise ValueError("fused_moe_grouped: give the shared expert's output or its weights")
     e = w13.shape[0]
-    sh: dict = {}
-    ids = topk_ids
+    ids, up_sh, down_sh = topk_ids, {}, {}
     if shared_weights is not None:  # expert id e: every token's one more pair, weight 1
         ids = torch.cat([topk_ids, topk_ids.new_full((topk_ids.shape[0], 1), e)], dim=1)
         topk_weights = torch.cat([topk_weights, topk_weights.new_ones(
             topk_weights.shape[0], 1)], dim=1)
-        sh = dict(up=dict(shared_w=shared_weights.w13, shared_scale=shared_weights.w13_scale,
-                          shared_limit=shared_weights.limit),
-                  down=dict(shared_w=shared_weights.w2, shared_scale=shared_weights.w2_scale))
+        up_sh = dict(shared_w=shared_weights.w13, shared_scale=shared_weights.w13_scale,
+                     shared_limit=shared_weights.limit)
+        down_sh = dict(shared_w=shared_weights.w2, shared_scale=shared_weights.w2_scale)
     t, k = ids.shape
     fp8 = w13_scale is not None
     act_fp8 = fp8 and fp8_activations
@@ -138,7 +137,6 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # The two tables may pick different row blocks: each GEMM gets the padding its tiles need.
     down_align = (up_align if down_cfg.block_m == up_cfg.block_m
                   else align(ids, n_align, down_cfg.block_m))
-    up_sh, down_sh = sh.get("up", {}), sh.get("down", {})
     if act_fp8:
         from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
 

@@ -233,19 +233,6 @@ class Fp8LinearMethod(LinearMethodBase):
         return dequantize_indexed(layer.weight, layer.weight_scale_inv, layer.weight_row_block,
                                   layer.weight_col_block, dtype)
 
-    def _scaled_mm_groups(self, layer: nn.Module):
-        """The weight's row groups for ``sgl_kernel.fp8_scaled_mm`` (one 128-row scale grid
-        each), cached on the layer; None unless the blocks are 128 x 128, the library's."""
-        groups = getattr(layer, "_scaled_mm_row_groups", False)
-        if groups is False:
-            groups = None
-            if tuple(self.config.weight_block_size) == (128, 128):
-                from sgl_kernel.fp8_scaled_mm import row_groups
-
-                groups = row_groups(layer.weight_pieces, 128)
-            layer._scaled_mm_row_groups = groups
-        return groups
-
     def apply(self, layer: nn.Module, x: torch.Tensor,
               bias: Optional[torch.Tensor] = None, gated_norm=None) -> torch.Tensor:
         """The product with the fp8 weight. The layer's ``small_m_gemm`` flag (set by
@@ -282,11 +269,11 @@ class Fp8LinearMethod(LinearMethodBase):
             if gated_norm is not None:
                 x = gated_rms_norm_heads(x, gated_norm)
             x2 = x.reshape(-1, x.shape[-1])
-            groups = self._scaled_mm_groups(layer) if layer.dense_scaled_mm else None
-            if groups is not None:
-                from sgl_kernel.fp8_scaled_mm import blockwise_linear
+            if layer.dense_scaled_mm:  # one call per run of pieces on one 128-row scale grid
+                from sgl_kernel.fp8_scaled_mm import blockwise_linear, row_groups
 
-                y = blockwise_linear(x2, layer.weight, layer.weight_scale_inv, groups, bias)
+                y = blockwise_linear(x2, layer.weight, layer.weight_scale_inv,
+                                     row_groups(layer.weight_pieces), bias)
             else:
                 y = fp8_gemm.block_fp8_linear(x2, layer.weight, layer.weight_scale_inv,
                                               layer.weight_row_block, bias,
@@ -389,8 +376,6 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                                      combine_kernel=layer.fused_combine,
                                      w13_scale=layer.w13_weight_scale_inv,
                                      w2_scale=layer.w2_weight_scale_inv)
-        if shared_weights is not None and not layer.large_m(topk_ids):
-            raise ValueError("FusedMoE: shared_weights only ride the Triton paths")
         if layer.large_m(topk_ids):
             return fused_moe_grouped(hidden, layer.w13_weight, layer.w2_weight, topk_weights,
                                      topk_ids, layer.swiglu_limit, shared,
@@ -400,6 +385,8 @@ class Fp8MoEMethod(FusedMoEMethodBase):
                                      align_kernel=layer.align_kernel,
                                      shared_weights=shared_weights,
                                      fp8_activations=layer.fp8_activations)
+        if shared_weights is not None:
+            raise ValueError("FusedMoE: shared_weights only ride the Triton paths")
         w13, w2 = self.experts(layer, hidden.dtype)
         return fused_moe(hidden, w13, w2, topk_weights, topk_ids, layer.swiglu_limit,
                          grouped_mm=False, shared=shared)

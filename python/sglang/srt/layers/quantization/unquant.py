@@ -114,13 +114,13 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
             return fused_moe_small_m(hidden, layer.w13_weight, layer.w2_weight, topk_weights,
                                      topk_ids, layer.swiglu_limit, shared_weights, shared,
                                      combine_kernel=layer.fused_combine)
-        if shared_weights is not None and not layer.large_m(topk_ids):
-            raise ValueError("FusedMoE: shared_weights only ride the Triton paths")
         if layer.large_m(topk_ids):
             return fused_moe_grouped(hidden, layer.w13_weight, layer.w2_weight, topk_weights,
                                      topk_ids, layer.swiglu_limit, shared,
                                      combine_kernel=layer.fused_combine,
                                      align_kernel=layer.align_kernel,
                                      shared_weights=shared_weights)
+        if shared_weights is not None:
+            raise ValueError("FusedMoE: shared_weights only ride the Triton paths")
         return fused_moe(hidden, layer.w13_weight, layer.w2_weight, topk_weights, topk_ids,
                          layer.swiglu_limit, grouped_mm=layer.grouped_mm, shared=shared)
