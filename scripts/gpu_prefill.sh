@@ -15,12 +15,15 @@
 #   STAGE=prefill42 the same on the whole 42-layer Ling-3.0-flash in block fp8
 #   STAGE=served    the seed's workload (random-ids 8192 in / 1024 out, concurrency 1, PROMPTS
 #                   prompts, default 4) against the fp8 42-layer server without speculation and
-#                   with NEXTN (SPECS, default "0 3"); one JSON line per run in $OUT/served.jsonl
+#                   with NEXTN (SPECS, default "0 3"); one JSON line per run in $OUT/served.jsonl;
+#                   SERVED_ARGS adds server flags (SERVED_ARGS="--prefill-cuda-graph-tokens 8192")
 #   STAGE=conc      12-layer bf16 server (default flags), random-ids 1024 / 128 at concurrency
 #                   CONCS (default "1 4 16 64"); $OUT/conc.jsonl
 #   STAGE=prefill_gates  the gpu-marked tests of the prefill path's kernels and glue (KDA fla
 #                   prefill, MLA RoPE assembly, norms, grouped MoE GEMM, dense fp8 GEMM and its
-#                   scaled_mm form, activation quantisation), with skip reasons (-rs)
+#                   scaled_mm form, activation quantisation, prefill CUDA graphs), with skip
+#                   reasons (-rs). CENSUS_ARGS=--prefill-graphs on prefill12 / prefill42 times
+#                   captured prefills beside the eager census in the same process
 #   STAGE=gates     the gpu-marked graph gates (test/srt/test_cuda_graph_runner.py; GATES: other
 #                   files and pytest options, GATES_LOG: the log's name, GATES_TIMEOUT: seconds)
 #   STAGE=interference a decoding request's ITL while an 8192-token prompt is prefilled
@@ -107,7 +110,9 @@ served)
   for steps in ${SPECS:-0 3}; do
     spec=""; [ "$steps" != 0 ] && spec="--speculative-algorithm NEXTN --speculative-num-steps $steps"
     echo "== fp8 42 layers, spec=$steps"
-    serve 30710 "$OUT/server_fp8_$steps.log" $FLASH42 --cuda-graph-max-bs 4 $spec || continue
+    # shellcheck disable=SC2086  # SERVED_ARGS is a list of words
+    serve 30710 "$OUT/server_fp8_$steps.log" $FLASH42 --cuda-graph-max-bs 4 $spec \
+      ${SERVED_ARGS:-} || continue
     timeout ${BENCH_TIMEOUT:-200} python3 -m sglang.bench_serving --backend sglang --port 30710 \
       --dataset-name random-ids --random-input-len 8192 --random-output-len 1024 \
       --random-range-ratio 1.0 --num-prompts ${PROMPTS:-4} --max-concurrency 1 --disable-tqdm \
@@ -136,7 +141,8 @@ prefill_gates)
   timeout ${GATES_TIMEOUT:-300} python3 -m pytest -q -m gpu -rfEs test/srt/test_attention_kda.py \
     test/kernels/test_mla_rope.py test/kernels/test_rmsnorm.py test/kernels/test_fp8_scaled_mm.py \
     test/kernels/test_moe_grouped_gemm.py test/kernels/test_fp8_gemm.py \
-    test/kernels/test_fp8_act_quant.py 2>&1 | tee "$OUT/prefill_gates.log" \
+    test/kernels/test_fp8_act_quant.py test/srt/test_prefill_graphs.py 2>&1 \
+    | tee "$OUT/prefill_gates.log" \
     | grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed"
   ;;
 gates)

@@ -24,7 +24,9 @@ H200 command lines (the 12-layer bf16 model, then the whole 42-layer model in bl
     python benchmark/batch1/plot_prefill_census.py prefill_census.jsonl -o prefill_census.png
 
 (``--disable-cuda-graph`` and ``--max-running-requests 1`` are what the script sets anyway: a
-prefill runs eager and the census holds one request. ``--kernel-choices moe_grouped_mm=1`` puts
+prefill runs eager and the census holds one request. ``--prefill-graphs`` then captures a
+prefill graph at each prompt length and times its replays in the same process: the A/B of
+``--prefill-cuda-graph-tokens``. ``--kernel-choices moe_grouped_mm=1`` puts
 the torch-native MoE's routed experts of a long prompt on torch's grouped GEMMs: an A/B of its
 own label.)
 
@@ -566,6 +568,11 @@ def _print(result: Dict[str, Any]) -> None:
         if launched:
             print(f"  {c}, most launched: "
                   + "; ".join(f"{n[:60]} x{k} ({ms:.3f} ms)" for n, ms, k in launched))
+    if "graph_unprofiled_wall_ms" in result:
+        failed = result["graph_capture_failed"]
+        print(f"prefill graph: {result['graph_unprofiled_wall_ms']:.2f} ms unprofiled "
+              f"({result['graph_replays']} replays"
+              f"{'; capture failed: ' + failed if failed else ''})")
     if "sync_sites" in result:
         print(f"synchronising calls in one more prefill (sync debug mode): {result['syncs']}")
         print(sync_table(result))
@@ -591,8 +598,35 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sync-sites", action="store_true",
                         help="CUDA: one more prefill under torch's sync debug mode, counting "
                              "every host<->device synchronisation at its call site")
+    parser.add_argument("--prefill-graphs", action="store_true",
+                        help="CUDA (emulated elsewhere): after the eager census, capture a "
+                             "prefill graph at each --prompt-len and time --timed replays in "
+                             "the same process (graph_unprofiled_wall_ms, the A/B of "
+                             "--prefill-cuda-graph-tokens)")
     add_kernel_choices_arg(parser)
     return parser
+
+
+def time_prefill_graphs(worker: TpModelWorker, prompt_lens: List[int], seed: int,
+                        timed: int) -> Dict[int, Dict[str, Any]]:
+    """Capture a one-request prefill graph per length in ``prompt_lens`` (after the eager
+    census: a replay compiles nothing) and time ``max(timed, 1)`` replays of each, after one
+    warm replay. Returns ``{length: {"graph_unprofiled_wall_ms", "graph_replays",
+    "graph_capture_failed"}}``."""
+    runner = worker.model_runner
+    graphs = runner.init_prefill_graphs(prompt_lens)
+    out = {}
+    for n in prompt_lens:
+        start = graphs.num_replays
+        run_once(worker, 1, n, 1, seed)
+        walls = [run_once(worker, 1, n, 1, seed)["prefill_latency"] * 1e3
+                 for _ in range(max(timed, 1))]
+        failed = [why for key, why in graphs.failed.items() if key.tokens == n]
+        out[n] = {"graph_unprofiled_wall_ms": statistics.median(walls),
+                  "graph_replays": graphs.num_replays - start,
+                  "graph_capture_failed": failed[0] if failed else None}
+    runner.prefill_graphs = None  # later prefills (none here) run eagerly again
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
@@ -642,11 +676,16 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
                   "kda_prefill_impl": server_args.kda_prefill_impl,
                   "kernel_choices": runner.kernel_choices.describe(),
                   **git_commit(), **measured}
+        results.append(result)
+    if args.prefill_graphs:
+        timed = time_prefill_graphs(worker, list(args.prompt_len), args.seed, args.timed)
+        for result in results:
+            result.update(timed[result["prompt_len"]])
+    for result in results:
         _print(result)
         if args.result_filename:
             with open(args.result_filename, "a") as f:
                 f.write(json.dumps(result) + "\n")
-        results.append(result)
     return results
 
 

@@ -40,6 +40,7 @@ from sglang.srt.rounds.plain import TpModelWorker
 from sglang.srt.rounds.registry import get_spec_worker_class
 from sglang.srt.model_executor.cuda_graph_runner import capture_batch_sizes
 from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.prefill_graph_runner import init_prefill_graphs_from_args
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.distributed.parallel_state import free_port
@@ -119,6 +120,7 @@ def build_worker(server_args: ServerArgs, bench_args: BenchArgs, tp_rank: int,
     worker = target if spec_cls is None else spec_cls(args, target, requirements)
     if not args.disable_cuda_graph and target.device.type == "cuda":
         worker.init_cuda_graphs(capture_batch_sizes(args, bs))
+    init_prefill_graphs_from_args(target.model_runner, args, worker.prefill_hidden_mode)
     return worker
 
 

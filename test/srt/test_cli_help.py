@@ -48,7 +48,7 @@ EXPECTED_GROUPS: Dict[str, set] = {
         "--attention-backend", "--kda-prefill-impl", "--moe-runner-backend",
         "--linear-attn-decode-backend", "--enable-deterministic-inference",
         "--disable-cuda-graph", "--cuda-graph-max-bs",
-        "--cuda-graph-bs"},
+        "--cuda-graph-bs", "--prefill-cuda-graph-tokens"},
     "logging and metrics": {
         "--log-level", "--stream-interval", "--decode-log-interval", "--enable-metrics",
         "--log-requests", "--log-requests-level"},
@@ -279,6 +279,8 @@ def test_stray_argument_is_one_line(capsys):
     (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
     (["--tp-size", "0"], "--tp-size must be an integer >= 1, got 0"),
     (["--cuda-graph-bs", "0"], "--cuda-graph-bs must be a non-empty list"),
+    (["--prefill-cuda-graph-tokens", "0"], "--prefill-cuda-graph-tokens must be a list of "
+                                           "integers >= 1"),
 ])
 def test_bad_values_still_name_the_flag_under_a_short_usage(argv, needle, capsys):
     lines = _cli_error(argv, capsys).splitlines()

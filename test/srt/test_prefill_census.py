@@ -1,6 +1,6 @@
 """benchmark/batch1/prefill_census.py and plot_prefill_census.py: the module -> category table on
 the bundled model, a CPU census of one prefill (every top-level aten op in exactly one category,
-the JSON line's fields), the CUDA attribution and the name fallback on synthetic profiler
+the JSON line's fields, the timed prefill-graph replays of ``--prefill-graphs``), the CUDA attribution and the name fallback on synthetic profiler
 events, the figure of the census line, and ``--sync-sites``: the attribution of a synchronising
 call to its site on synthetic stacks, the recording around a prefill (the sync debug mode
 stubbed: this host has no CUDA) and the option's no-op on CPU."""
@@ -51,7 +51,7 @@ def census(tmp_path_factory):
     """The JSON line and stdout of a census of one 32-token prefill of the bundled model."""
     path = tmp_path_factory.mktemp("prefill") / "prefill.jsonl"
     out = _run_census("--prompt-len", str(PROMPT), str(PROMPT // 2), "--label", "tiny",
-                      "--result-filename", str(path))
+                      "--result-filename", str(path), "--prefill-graphs")
     assert out.returncode == 0, out.stderr[-2000:]
     lines = [json.loads(line) for line in path.read_text().splitlines()]
     # One model load, one line per prompt length, in the order given.
@@ -122,6 +122,9 @@ def test_cpu_census_json_line(census):
     assert rec["dtype"] == "float32" and rec["quantization"] is None
     assert re.fullmatch(r"[0-9a-f]{40}|unknown", rec["commit"])
     assert rec["wall_ms"] > 0 and rec["unprofiled_wall_ms"] > 0
+    # --prefill-graphs: a warm replay and a timed one per length (emulated graphs on CPU).
+    assert rec["graph_replays"] == 2 and rec["graph_capture_failed"] is None
+    assert rec["graph_unprofiled_wall_ms"] > 0 and "prefill graph: " in census["stdout"]
     assert 0 < rec["busy_ms"] <= rec["wall_ms"]
     assert rec["host_gap_ms"] == pytest.approx(rec["wall_ms"] - rec["busy_ms"])
     table = census["stdout"]

@@ -111,6 +111,7 @@ class ServerArgs(*arg_classes()):
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None  # None: max of cuda_graph_bs, else a small cap
     cuda_graph_bs: Optional[List[int]] = None  # None: upstream's buckets up to cuda_graph_max_bs
+    prefill_cuda_graph_tokens: Optional[List[int]] = None  # None: prefills run eagerly
     attention_backend: Optional[str] = None
     flashinfer_allreduce_fusion_backend: Optional[str] = None
     kda_prefill_impl: str = "auto"
@@ -268,6 +269,11 @@ class ServerArgs(*arg_classes()):
         # Before the integer checks below: cuda_graph_max_bs defaults to the largest size, so a
         # bad --cuda-graph-bs would otherwise be reported as a bad --cuda-graph-max-bs.
         self._check_cuda_graph_bs()
+        pgt = self.prefill_cuda_graph_tokens
+        if pgt is not None and (not isinstance(pgt, (list, tuple))
+                                or not all(is_int(t) and t >= 1 for t in pgt)):
+            raise ValueError(f"--prefill-cuda-graph-tokens must be a list of integers >= 1, "
+                             f"got {pgt!r}")
         int_at_least("--port", self.port, 1)
         if self.port > 65535:
             raise ValueError(f"--port must be <= 65535, got {self.port}")

@@ -262,6 +262,13 @@ def _kernel_flags(g: Any, d: Dict[str, Any]) -> None:
                 "speculative decoding",
           help="Batch sizes to capture; a batch replays the smallest captured size that holds "
                "it.")
+    _flag(g, "--prefill-cuda-graph-tokens", type=int, nargs="+",
+          default=d["prefill_cuda_graph_tokens"], words="none: prefills run eagerly",
+          help="Token counts at which a one-request prefill is captured as a CUDA graph of the "
+               "whole forward (not upstream's piecewise graphs). A fresh prompt of up to the "
+               "largest count replays the smallest count that holds it, padded at its end; "
+               "other prefills (several requests, a cached prefix, input logprobs) run "
+               "eagerly.")
 
 
 def _logging_flags(g: Any, d: Dict[str, Any]) -> None:

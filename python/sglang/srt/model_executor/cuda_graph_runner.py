@@ -50,7 +50,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 __all__ = ["CudaGraphRunner", "GraphKey", "EmulatedGraph", "WIDTH_BUCKET", "MAX_GRAPHS",
-           "graph_variant", "run_phases"]
+           "graph_variant", "run_phases", "new_graph"]
 
 RoundBody = Callable[[torch.Tensor, torch.Tensor, SamplingBatchInfo, int, bool],
                      Dict[str, torch.Tensor]]
@@ -145,6 +145,12 @@ class _CudaGraph:
 
     def replay(self) -> None:
         self._graph.replay()
+
+
+def new_graph(emulate: bool, pool: object = None) -> object:
+    """A graph to capture into: :class:`EmulatedGraph` when ``emulate``, else a CUDA graph in
+    memory pool ``pool``."""
+    return EmulatedGraph() if emulate else _CudaGraph(pool)
 
 
 @dataclass
@@ -303,7 +309,7 @@ class CudaGraphRunner:
         return captured
 
     def _new_graph(self) -> object:
-        return EmulatedGraph() if self.emulate else _CudaGraph(self._pool)
+        return new_graph(self.emulate, self._pool)
 
     def _capture_graphs(self, key: GraphKey, info: SamplingBatchInfo):
         """One graph of the body, or one per phase chained through their static outputs."""

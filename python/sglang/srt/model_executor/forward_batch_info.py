@@ -13,6 +13,10 @@ Layout conventions (shared by the model, the attention backends and the schedule
 * Host mirrors (``*_cpu``) are filled by the scheduler for EXTEND only. Decode and verify paths
   must work from device tensors alone (``needs_cpu_seq_lens = False`` everywhere), so that the
   host can run ahead of the GPU.
+* A prefill replayed from a captured graph (``model_executor/prefill_graph_runner.py``) is one
+  request padded at its end to the graph's token count: the host mirrors describe the padded
+  batch (what the captured launches were shaped for) and :class:`PrefillPadding` carries, on the
+  device, what the host must not know: the request's length and pool slot.
 """
 from __future__ import annotations
 
@@ -59,6 +63,21 @@ class ForwardMode(IntEnum):
                         ForwardMode.IDLE)
 
 
+@dataclass
+class PrefillPadding:
+    """A one-request prefill padded at its end to ``P`` rows (the batch's ``T``).
+
+    Rows ``real_len .. P - 1`` are padding: their tokens are arbitrary, their KV rows go to the
+    pool's padding slot, and a layer whose state runs along the sequence (the KDA conv window
+    and recurrent state) must end that state at row ``real_len - 1`` and write it to ``slot``.
+    Causal attention and row-wise layers need nothing: a real row never sees a later one.
+    """
+
+    real_len: torch.Tensor  # int64 [1] on the device: the request's tokens (>= 1)
+    slot: torch.Tensor  # int64 [1] on the device: its request-pool slot (= KDA state slot)
+    valid: torch.Tensor  # bool [P] on the device: row < real_len
+
+
 class CaptureHiddenMode(IntEnum):
     """Which final-normed hidden states the model returns (speculative drafts need them)."""
 
@@ -86,6 +105,7 @@ class ForwardBatch:
     kda_state_pool: Optional["KDAStatePool"] = None
     attn_backend: Optional["AttentionBackend"] = None
     # Host mirrors, EXTEND only (None for decode / verify).
+    req_pool_indices_cpu: Optional[List[int]] = None
     seq_lens_cpu: Optional[torch.Tensor] = None
     extend_seq_lens_cpu: Optional[List[int]] = None
     extend_prefix_lens_cpu: Optional[List[int]] = None
@@ -98,6 +118,8 @@ class ForwardBatch:
     capture_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
     # Speculative decoding payload (draft tokens, target hidden states, ...).
     spec_info: Any = None
+    # Set for a prefill padded to a captured graph's token count (see PrefillPadding).
+    padding: Optional[PrefillPadding] = None
     # Backend-private metadata filled by attn_backend.init_forward_metadata.
     attn_metadata: Any = field(default=None, repr=False)
 
@@ -151,6 +173,7 @@ class ForwardBatch:
             extend_seq_lens=t(extend_lens),
             extend_prefix_lens=t(prefix_lens),
             extend_start_loc=t(starts),
+            req_pool_indices_cpu=[int(r) for r in req_pool_indices],
             seq_lens_cpu=torch.tensor(seq_lens, dtype=torch.int64),
             extend_seq_lens_cpu=list(extend_lens),
             extend_prefix_lens_cpu=list(prefix_lens),

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Union
+from typing import TYPE_CHECKING, Any, List, NamedTuple, Optional, Sequence, Union
 
 import torch
 
@@ -55,7 +55,8 @@ from sglang.srt.mem_cache.memory_pool import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
-from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+from sglang.srt.model_executor.prefill_graph_runner import PrefillGraphRunner
 from sglang.srt.model_loader.loader import get_model, model_weight_bytes
 from sglang.srt.models.bailing_moe_v3 import set_kda_norm_in_o_proj, set_mla_absorb_gemv
 
@@ -494,6 +495,7 @@ class ModelRunner:
             linear_attn_decode_backend=linear_attn_decode_backend,
             batch_invariant=self.enable_deterministic_inference)
         self._grow_rope_tables()
+        self.prefill_graphs: Optional[PrefillGraphRunner] = None  # init_prefill_graphs
         set_vars = set_env_values()
         if set_vars and tp_rank == 0:  # what a set SGLANG_* variable resolved to, once
             logger.info("SGLANG_* variables set: %s",
@@ -708,7 +710,29 @@ class ModelRunner:
         return min(limits) if limits else None
 
     # ------------------------------------------------------------------ running
+    def init_prefill_graphs(self, buckets: Sequence[int],
+                            capture_modes: Sequence[CaptureHiddenMode] = (CaptureHiddenMode.NULL,),
+                            emulate: Optional[bool] = None) -> PrefillGraphRunner:
+        """Capture one-request prefills padded to ``buckets`` tokens
+        (:mod:`~sglang.srt.model_executor.prefill_graph_runner`); :meth:`forward` replays them
+        from then on for the prefills they fit."""
+        if self.is_draft:
+            raise ValueError("prefill CUDA graphs are for the target model, not a draft")
+        self.prefill_graphs = PrefillGraphRunner(self, buckets, capture_modes=capture_modes,
+                                                 emulate=emulate)
+        return self.prefill_graphs
+
     def forward(self, forward_batch: ForwardBatch, **model_kwargs: Any) -> "LogitsProcessorOutput":
+        """Run one forward: a captured prefill graph's replay where one fits
+        (:meth:`init_prefill_graphs`), else :meth:`forward_eager`."""
+        if self.prefill_graphs is not None and not model_kwargs:
+            out = self.prefill_graphs.run(forward_batch)
+            if out is not None:
+                return out
+        return self.forward_eager(forward_batch, **model_kwargs)
+
+    def forward_eager(self, forward_batch: ForwardBatch,
+                      **model_kwargs: Any) -> "LogitsProcessorOutput":
         """Run one eager forward; fills the batch's pool/backend handles first.
 
         ``model_kwargs`` go to ``model.forward``. An MTP draft needs ``hidden_states`` (the

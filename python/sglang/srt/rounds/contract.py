@@ -36,6 +36,7 @@ import torch
 from sglang.srt.configs.engine_defaults import SPECULATIVE_MAX_RUNNING_REQUESTS
 from sglang.srt.environ import envs
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, RoundPhase, run_phases
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 if TYPE_CHECKING:
@@ -67,6 +68,9 @@ class RoundWorker(ABC):
     # True for a worker whose rounds can also return the hidden states of chosen rows
     # (``return_hidden_states``); the scheduler refuses such requests otherwise.
     returns_hidden_states = False
+    # The hidden states the worker's prefill asks of the target: the mode the start-up prefill
+    # graphs are captured for (model_executor/prefill_graph_runner.py).
+    prefill_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
     graph_runner: Optional[CudaGraphRunner] = None
     device: torch.device
     future_map: "FutureMap"

@@ -23,9 +23,13 @@ class ExtendLayout:
 
 
 def extend_layout(forward_batch: "ForwardBatch") -> ExtendLayout:
-    """Per-request lengths from the host mirrors when the scheduler filled them, else from the
-    device tensors (verify / draft extend carry no host mirrors)."""
-    slots = forward_batch.req_pool_indices.tolist()
+    """Per-request slots and lengths from the host mirrors when the scheduler filled them, else
+    from the device tensors (verify / draft extend carry no host mirrors; reading them back is
+    a stream sync)."""
+    if forward_batch.req_pool_indices_cpu is not None:
+        slots = list(forward_batch.req_pool_indices_cpu)
+    else:
+        slots = forward_batch.req_pool_indices.tolist()
     if forward_batch.extend_seq_lens_cpu is not None and forward_batch.extend_prefix_lens_cpu is not None:
         extend_lens = list(forward_batch.extend_seq_lens_cpu)
         prefix_lens = list(forward_batch.extend_prefix_lens_cpu)

@@ -14,7 +14,7 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["is_available", "chunk_kda_varlen", "FlaVarlen", "fla_varlen"]
+__all__ = ["is_available", "chunk_kda_varlen", "FlaVarlen", "fla_varlen", "fla_varlen_captured"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -42,9 +42,12 @@ class FlaVarlen:
 
     lens: Tuple[int, ...]  # tokens per sequence (all > 0)
     cu_seqlens: torch.Tensor  # int64 [N + 1] on the device
-    cu_seqlens_cpu: torch.Tensor  # the same values on the host
+    cu_seqlens_cpu: Optional[torch.Tensor]  # the same values on the host (None: captured)
     slots: torch.Tensor  # int64 [N] state-pool slots on the device
-    host_slots: Tuple[int, ...]  # the same slots on the host
+    host_slots: Tuple[int, ...]  # the same slots on the host (empty: captured)
+    # Built for a captured graph (fla_varlen_captured): nothing read from or copied to the
+    # host, fla builds its chunk index on the device, the sequences start from the zero state.
+    captured: bool = False
 
 
 def fla_varlen(lens: Sequence[int], slots: Sequence[int], device: torch.device) -> FlaVarlen:
@@ -61,6 +64,17 @@ def fla_varlen(lens: Sequence[int], slots: Sequence[int], device: torch.device) 
                      tuple(int(x) for x in slots))
 
 
+def fla_varlen_captured(num_tokens: int, slot: torch.Tensor) -> FlaVarlen:
+    """One fresh sequence of ``num_tokens`` rows whose state goes to pool slot ``slot`` (int64
+    ``[1]`` on the device), for a forward that a CUDA graph captures. A capture forbids host
+    copies, and fla's identity-keyed chunk-index cache would hand the graph a tensor that a
+    later eviction frees; so ``cu_seqlens`` is made by a device kernel and ``chunk_kda`` builds
+    its chunk index on the device at every replay (its ``use_graph`` mode)."""
+    cu = torch.arange(0, num_tokens + 1, max(num_tokens, 1), dtype=torch.int64,
+                      device=slot.device)
+    return FlaVarlen((num_tokens,), cu, None, slot, (), captured=True)
+
+
 def chunk_kda_varlen(
     q: torch.Tensor,
     k: torch.Tensor,
@@ -74,6 +88,7 @@ def chunk_kda_varlen(
     cu_seqlens_cpu: Optional[torch.Tensor] = None,
     l2norm_in_kernel: bool = False,
     gate_params: Optional[Tuple[torch.Tensor, torch.Tensor, Optional[float]]] = None,
+    captured: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """KDA over a flattened batch of ``N`` sequences with fla's chunked kernel.
 
@@ -86,7 +101,9 @@ def chunk_kda_varlen(
     ``gate_params = (A_log [H], dt_bias [H * K], lower_bound)`` ``g`` is the raw gate projection
     and ``beta`` the raw beta logits, and fla forms the decay (``kda_ops.kda_gate``'s two forms:
     the safe gate with ``lower_bound``, else the softplus form) and the sigmoid in its kernels,
-    with no fp32 copies of them in memory. Returns ``(o [T, H, V] in q's dtype, final_state
+    with no fp32 copies of them in memory. ``captured``: ``cu_seqlens`` (given, without a host
+    copy) is all fla gets, and it builds its chunk index on the device (fla's ``use_graph``), so
+    that a CUDA graph can capture the call. Returns ``(o [T, H, V] in q's dtype, final_state
     [N, H, K, V] fp32)``.
     """
     if not is_available():
@@ -99,7 +116,13 @@ def chunk_kda_varlen(
                          f"{initial_state.dtype} {tuple(initial_state.shape)}")
     if sum(seq_lens) != q.shape[0]:
         raise ValueError(f"chunk_kda_varlen: seq_lens sum to {sum(seq_lens)} but q has {q.shape[0]} rows")
-    if (cu_seqlens is None) != (cu_seqlens_cpu is None):
+    graph_kw = {}
+    if captured:
+        if cu_seqlens is None or cu_seqlens_cpu is not None:
+            raise ValueError("chunk_kda_varlen: a captured call takes cu_seqlens on the device "
+                             "and no host copy")
+        graph_kw = dict(use_graph=True, max_num_seqs=n)
+    elif (cu_seqlens is None) != (cu_seqlens_cpu is None):
         raise ValueError("chunk_kda_varlen: pass cu_seqlens and cu_seqlens_cpu together")
     if cu_seqlens is None:
         varlen = fla_varlen(seq_lens, range(n), q.device)
@@ -120,6 +143,7 @@ def chunk_kda_varlen(
         output_final_state=True,
         use_qk_l2norm_in_kernel=l2norm_in_kernel,
         **gate_kw,
+        **graph_kw,
         cu_seqlens=cu_seqlens,
         # The host copy lets fla build its chunk index without reading cu_seqlens back.
         cu_seqlens_cpu=cu_seqlens_cpu,

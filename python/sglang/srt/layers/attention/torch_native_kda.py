@@ -28,7 +28,7 @@ from sglang.srt.layers.attention.kda_ops import (
 )
 
 if TYPE_CHECKING:
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, PrefillPadding
 
 __all__ = ["TorchNativeKDABackend", "KDA_PREFILL_IMPLS", "KDA_RECURRENT_IMPLS",
            "RECURRENT_MAX_TOKENS"]
@@ -200,6 +200,9 @@ class TorchNativeKDABackend(AttentionBackend):
         t = mixed.shape[0]
         if t == 0:
             return q.new_empty(0, layer.num_heads, layer.head_dim)
+        if forward_batch.padding is not None:
+            return self._extend_padded(mixed, g, beta, gate, layer, forward_batch.padding,
+                                       conv_pool, ssm_pool)
         lay: ExtendLayout = self._cache.get(forward_batch, self._build)
         reqs = [(s, st, n) for s, st, n in zip(lay.slots, lay.starts, lay.extend_lens) if n > 0]
         conv = self._prefill_conv_kernel(mixed)
@@ -231,6 +234,62 @@ class TorchNativeKDABackend(AttentionBackend):
             out[rows] = o.to(out.dtype)
             ssm_pool[slot].copy_(state)
         return out
+
+    def _extend_padded(self, mixed, g, beta, gate: Optional[KDAGate], layer,
+                       pad: "PrefillPadding", conv_pool, ssm_pool) -> torch.Tensor:
+        """One fresh request (no prefix) padded at its end (:class:`PrefillPadding`), with no
+        host value that depends on its length or slot, so that a captured graph replays it.
+
+        The conv runs over every row from a zero window and the recurrence from the zero state,
+        as for any fresh request. Padded rows get decay 1 and write strength 0, so the state
+        after the last row equals the state after the request's last token (every padded
+        update adds exact zeros), and the conv window is re-read from the request's last
+        ``K - 1`` inputs. Both go to the request's slot by device index. Real rows never see a
+        later row, so their outputs are those of the unpadded request.
+        """
+        t, h, d = mixed.shape[0], layer.num_heads, layer.head_dim
+        if pad.valid.shape[0] != t:
+            raise ValueError(f"KDA layer {layer.layer_id}: padding mask of "
+                             f"{pad.valid.shape[0]} rows for a {t}-row batch")
+        fresh_window = conv_pool.new_zeros(1, *conv_pool.shape[1:])
+        conv = self._prefill_conv_kernel(mixed)
+        fla = conv is not None and self._use_fla(mixed)
+        if fla:
+            y = self._conv_qkv_planes(conv, mixed, layer, fresh_window, [(0, 0, t)])
+        elif conv is not None:
+            y = conv(mixed, layer.conv_weight, fresh_window[0])
+        else:
+            y, _ = causal_conv1d(mixed, layer.conv_weight, fresh_window[0])
+        self._write_window(mixed, pad, conv_pool)
+        pad_rows = ~pad.valid
+        if fla:
+            if gate is not None:  # the kernels form decay -exp(A) * softplus(-inf) = 0, sigmoid 0
+                gate = gate._replace(f=gate.f.masked_fill(pad_rows[:, None], float("-inf")),
+                                     b=gate.b.masked_fill(pad_rows[:, None], float("-inf")))
+            else:
+                g = g.masked_fill(pad_rows[:, None, None], 0.0)
+                beta = beta.masked_fill(pad_rows[:, None], 0.0)
+            return self._extend_fla(y, g, beta, gate, layer,
+                                    fla_kda.fla_varlen_captured(t, pad.slot), ssm_pool)
+        qn, kn, vn = self._split_heads(y, layer)
+        gf, bf = self._gate(g, beta, gate, layer)
+        gf = gf.masked_fill(pad_rows[:, None, None], 0.0)
+        bf = bf.masked_fill(pad_rows[:, None], 0.0)
+        fn = kda_recurrent if t <= RECURRENT_MAX_TOKENS else kda_chunked
+        o, state = fn(qn, kn, vn, gf, bf, layer.scale, initial_state=None)
+        ssm_pool.index_copy_(0, pad.slot, state.unsqueeze(0))
+        return o.to(mixed.dtype).view(t, h, d)
+
+    @staticmethod
+    def _write_window(mixed: torch.Tensor, pad: "PrefillPadding", conv_pool) -> None:
+        """The conv window after the request's last token, ``[C, K-1]`` = its last ``K - 1``
+        inputs (zeros before its first, as from a fresh window), into its slot."""
+        width = conv_pool.shape[-1]
+        if width == 0:
+            return
+        idx = pad.real_len - width + torch.arange(width, device=mixed.device)
+        rows = mixed.index_select(0, idx.clamp(min=0)).masked_fill((idx < 0)[:, None], 0)
+        conv_pool.index_copy_(0, pad.slot, rows.t().to(conv_pool.dtype).unsqueeze(0))
 
     @staticmethod
     def _conv_qkv_planes(conv, mixed: torch.Tensor, layer, conv_pool: torch.Tensor,
@@ -276,7 +335,9 @@ class TorchNativeKDABackend(AttentionBackend):
         else:
             t = y.shape[0]
             qkv = y.view(t, 3, h, d)
-        if len(varlen.host_slots) == 1:  # a view of the slot, no gather / scatter launches
+        if varlen.captured:  # fresh sequences; their slots written by device index below
+            state = ssm_pool.new_zeros(len(varlen.lens), *ssm_pool.shape[1:])
+        elif len(varlen.host_slots) == 1:  # a view of the slot, no gather / scatter launches
             s = varlen.host_slots[0]
             state = ssm_pool[s:s + 1]
         else:
@@ -289,7 +350,7 @@ class TorchNativeKDABackend(AttentionBackend):
         o, final = fla_kda.chunk_kda_varlen(
             qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, layer.scale, state, varlen.lens,
             cu_seqlens=varlen.cu_seqlens, cu_seqlens_cpu=varlen.cu_seqlens_cpu,
-            l2norm_in_kernel=True, gate_params=params)
+            l2norm_in_kernel=True, gate_params=params, captured=varlen.captured)
         if len(varlen.host_slots) == 1:
             state.copy_(final)
         else:

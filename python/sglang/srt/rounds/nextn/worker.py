@@ -121,6 +121,9 @@ def nextn_request_slot_state(draft_config: ModelConfig, num_draft_tokens: int
 class NEXTNWorker(BaseSpecWorker):
     """Owns the draft runner (the MTP layer over the target's pools) and runs NEXTN rounds."""
 
+    # The MTP layer extends over every prompt token's final hidden state (prefill below).
+    prefill_hidden_mode = CaptureHiddenMode.FULL
+
     @classmethod
     def requirements(cls, server_args: Any, target_config: ModelConfig) -> SpecRequirements:
         """The chain's KV slots and KDA scratch (``N`` positions), two chains of headroom (see

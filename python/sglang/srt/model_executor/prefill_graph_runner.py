@@ -1,0 +1,230 @@
+"""CUDA graphs of one-request prefills: captured once per token bucket, replayed padded.
+
+Eager, a batch-1 prefill of the 42-layer model issues about two thousand launches, and at a
+thousand tokens the host takes longer to issue them than the GPU to run them
+(docs/performance.md, the prefill census). A replay issues them all at once.
+
+* **Which prefills.** A fresh request alone: EXTEND, one request, no cached prefix (its
+  attention would read a prefix whose length the graph cannot know), no logits for every row
+  (input logprobs), no speculative payload, at most the largest bucket's tokens. Anything else
+  runs eagerly, and so does the target only (a draft's forwards take extra inputs).
+* **Padding.** The request's ``T`` tokens are padded at their end to the smallest bucket
+  ``P >= T``. The batch the graph was captured with says one request of ``P`` tokens; what
+  changes per replay lives in static device buffers: the token ids, the KV slots (padded rows
+  write to slot 0, every pool's padding slot), the request's length and slot
+  (:class:`~sglang.srt.model_executor.forward_batch_info.PrefillPadding`). Positions are
+  ``0 .. P-1`` for every replay. The logits come from row ``T - 1`` (the device's
+  ``extend_seq_lens``); the KDA layers end their state at that row and write it to the slot
+  (``TorchNativeKDABackend._extend_padded``); attention and the row-wise layers need nothing,
+  since a real row never sees a later one.
+* **Keys.** A bucket and the hidden states the caller asks for
+  (:class:`~sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode`). The round
+  worker's own mode is captured at start-up, largest bucket first, into a memory pool of their
+  own; another mode is captured when first needed. A capture that fails leaves its key to
+  eager execution with a warning, never a crash.
+* **Outputs** are copied out of the graph's buffers, which the next replay overwrites: per
+  request rows as they are, per token rows (full hidden states, a drafter's auxiliary hidden
+  states) for the ``T`` real rows.
+
+Off CUDA the same logic runs with :class:`~sglang.srt.model_executor.cuda_graph_runner.EmulatedGraph`,
+so the CPU tests check the padding against eager prefills.
+"""
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Sequence
+
+import torch
+
+from sglang.srt.model_executor.cuda_graph_runner import new_graph
+from sglang.srt.model_executor.forward_batch_info import (
+    CaptureHiddenMode,
+    ForwardBatch,
+    ForwardMode,
+    PrefillPadding,
+)
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+__all__ = ["PrefillGraphRunner", "PrefillGraphKey", "prefill_graph_buckets",
+           "init_prefill_graphs_from_args"]
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillGraphKey(NamedTuple):
+    """What a captured prefill graph is specialised for."""
+
+    tokens: int  # the bucket: rows the graph runs
+    capture_hidden_mode: CaptureHiddenMode
+
+
+def init_prefill_graphs_from_args(model_runner: "ModelRunner", server_args: object,
+                                  capture_mode: CaptureHiddenMode) -> Optional["PrefillGraphRunner"]:
+    """The prefill graphs ``--prefill-cuda-graph-tokens`` asks for, captured in ``capture_mode``
+    (the round worker's ``prefill_hidden_mode``), on CUDA unless ``--disable-cuda-graph``;
+    None when there are none. Call it after any eager warm-up (a replay is no warm-up)."""
+    tokens = getattr(server_args, "prefill_cuda_graph_tokens", None)
+    if not tokens or getattr(server_args, "disable_cuda_graph", False) \
+            or torch.device(model_runner.device).type != "cuda":
+        return None
+    return model_runner.init_prefill_graphs(tokens, capture_modes=(capture_mode,))
+
+
+def prefill_graph_buckets(requested: Sequence[int], *, max_tokens: int,
+                          graph_token_limit: Optional[int]) -> List[int]:
+    """The buckets to capture: ``requested`` sizes (deduplicated, ascending) that a prefill can
+    reach (``max_tokens``: the context length and the request map's width) and that the model
+    can run inside a graph (``graph_token_limit``, :meth:`ModelRunner.max_cuda_graph_tokens`;
+    None: no limit)."""
+    limit = max_tokens if graph_token_limit is None else min(max_tokens, graph_token_limit)
+    return sorted({int(b) for b in requested if 1 <= int(b) <= limit})
+
+
+class PrefillGraphRunner:
+    """Captures and replays one-request prefills of ``model_runner``; see the module docstring.
+
+    ``buckets``: token counts to capture (:func:`prefill_graph_buckets` filters them; on real
+    graphs the model's own capture limit applies, in emulation it does not, since re-running a
+    forward eagerly is correct whatever it reads on the host). ``capture_modes``: the hidden
+    state modes captured now (the others when first needed; none with ``capture_now=False``).
+    ``emulate``: :class:`EmulatedGraph` instead of CUDA graphs (default: off CUDA).
+    """
+
+    def __init__(self, model_runner: "ModelRunner", buckets: Sequence[int], *,
+                 capture_modes: Sequence[CaptureHiddenMode] = (CaptureHiddenMode.NULL,),
+                 emulate: Optional[bool] = None, capture_now: bool = True):
+        self.runner = model_runner
+        self.device = torch.device(model_runner.device)
+        self.emulate = self.device.type != "cuda" if emulate is None else emulate
+        if not self.emulate and self.device.type != "cuda":
+            raise ValueError("PrefillGraphRunner: real CUDA graphs need a CUDA device")
+        max_tokens = min(model_runner.context_len, model_runner.req_to_token_pool.max_context_len)
+        limit = None if self.emulate else model_runner.max_cuda_graph_tokens()
+        self.buckets = prefill_graph_buckets(buckets, max_tokens=max_tokens,
+                                             graph_token_limit=limit)
+        dropped = sorted({int(b) for b in buckets} - set(self.buckets))
+        if dropped:
+            logger.info("Prefill CUDA graphs: token counts %s exceed what a prefill can reach "
+                        "or the model can capture (%s); those prefills run eagerly", dropped,
+                        f"at most {limit if limit is not None else max_tokens} tokens")
+        self.graphs: Dict[PrefillGraphKey, "_Captured"] = {}
+        self.failed: Dict[PrefillGraphKey, str] = {}
+        self.num_replays = 0
+        self._pool = None if self.emulate else torch.cuda.graph_pool_handle()
+        if not self.buckets:
+            return
+        top = self.buckets[-1]
+        i64 = dict(dtype=torch.int64, device=self.device)
+        self.input_ids = torch.zeros(top, **i64)
+        self.loc = torch.zeros(top, **i64)  # 0: the KV pool's padding slot
+        self.positions = torch.arange(top, **i64)
+        self.real_len = torch.ones(1, **i64)
+        self.slot = torch.zeros(1, **i64)
+        self.zero = torch.zeros(1, **i64)
+        if capture_now:
+            for mode in capture_modes:
+                for tokens in reversed(self.buckets):  # largest first: the others reuse its pool
+                    self._capture(PrefillGraphKey(tokens, mode))
+
+    # ------------------------------------------------------------------ keys
+    def key(self, forward_batch: ForwardBatch) -> Optional[PrefillGraphKey]:
+        """The graph ``forward_batch`` would replay, or None when it runs eagerly."""
+        fb = forward_batch
+        if (not self.buckets or fb.forward_mode != ForwardMode.EXTEND or fb.batch_size != 1
+                or fb.extend_prefix_lens_cpu is None or list(fb.extend_prefix_lens_cpu) != [0]
+                or fb.return_full_logits or fb.spec_info is not None or fb.padding is not None):
+            return None
+        i = bisect.bisect_left(self.buckets, fb.num_tokens)
+        if fb.num_tokens < 1 or i == len(self.buckets):
+            return None
+        key = PrefillGraphKey(self.buckets[i], CaptureHiddenMode(fb.capture_hidden_mode))
+        return None if key in self.failed else key
+
+    # ------------------------------------------------------------------ capture
+    def _static_batch(self, tokens: int, mode: CaptureHiddenMode) -> ForwardBatch:
+        """The batch a graph runs: host mirrors of one fresh request of ``tokens`` rows in slot 0
+        (host values only shape launches: the padded KDA path writes by the device slot), device
+        tensors from the static buffers."""
+        valid = self.positions[:tokens] < self.real_len  # recomputed by every replay
+        return ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=1,
+            input_ids=self.input_ids[:tokens], positions=self.positions[:tokens],
+            req_pool_indices=self.slot, seq_lens=self.real_len,
+            out_cache_loc=self.loc[:tokens], extend_seq_lens=self.real_len,
+            extend_prefix_lens=self.zero, extend_start_loc=self.zero,
+            req_pool_indices_cpu=[0], seq_lens_cpu=torch.tensor([tokens]),
+            extend_seq_lens_cpu=[tokens], extend_prefix_lens_cpu=[0],
+            seq_lens_upper_bound=tokens, capture_hidden_mode=mode,
+            padding=PrefillPadding(self.real_len, self.slot, valid))
+
+    def _body(self, key: PrefillGraphKey) -> Dict[str, torch.Tensor]:
+        out = self.runner.forward_eager(self._static_batch(key.tokens, key.capture_hidden_mode))
+        return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)
+                if isinstance(getattr(out, f.name), torch.Tensor)}
+
+    def _capture(self, key: PrefillGraphKey) -> Optional["_Captured"]:
+        """Warm up and capture ``key``; on failure remember why and return None."""
+        self.loc.zero_()
+        self.real_len.fill_(key.tokens)
+        self.slot.zero_()  # warm-up and capture write the padding slots only
+        try:
+            for _ in range(2):  # outside the capture: JIT compiles, autotuning, allocator
+                self._body(key)
+            self._sync()
+            graph = new_graph(self.emulate, self._pool)
+            outputs = graph.capture(lambda: self._body(key))
+            self._sync()
+        except Exception as e:  # a capture problem must never take the server down
+            self.failed[key] = f"{type(e).__name__}: {e}"
+            logger.warning("Prefill CUDA graph capture of %s failed (%s); such prefills run "
+                           "eagerly", key, self.failed[key])
+            if not self.emulate:
+                try:  # let the aborted capture's work drain; an error here is the same one
+                    torch.cuda.synchronize(self.device)
+                except RuntimeError as sync_error:
+                    logger.warning("after the failed capture: %s", sync_error)
+            return None
+        captured = _Captured(graph, outputs)
+        self.graphs[key] = captured
+        return captured
+
+    def _sync(self) -> None:
+        if not self.emulate:
+            torch.cuda.synchronize(self.device)
+
+    # ------------------------------------------------------------------ replay
+    def run(self, forward_batch: ForwardBatch) -> Optional["LogitsProcessorOutput"]:
+        """Replay the graph of ``forward_batch`` (capturing it first if needed) and return the
+        forward's output for its real rows, or None when it must run eagerly."""
+        from sglang.srt.layers.logits_processor import LogitsProcessorOutput
+
+        key = self.key(forward_batch)
+        if key is None:
+            return None
+        captured = self.graphs.get(key) or self._capture(key)
+        if captured is None:
+            return None
+        t = forward_batch.num_tokens
+        # Padded rows keep the previous replay's token ids (any id does) but must write their
+        # KV rows to the padding slot, never to another request's slots.
+        self.input_ids[:t].copy_(forward_batch.input_ids, non_blocking=True)
+        self.loc[:t].copy_(forward_batch.out_cache_loc, non_blocking=True)
+        self.loc[t:key.tokens].zero_()
+        self.real_len.fill_(t)
+        self.slot.copy_(forward_batch.req_pool_indices, non_blocking=True)
+        captured.graph.replay()
+        self.num_replays += 1
+        fields = {name: (value[:t] if value.dim() and value.shape[0] == key.tokens else value)
+                  .clone() for name, value in captured.outputs.items()}
+        return LogitsProcessorOutput(**fields)
+
+
+@dataclasses.dataclass
+class _Captured:
+    graph: object
+    outputs: Dict[str, torch.Tensor]

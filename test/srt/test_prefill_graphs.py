@@ -1,0 +1,287 @@
+"""Prefill CUDA graphs (``sglang.srt.model_executor.prefill_graph_runner``), emulated on CPU.
+
+* A prefill replayed from a graph padded to a larger bucket gives the eager prefill's logits,
+  KV rows, KDA conv windows and recurrent states, for lengths from 1 (shorter than the conv
+  window) to the bucket itself, in fp32 (equal to rounding) and bf16; with every hidden-state
+  capture mode (per-token outputs cut to the real rows); and the greedy decode after it is the
+  same.
+* What must run eagerly does: two requests, a cached prefix, full logits, more tokens than the
+  largest bucket, a failed capture (remembered, with the eager result).
+* The bucket filter and the ``--prefill-cuda-graph-tokens`` flag.
+"""
+from __future__ import annotations
+
+from typing import List
+
+import pytest
+import torch
+
+from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
+from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.prefill_graph_runner import PrefillGraphRunner, prefill_graph_buckets
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # test/srt/conftest.py
+
+BUCKETS = (8, 24)
+
+
+def _runner(dtype: str = "float32") -> ModelRunner:
+    return ModelRunner(ModelConfig.from_path(str(BUNDLED_MODEL_DIR)), device="cpu", dtype=dtype,
+                       max_running_requests=4, max_total_tokens=512)
+
+
+def _ids(n: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(seed))
+
+
+def _prefill(runner: ModelRunner, ids: torch.Tensor, *, prefix: int = 0,
+             mode: CaptureHiddenMode = CaptureHiddenMode.NULL, full: bool = False):
+    """One fresh request's prefill of ``ids``; returns ``(output, slot, kv slots)``."""
+    req = runner.req_to_token_pool.alloc(1)[0]
+    runner.kda_state_pool.clear_slots([req])
+    loc = runner.token_to_kv_pool_allocator.alloc(len(ids))
+    runner.req_to_token_pool.write(req, 0, loc)
+    fb = ForwardBatch.for_extend(ids, [req], [prefix], [len(ids) - prefix],
+                                 loc[prefix:], return_full_logits=full)
+    fb.input_ids = ids[prefix:]
+    fb.capture_hidden_mode = mode
+    return runner.forward(fb), req, loc
+
+
+def _state(runner: ModelRunner, req: int, loc: torch.Tensor):
+    pool = runner.kda_state_pool
+    kv = [runner.token_to_kv_pool.get_kv_buffer(i)[loc] for i in runner.token_to_kv_pool.layer_ids]
+    return pool.conv_state[:, req].clone(), pool.ssm_state[:, req].clone(), kv
+
+
+def _free(runner: ModelRunner, req: int, loc: torch.Tensor) -> None:
+    runner.token_to_kv_pool_allocator.free(loc)
+    runner.req_to_token_pool.free([req])
+
+
+@pytest.fixture(scope="module")
+def pair():
+    """An eager runner and one with emulated prefill graphs, same weights."""
+    eager, graphed = _runner(), _runner()
+    graphed.init_prefill_graphs(BUCKETS)
+    assert sorted(k.tokens for k in graphed.prefill_graphs.graphs) == list(BUCKETS)
+    return eager, graphed
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 9, 23, 24])
+def test_padded_prefill_equals_eager(pair, n):
+    eager, graphed = pair
+    ids = _ids(n, seed=n)
+    replays = graphed.prefill_graphs.num_replays
+    a, ra, la = _prefill(eager, ids)
+    b, rb, lb = _prefill(graphed, ids)
+    assert graphed.prefill_graphs.num_replays == replays + 1
+    torch.testing.assert_close(b.next_token_logits, a.next_token_logits, rtol=1e-5, atol=1e-5)
+    (ca, sa, kva), (cb, sb, kvb) = _state(eager, ra, la), _state(graphed, rb, lb)
+    # Windows hold projection outputs: GEMMs of another batch shape round differently.
+    torch.testing.assert_close(cb, ca, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sb, sa, rtol=1e-5, atol=1e-5)
+    for x, y in zip(kva, kvb):
+        torch.testing.assert_close(y, x, rtol=1e-5, atol=1e-5)
+    _free(eager, ra, la)
+    _free(graphed, rb, lb)
+
+
+@pytest.mark.parametrize("mode", [CaptureHiddenMode.LAST, CaptureHiddenMode.FULL])
+def test_hidden_states_are_cut_to_the_real_rows(pair, mode):
+    eager, graphed = pair
+    ids = _ids(5, seed=11)
+    a, ra, la = _prefill(eager, ids, mode=mode)
+    b, rb, lb = _prefill(graphed, ids, mode=mode)
+    assert (8, mode) in graphed.prefill_graphs.graphs  # captured when first needed
+    assert b.hidden_states.shape == a.hidden_states.shape == (5 if mode == CaptureHiddenMode.FULL
+                                                              else 1, a.hidden_states.shape[1])
+    torch.testing.assert_close(b.hidden_states, a.hidden_states, rtol=1e-5, atol=1e-5)
+    _free(eager, ra, la)
+    _free(graphed, rb, lb)
+
+
+def test_greedy_decode_after_a_padded_prefill_is_the_same(pair):
+    eager, graphed = pair
+    ids = _ids(13, seed=5)
+    tokens: List[List[int]] = []
+    for runner in pair:
+        out, req, loc = _prefill(runner, ids)
+        token = out.next_token_logits.argmax(-1)
+        seq = [int(token)]
+        for i in range(6):
+            seq_len = len(ids) + i + 1
+            step_loc = runner.token_to_kv_pool_allocator.alloc(1)
+            runner.req_to_token_pool.write(req, seq_len - 1, step_loc)
+            fb = ForwardBatch.for_decode(token, torch.tensor([req]), torch.tensor([seq_len]),
+                                         step_loc)
+            token = runner.forward(fb).next_token_logits.argmax(-1)
+            seq.append(int(token))
+            loc = torch.cat([loc, step_loc])
+        tokens.append(seq)
+        _free(runner, req, loc)
+    assert tokens[0] == tokens[1]
+
+
+def test_bf16_padded_prefill_matches_eager():
+    eager, graphed = _runner("bfloat16"), _runner("bfloat16")
+    graphed.init_prefill_graphs([16])
+    ids = _ids(11, seed=3)
+    a, ra, la = _prefill(eager, ids)
+    b, rb, lb = _prefill(graphed, ids)
+    assert graphed.prefill_graphs.num_replays == 1
+    # Padding changes the rows the chunked KDA sums over (exact zeros) and the batch shapes of
+    # the projections, so bf16 agrees to its rounding, not bit for bit.
+    torch.testing.assert_close(b.next_token_logits, a.next_token_logits, rtol=2e-2, atol=2e-2)
+    (ca, sa, _), (cb, sb, _) = _state(eager, ra, la), _state(graphed, rb, lb)
+    torch.testing.assert_close(cb, ca, rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(sb, sa, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.slow  # the conv kernel in Triton's interpreter
+def test_padded_prefill_on_the_triton_conv_matches_eager():
+    """The same with the KDA prefill conv on its Triton kernel (the interpreter here): the
+    kernel writes its window into a scratch one and the padded path re-reads the request's."""
+    kw = dict(device="cpu", dtype="float32", max_running_requests=2, max_total_tokens=128,
+              linear_attn_decode_backend="triton")
+    mc = ModelConfig.from_path(str(BUNDLED_MODEL_DIR))
+    eager, graphed = ModelRunner(mc, **kw), ModelRunner(mc, **kw)
+    graphed.init_prefill_graphs([8])
+    ids = _ids(6, seed=8)
+    a, ra, la = _prefill(eager, ids)
+    b, rb, lb = _prefill(graphed, ids)
+    assert graphed.prefill_graphs.num_replays == 1
+    torch.testing.assert_close(b.next_token_logits, a.next_token_logits, rtol=1e-5, atol=1e-5)
+    (ca, sa, _), (cb, sb, _) = _state(eager, ra, la), _state(graphed, rb, lb)
+    torch.testing.assert_close(cb, ca, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sb, sa, rtol=1e-5, atol=1e-5)
+
+
+def test_the_captured_forward_reads_nothing_back(monkeypatch):
+    """No Tensor-to-Python conversion inside the captured body (on CUDA each would be a sync,
+    which a capture refuses), on the torch paths at a bucket below the torch MoE's host-read
+    threshold: a host read in the model, the attention backends or the padded KDA path fails
+    here on CPU rather than only on the GPU."""
+    from engine_test_utils import refuse_host_reads
+
+    calls: list = []
+    refuse_host_reads(monkeypatch, PrefillGraphRunner, "_body", calls)
+    runner = _runner()
+    pg = runner.init_prefill_graphs([8])
+    assert not pg.failed, pg.failed
+    assert len(calls) == 3  # two warm-ups and the capture
+
+
+def test_what_must_run_eagerly_does(pair):
+    eager, graphed = pair
+    pg = graphed.prefill_graphs
+    start = pg.num_replays
+    ids = _ids(30, seed=1)
+    out, req, loc = _prefill(graphed, ids)  # more tokens than the largest bucket
+    _free(graphed, req, loc)
+    out, req, loc = _prefill(graphed, _ids(6, seed=2), full=True)  # logits of every row
+    assert out.next_token_logits.shape[0] == 6
+    _free(graphed, req, loc)
+    # A cached prefix: the request's first 4 tokens are in the cache already.
+    ids = _ids(10, seed=4)
+    first, req, loc = _prefill(graphed, ids[:4])
+    assert pg.num_replays == start + 1  # the first 4 tokens: a fresh request, replayed
+    rest = graphed.token_to_kv_pool_allocator.alloc(6)
+    graphed.req_to_token_pool.write(req, 4, rest)
+    fb = ForwardBatch.for_extend(ids[4:], [req], [4], [6], rest)
+    assert pg.key(fb) is None
+    graphed.forward(fb)
+    _free(graphed, req, torch.cat([loc, rest]))
+    # Two requests in one batch.
+    reqs = graphed.req_to_token_pool.alloc(2)
+    graphed.kda_state_pool.clear_slots(reqs)
+    loc = graphed.token_to_kv_pool_allocator.alloc(6)
+    graphed.req_to_token_pool.write(reqs[0], 0, loc[:3])
+    graphed.req_to_token_pool.write(reqs[1], 0, loc[3:])
+    fb = ForwardBatch.for_extend(_ids(6, seed=9), reqs, [0, 0], [3, 3], loc)
+    assert pg.key(fb) is None
+    graphed.forward(fb)
+    graphed.token_to_kv_pool_allocator.free(loc)
+    graphed.req_to_token_pool.free(reqs)
+    assert pg.num_replays == start + 1
+
+
+def test_a_failed_capture_is_remembered_and_runs_eagerly(monkeypatch):
+    runner = _runner()
+    calls = []
+
+    def broken(self, key):
+        calls.append(key)
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(PrefillGraphRunner, "_body", broken)
+    pg = runner.init_prefill_graphs([8])
+    assert not pg.graphs and len(pg.failed) == 1 and "stream is capturing" in next(iter(pg.failed.values()))
+    monkeypatch.undo()
+    out, req, loc = _prefill(runner, _ids(5, seed=7))
+    assert pg.num_replays == 0 and out.next_token_logits.shape == (1, runner.model_config.vocab_size)
+    assert len(calls) == 1  # not tried again
+
+
+def test_bucket_filter():
+    assert prefill_graph_buckets([1024, 8, 8, 0, 512, 99999], max_tokens=4096,
+                                 graph_token_limit=None) == [8, 512, 1024]
+    assert prefill_graph_buckets([1024, 8, 512], max_tokens=4096, graph_token_limit=16) == [8]
+
+
+# ------------------------------------------------------------------------------ through the engine
+@pytest.mark.parametrize("spec", [{}, dict(speculative_algorithm="NEXTN", speculative_num_steps=3)],
+                         ids=["plain", "nextn3"])
+def test_greedy_outputs_through_the_scheduler_are_unchanged(spec):
+    """Requests arriving one by one prefill alone (replays, in the worker's hidden-state mode:
+    the NEXTN draft extends over every prompt row's hidden state); a long prompt and a batch of
+    two run eagerly; greedy tokens equal those of a scheduler without prefill graphs."""
+    from engine_test_utils import make_scheduler, request, submit_staggered, take_token_ids
+
+    model = str(BUNDLED_MODEL_DIR)
+    kw = dict(max_total_tokens=2048, max_running_requests=4, **spec)
+    prompts = [request(f"r{i}", _ids(n, seed=i).tolist(), max_new_tokens=12, temperature=0,
+                       ignore_eos=True) for i, n in enumerate([5, 12, 16, 3, 40])]
+    outs = []
+    for graphs in (False, True):
+        sched = make_scheduler(model, **kw)
+        if graphs:
+            pg = sched.tp_worker.model_runner.init_prefill_graphs(
+                [8, 16], capture_modes=(sched.round_worker.prefill_hidden_mode,))
+        submit_staggered(sched, prompts, stagger=20)
+        outs.append(take_token_ids(sched))
+    assert outs[0] == outs[1] and all(len(v) == 12 for v in outs[0].values())
+    assert pg.num_replays == 4  # every prompt but the 40-token one
+    mode = CaptureHiddenMode.FULL if spec else CaptureHiddenMode.NULL
+    assert {k.capture_hidden_mode for k in pg.graphs} == {mode}
+
+
+# ------------------------------------------------------------------------------ GPU (real graphs)
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels", ["torch_native", "triton"])
+def test_real_prefill_graphs_equal_eager_on_cuda(kernels):
+    """The gate on the GPU, bf16, the bundled model: every bucket captures (no host sync, no
+    host copy inside the forward: fla's chunk index built on the device), and a padded replay's
+    last-row logits, KDA state and the greedy decode after it match the eager prefill's."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    kw = dict(device="cuda", dtype="bfloat16", max_running_requests=4, max_total_tokens=8192,
+              moe_runner_backend=kernels, linear_attn_decode_backend=kernels,
+              attention_backend="triton" if kernels == "triton" else "torch_native")
+    mc = ModelConfig.from_path(str(BUNDLED_MODEL_DIR))
+    eager, graphed = ModelRunner(mc, **kw), ModelRunner(mc, **kw)
+    pg = graphed.init_prefill_graphs([64, 512, 2048])
+    assert not pg.failed, pg.failed
+    for n in (1, 37, 64, 300, 2048):
+        ids = _ids(n, seed=n).cuda()
+        a, ra, la = _prefill(eager, ids)
+        b, rb, lb = _prefill(graphed, ids)
+        torch.testing.assert_close(b.next_token_logits, a.next_token_logits, rtol=3e-2, atol=3e-2)
+        assert int(b.next_token_logits.argmax()) == int(a.next_token_logits.argmax())
+        (ca, sa, _), (cb, sb, _) = _state(eager, ra, la), _state(graphed, rb, lb)
+        torch.testing.assert_close(cb.float(), ca.float(), rtol=3e-2, atol=3e-2)
+        torch.testing.assert_close(sb, sa, rtol=3e-2, atol=3e-2)
+        _free(eager, ra, la)
+        _free(graphed, rb, lb)
+    assert pg.num_replays == 5
