@@ -29,6 +29,7 @@ def _lines(path: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+@pytest.mark.slow  # every kernel case in Triton's interpreter
 def test_cpu_smoke_run_writes_a_checked_row_per_case(tmp_path):
     """``--device cpu --tiny`` as a script: every kernel of the script has rows at its decode
     and/or prefill sizes, each a JSON line with every field, timings positive and the kernel

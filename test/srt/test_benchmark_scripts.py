@@ -52,6 +52,7 @@ def test_grouped_gemv_sweep_runs_and_ranks_configs():
         assert "2 tokens (4 pairs" in table, table
 
 
+@pytest.mark.slow  # every tile in Triton's interpreter
 def test_moe_grouped_gemm_sweep_runs_and_writes_its_table(tmp_path):
     """benchmark/kernels/tune_moe_grouped_gemm.py on tiny shapes in the interpreter (about 10 s):
     every config checked against the fp32 reference, a winner per format, projection and pair
@@ -140,6 +141,7 @@ def test_graph_ab_exits_with_the_reason_when_the_request_cannot_fit():
     assert "refused the request" in out.stderr and "context 96" in out.stderr, out.stderr[-2000:]
 
 
+@pytest.mark.slow  # a profiled decode step of the bundled model
 def test_top_kernels_lists_the_step_by_device_time():
     stdout = _run("batch1/top_kernels.py", "--device", "cpu", "--prompt-len", "16", "--steps",
                   "1", "--warmup", "1", "--top", "3")
@@ -224,6 +226,7 @@ def test_kda_prefill_conv_sweep_times_the_default_and_checks_bits():
     assert "32/64/8" in timed and "8/16/4" in timed, stdout
 
 
+@pytest.mark.slow  # the GEMMs in Triton's interpreter
 def test_fp8_gemm_benchmark_smoke_run():
     """benchmark/kernels/bench_fp8_gemm.py on two scaled-down shapes in the interpreter: the
     kernel (weight-only and w8a8) is checked against the reference, each shape gets a row with

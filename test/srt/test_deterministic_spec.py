@@ -66,6 +66,7 @@ def test_flag_reaches_the_runner_and_the_draft():
     assert not plain.tp_worker.model_runner.attn_backend.full_attn_backend.batch_invariant
 
 
+@pytest.mark.slow  # plain and NEXTN schedulers with the mat-vecs in Triton's interpreter
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the grouped mat-vec on CPU needs Triton's interpreter")
 def test_absorbed_mla_as_grouped_gemv_serves_the_same_tokens():

@@ -18,6 +18,7 @@ ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "benchmark" / "batch1" / "hf_peer.py"
 
 
+@pytest.mark.slow  # transformers' model run as a script
 def test_hf_peer_tiny_cpu_run_writes_a_finite_row(tmp_path):
     result = tmp_path / "peer.jsonl"
     path = os.pathsep.join([str(ROOT / "python"), os.environ.get("PYTHONPATH", "")])

@@ -363,6 +363,7 @@ def test_flash_tensor_list_matches_the_engine_and_docs():
     assert abs(nbytes / 2 ** 30 - 119.7) < 1.2
 
 
+@pytest.mark.slow  # a 2560-wide fp8 checkpoint written, loaded and run
 def test_narrowed_flash_writes_loads_and_runs(tmp_path):
     out = _make(str(tmp_path / "flash"), "--json-model-override-args", json.dumps(NARROW_FLASH),
                 "--quantization", "fp8", "--shard-size-gb", "0.1", "--no-tokenizer")

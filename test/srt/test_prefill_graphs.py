@@ -207,7 +207,7 @@ def test_what_must_run_eagerly_does(pair):
     assert pg.num_replays == start + 1
 
 
-def test_a_failed_capture_is_remembered_and_runs_eagerly(monkeypatch):
+def test_a_failed_capture_is_remembered_and_runs_eagerly(monkeypatch, caplog):
     runner = _runner()
     calls = []
 
@@ -216,7 +216,10 @@ def test_a_failed_capture_is_remembered_and_runs_eagerly(monkeypatch):
         raise RuntimeError("operation not permitted when stream is capturing")
 
     monkeypatch.setattr(PrefillGraphRunner, "_body", broken)
-    pg = runner.init_prefill_graphs([8])
+    with caplog.at_level("INFO", logger="sglang.srt.model_executor.prefill_graph_runner"):
+        pg = runner.init_prefill_graphs([8])
+    assert "Prefill CUDA graphs: 0 of 1 captured (token counts [8])" in caplog.text
+    assert "such prefills run eagerly" in caplog.text
     assert not pg.graphs and len(pg.failed) == 1 and "stream is capturing" in next(iter(pg.failed.values()))
     monkeypatch.undo()
     out, req, loc = _prefill(runner, _ids(5, seed=7))

@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import atexit
 import dataclasses
+import importlib
 import logging
 import multiprocessing as mp
 import os
@@ -37,9 +38,7 @@ import signal
 from typing import Any, AsyncIterator, Dict, Iterator, List, Optional, Tuple, Union
 
 from sglang.srt.configs.model_config import ModelConfig
-from sglang.srt.managers.detokenizer_manager import run_detokenizer_process
 from sglang.srt.managers.io_struct import GenerateReqInput
-from sglang.srt.managers.scheduler import run_scheduler_process
 from sglang.srt.managers.tokenizer_manager import TokenizerManager
 from sglang.srt.server_args import PortArgs, ServerArgs
 
@@ -47,6 +46,9 @@ logger = logging.getLogger(__name__)
 
 ChildProcesses = List[Tuple[str, Any]]  # (name, multiprocessing.Process)
 CHILD_JOIN_TIMEOUT_S = 5.0  # how long shutdown waits for each killed child to be reaped
+# The children's entry points (imported in the child only, see _child_main).
+SCHEDULER_ENTRY = "sglang.srt.managers.scheduler:run_scheduler_process"
+DETOKENIZER_ENTRY = "sglang.srt.managers.detokenizer_manager:run_detokenizer_process"
 # Exit status of a child that found itself starting an engine while re-importing the main
 # module; the parent maps it to MAIN_GUARD_MESSAGE. Any value the children never use otherwise.
 MAIN_REIMPORT_EXIT_CODE = 87
@@ -84,24 +86,29 @@ def _launch_subprocesses(
     ctx = mp.get_context("spawn")
     children: ChildProcesses = []
     readers = []
+    tokenizer_manager: Optional[TokenizerManager] = None
     try:
         for rank in range(server_args.tp_size):
             reader, writer = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_child_main, name=f"sglang-scheduler-tp{rank}",
-                               args=(run_scheduler_process, server_args, port_args, rank, writer),
+                               args=(SCHEDULER_ENTRY, server_args, port_args, rank, writer),
                                daemon=True)
             proc.start()
             writer.close()  # only the child writes; EOF then means the child is gone
             children.append((f"scheduler TP{rank}", proc))
             readers.append(reader)
         detok = ctx.Process(target=_child_main, name="sglang-detokenizer",
-                            args=(run_detokenizer_process, server_args, port_args), daemon=True)
+                            args=(DETOKENIZER_ENTRY, server_args, port_args), daemon=True)
         detok.start()
         children.append(("detokenizer", detok))
+        # Built while the children load (the tokenizer takes seconds to load): its sockets
+        # wait for their peers, and a tokenizer that cannot load fails the start at once.
+        tokenizer_manager = TokenizerManager(server_args, port_args)
         infos = [_wait_ready(name, proc, reader)
                  for (name, proc), reader in zip(children, readers)]
-        tokenizer_manager = TokenizerManager(server_args, port_args)
     except BaseException:
+        if tokenizer_manager is not None:
+            tokenizer_manager.close()
         shutdown_subprocesses(children, port_args)
         raise
     tokenizer_manager.watch_processes(children)
@@ -110,15 +117,19 @@ def _launch_subprocesses(
     return tokenizer_manager, scheduler_info, children
 
 
-def _child_main(target: Any, *args: Any) -> None:
-    """Entry point of every child process: ignore SIGINT / SIGTERM, then run ``target(*args)``.
+def _child_main(entry: str, *args: Any) -> None:
+    """Entry point of every child process: ignore SIGINT / SIGTERM, then import ``entry``
+    (``"module:function"``) and run it on ``args``.
 
     Those signals are meant for the parent, which drains in-flight requests first and needs the
-    children alive meanwhile; a signal sent to the process group must not cut them short.
+    children alive meanwhile; a signal sent to the process group must not cut them short. The
+    entry is named rather than imported here, so that neither the parent nor the detokenizer
+    imports the scheduler's modules (torch, the model): seconds of every start-up.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    target(*args)
+    module, _, name = entry.partition(":")
+    getattr(importlib.import_module(module), name)(*args)
 
 
 def _exited_error(name: str, proc: Any) -> RuntimeError:

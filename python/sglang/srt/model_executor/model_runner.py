@@ -726,10 +726,18 @@ class ModelRunner:
         """Run one forward: a captured prefill graph's replay where one fits
         (:meth:`init_prefill_graphs`), else :meth:`forward_eager`."""
         if self.prefill_graphs is not None and not model_kwargs:
+            self._attach(forward_batch)  # as after an eager forward, for the caller
             out = self.prefill_graphs.run(forward_batch)
             if out is not None:
                 return out
         return self.forward_eager(forward_batch, **model_kwargs)
+
+    def _attach(self, forward_batch: ForwardBatch) -> None:
+        """Give the batch this runner's pools and attention backend."""
+        forward_batch.req_to_token_pool = self.req_to_token_pool
+        forward_batch.token_to_kv_pool = self.token_to_kv_pool
+        forward_batch.kda_state_pool = self.kda_state_pool
+        forward_batch.attn_backend = self.attn_backend
 
     def forward_eager(self, forward_batch: ForwardBatch,
                       **model_kwargs: Any) -> "LogitsProcessorOutput":
@@ -745,10 +753,7 @@ class ModelRunner:
                 raise ValueError("a draft forward needs hidden_states (as a keyword or in "
                                  "forward_batch.spec_info.hidden_states)")
             model_kwargs["hidden_states"] = hidden
-        forward_batch.req_to_token_pool = self.req_to_token_pool
-        forward_batch.token_to_kv_pool = self.token_to_kv_pool
-        forward_batch.kda_state_pool = self.kda_state_pool
-        forward_batch.attn_backend = self.attn_backend
+        self._attach(forward_batch)
         self.attn_backend.init_forward_metadata(forward_batch)
         # no_grad rather than inference_mode: outputs may later be updated in place by the
         # scheduler, which inference tensors forbid outside inference mode.

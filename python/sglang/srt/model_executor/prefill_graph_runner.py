@@ -34,6 +34,7 @@ from __future__ import annotations
 import bisect
 import dataclasses
 import logging
+import time
 from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Sequence
 
 import torch
@@ -127,9 +128,16 @@ class PrefillGraphRunner:
         self.slot = torch.zeros(1, **i64)
         self.zero = torch.zeros(1, **i64)
         if capture_now:
+            start, free_before = time.perf_counter(), self._free_bytes()
             for mode in capture_modes:
                 for tokens in reversed(self.buckets):  # largest first: the others reuse its pool
                     self._capture(PrefillGraphKey(tokens, mode))
+            if model_runner.tp_rank == 0:
+                held = "" if free_before is None else \
+                    f", {(free_before - self._free_bytes()) / 2**30:.2f} GiB of device memory"
+                logger.info("Prefill CUDA graphs: %d of %d captured (token counts %s) in %.1f s%s",
+                            len(self.graphs), len(self.buckets) * len(capture_modes),
+                            self.buckets, time.perf_counter() - start, held)
 
     # ------------------------------------------------------------------ keys
     def key(self, forward_batch: ForwardBatch) -> Optional[PrefillGraphKey]:
@@ -192,6 +200,13 @@ class PrefillGraphRunner:
         captured = _Captured(graph, outputs)
         self.graphs[key] = captured
         return captured
+
+    def _free_bytes(self) -> Optional[int]:
+        """Free device memory after the queue drains (None in emulation)."""
+        if self.emulate:
+            return None
+        torch.cuda.synchronize(self.device)
+        return torch.cuda.mem_get_info(self.device)[0]
 
     def _sync(self) -> None:
         if not self.emulate:

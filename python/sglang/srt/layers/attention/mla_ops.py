@@ -20,7 +20,6 @@ from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
-from torch.nn.attention.bias import causal_lower_right
 
 __all__ = ["mla_absorbed_attention", "mla_decode_attention", "mla_expand_kv",
            "mla_prefill_attention", "SCORE_BLOCK_BYTES"]
@@ -186,6 +185,10 @@ def mla_prefill_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sca
     if q_start == 0:
         o = F.scaled_dot_product_attention(qh, kh, vh, is_causal=True, scale=scale)
     else:
+        # Imported here: torch.nn.attention.bias imports torch._dynamo, over a second of every
+        # process start that never prefills after a cached prefix.
+        from torch.nn.attention.bias import causal_lower_right
+
         o = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=causal_lower_right(tq, s),
                                            scale=scale)
     return o[0].transpose(0, 1)[..., :dv]
