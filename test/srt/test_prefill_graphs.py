@@ -234,12 +234,15 @@ def test_bucket_filter():
 
 
 # ------------------------------------------------------------------------------ through the engine
-@pytest.mark.parametrize("spec", [{}, dict(speculative_algorithm="NEXTN", speculative_num_steps=3)],
-                         ids=["plain", "nextn3"])
+@pytest.mark.parametrize("spec", [{}, dict(speculative_algorithm="NEXTN", speculative_num_steps=3),
+                                  dict(speculative_algorithm="DSPARK")],
+                         ids=["plain", "nextn3", "dspark"])
 def test_greedy_outputs_through_the_scheduler_are_unchanged(spec):
     """Requests arriving one by one prefill alone (replays, in the worker's hidden-state mode:
-    the NEXTN draft extends over every prompt row's hidden state); a long prompt and a batch of
-    two run eagerly; greedy tokens equal those of a scheduler without prefill graphs."""
+    the NEXTN draft extends over every prompt row's hidden state; DSPARK's draft context is
+    written from the target layers' hidden states, per-token outputs cut to the real rows);
+    a prompt longer than the largest bucket runs eagerly; greedy tokens equal those of a
+    scheduler without prefill graphs."""
     from engine_test_utils import make_scheduler, request, submit_staggered, take_token_ids
 
     model = str(BUNDLED_MODEL_DIR)
@@ -256,7 +259,8 @@ def test_greedy_outputs_through_the_scheduler_are_unchanged(spec):
         outs.append(take_token_ids(sched))
     assert outs[0] == outs[1] and all(len(v) == 12 for v in outs[0].values())
     assert pg.num_replays == 4  # every prompt but the 40-token one
-    mode = CaptureHiddenMode.FULL if spec else CaptureHiddenMode.NULL
+    mode = CaptureHiddenMode.FULL if spec.get("speculative_algorithm") == "NEXTN" \
+        else CaptureHiddenMode.NULL
     assert {k.capture_hidden_mode for k in pg.graphs} == {mode}
 
 
