@@ -5,6 +5,8 @@
   window) to the bucket itself, in fp32 (equal to rounding) and bf16; with every hidden-state
   capture mode (per-token outputs cut to the real rows); and the greedy decode after it is the
   same.
+* The same on the KDA backend's CUDA branch (Triton conv planes into fla with the raw gate),
+  fla's contract stood in by torch, and with no host read inside the captured body.
 * What must run eagerly does: two requests, a cached prefix, full logits, more tokens than the
   largest bucket, a failed capture (remembered, with the eager result).
 * The bucket filter and the ``--prefill-cuda-graph-tokens`` flag.
@@ -149,6 +151,59 @@ def test_padded_prefill_on_the_triton_conv_matches_eager():
     eager, graphed = ModelRunner(mc, **kw), ModelRunner(mc, **kw)
     graphed.init_prefill_graphs([8])
     ids = _ids(6, seed=8)
+    a, ra, la = _prefill(eager, ids)
+    b, rb, lb = _prefill(graphed, ids)
+    assert graphed.prefill_graphs.num_replays == 1
+    torch.testing.assert_close(b.next_token_logits, a.next_token_logits, rtol=1e-5, atol=1e-5)
+    (ca, sa, _), (cb, sb, _) = _state(eager, ra, la), _state(graphed, rb, lb)
+    torch.testing.assert_close(cb, ca, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(sb, sa, rtol=1e-5, atol=1e-5)
+
+
+def _torch_chunk_kda_varlen(q, k, v, g, beta, scale, initial_state, seq_lens, cu_seqlens=None,
+                            cu_seqlens_cpu=None, l2norm_in_kernel=False, gate_params=None,
+                            captured=False):
+    """``fla_kda.chunk_kda_varlen``'s contract in torch (kda_ops' reference maths), so that the
+    backend's fla branch runs on CPU: the raw gate formed as fla forms it (``-inf`` gives decay
+    0 and beta 0), one sequence after another from its initial state."""
+    from sglang.srt.layers.attention.kda_ops import kda_chunked, kda_gate, l2norm
+
+    if captured:  # what a capture allows: the device's cu_seqlens only
+        assert cu_seqlens is not None and cu_seqlens_cpu is None
+    h, d = q.shape[1], q.shape[2]
+    if l2norm_in_kernel:
+        q, k = l2norm(q.float()), l2norm(k.float())
+    if gate_params is not None:
+        a_log, dt_bias, lower_bound = gate_params
+        g, beta = kda_gate(g.reshape(-1, h, d), a_log, dt_bias, lower_bound), beta.float().sigmoid()
+    outs, finals, start = [], [], 0
+    for i, n in enumerate(seq_lens):
+        rows = slice(start, start + n)
+        o, state = kda_chunked(q[rows].float(), k[rows].float(), v[rows].float(),
+                               g[rows].float(), beta[rows].float(), scale,
+                               initial_state=initial_state[i])
+        outs.append(o)
+        finals.append(state)
+        start += n
+    return torch.cat(outs).to(q.dtype), torch.stack(finals)
+
+
+@pytest.mark.slow  # the conv kernel in Triton's interpreter
+def test_padded_prefill_on_the_fla_branch_matches_eager(monkeypatch):
+    """The CUDA branch (the conv's q / k / v planes into fla with the raw gate) with fla's
+    contract stood in by torch: padded rows' gate and beta at ``-inf``, a zero initial state and
+    the final state written to the slot by device index give the eager result."""
+    from sglang.srt.layers.attention import fla_kda
+    from sglang.srt.layers.attention.torch_native_kda import TorchNativeKDABackend
+
+    monkeypatch.setattr(fla_kda, "chunk_kda_varlen", _torch_chunk_kda_varlen)
+    monkeypatch.setattr(TorchNativeKDABackend, "_use_fla", lambda self, x: True)
+    kw = dict(device="cpu", dtype="float32", max_running_requests=2, max_total_tokens=128,
+              linear_attn_decode_backend="triton")
+    mc = ModelConfig.from_path(str(BUNDLED_MODEL_DIR))
+    eager, graphed = ModelRunner(mc, **kw), ModelRunner(mc, **kw)
+    graphed.init_prefill_graphs([8])
+    ids = _ids(5, seed=12)
     a, ra, la = _prefill(eager, ids)
     b, rb, lb = _prefill(graphed, ids)
     assert graphed.prefill_graphs.num_replays == 1
