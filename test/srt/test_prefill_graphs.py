@@ -213,19 +213,63 @@ def test_padded_prefill_on_the_fla_branch_matches_eager(monkeypatch):
     torch.testing.assert_close(sb, sa, rtol=1e-5, atol=1e-5)
 
 
-def test_the_captured_forward_reads_nothing_back(monkeypatch):
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_the_captured_forward_reads_nothing_back(monkeypatch, quantization):
     """No Tensor-to-Python conversion inside the captured body (on CUDA each would be a sync,
     which a capture refuses), on the torch paths at a bucket below the torch MoE's host-read
-    threshold: a host read in the model, the attention backends or the padded KDA path fails
-    here on CPU rather than only on the GPU."""
+    threshold, with the model's weights as they are and quantised to block fp8 at load: a host
+    read in the model, the attention backends or the padded KDA path fails here on CPU rather
+    than only on the GPU."""
     from engine_test_utils import refuse_host_reads
 
     calls: list = []
     refuse_host_reads(monkeypatch, PrefillGraphRunner, "_body", calls)
-    runner = _runner()
+    runner = ModelRunner(ModelConfig.from_path(str(BUNDLED_MODEL_DIR)), device="cpu",
+                         dtype="float32", max_running_requests=2, max_total_tokens=128,
+                         quantization=quantization)
     pg = runner.init_prefill_graphs([8])
     assert not pg.failed, pg.failed
     assert len(calls) == 3  # two warm-ups and the capture
+
+
+@pytest.mark.slow  # the kernels in Triton's interpreter
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_the_captured_forward_reads_nothing_back_on_the_triton_kernels(monkeypatch, quantization):
+    """The same on CUDA's default Triton kernels, the MoE's prefill path among them (the
+    expert sort, the grouped GEMMs with the shared expert as pairs), which a real prefill
+    reaches above ``SMALL_M_MAX_PAIRS`` pairs: lowered here so that an 8-token bucket takes
+    it."""
+    from engine_test_utils import refuse_host_reads
+    from sglang.srt.layers.moe import moe_layer
+
+    monkeypatch.setattr(moe_layer, "SMALL_M_MAX_PAIRS", 8)
+    calls: list = []
+    refuse_host_reads(monkeypatch, PrefillGraphRunner, "_body", calls)
+    grouped = []
+    inner = moe_layer.FusedMoE.large_m
+
+    def spy(self, topk_ids):
+        grouped.append(inner(self, topk_ids))
+        return grouped[-1]
+
+    monkeypatch.setattr(moe_layer.FusedMoE, "large_m", spy)
+    from sglang.srt.layers.kernel_choices import KernelChoices
+
+    # The kernels CUDA defaults to: the norms, MLA's RoPE assembly, the router; the MoE's sort
+    # kernel, the shared expert as pairs and, for fp8 weights, fp8 activations with the SwiGLU
+    # output quantised in the epilogue.
+    choices = KernelChoices(moe_align_kernel=True, moe_combine=True,
+                            moe_fp8_activations=quantization == "fp8", rmsnorm=True,
+                            mla_rope=True, router=True)
+    runner = ModelRunner(ModelConfig.from_path(str(BUNDLED_MODEL_DIR)), device="cpu",
+                         dtype="float32", max_running_requests=2, max_total_tokens=128,
+                         moe_runner_backend="triton", linear_attn_decode_backend="triton",
+                         attention_backend="triton", quantization=quantization,
+                         kernel_choices=choices)
+    assert runner.kernel_choices.moe_align_kernel and runner.kernel_choices.moe_combine
+    pg = runner.init_prefill_graphs([8])
+    assert not pg.failed, pg.failed
+    assert len(calls) == 3 and grouped and all(grouped)  # every MoE block on the grouped GEMMs
 
 
 def test_what_must_run_eagerly_does(pair):
