@@ -570,8 +570,10 @@ def _print(result: Dict[str, Any]) -> None:
                   + "; ".join(f"{n[:60]} x{k} ({ms:.3f} ms)" for n, ms, k in launched))
     if "graph_unprofiled_wall_ms" in result:
         failed = result["graph_capture_failed"]
+        memory = result["graph_memory_gib"]
         print(f"prefill graph: {result['graph_unprofiled_wall_ms']:.2f} ms unprofiled "
               f"({result['graph_replays']} replays"
+              f"{f'; the captures hold {memory:.2f} GiB' if memory is not None else ''}"
               f"{'; capture failed: ' + failed if failed else ''})")
     if "sync_sites" in result:
         print(f"synchronising calls in one more prefill (sync debug mode): {result['syncs']}")
@@ -612,9 +614,20 @@ def time_prefill_graphs(worker: TpModelWorker, prompt_lens: List[int], seed: int
     """Capture a one-request prefill graph per length in ``prompt_lens`` (after the eager
     census: a replay compiles nothing) and time ``max(timed, 1)`` replays of each, after one
     warm replay. Returns ``{length: {"graph_unprofiled_wall_ms", "graph_replays",
-    "graph_capture_failed"}}``."""
+    "graph_capture_failed", "graph_memory_gib"}}``; the last is the device memory the captures
+    took, all lengths together (None off CUDA)."""
     runner = worker.model_runner
+    cuda = runner.device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.empty_cache()
+        free_before = torch.cuda.mem_get_info(runner.device)[0]
     graphs = runner.init_prefill_graphs(prompt_lens)
+    memory_gib = None
+    if cuda:
+        torch.cuda.synchronize(runner.device)
+        torch.cuda.empty_cache()
+        memory_gib = (free_before - torch.cuda.mem_get_info(runner.device)[0]) / 2**30
     out = {}
     for n in prompt_lens:
         start = graphs.num_replays
@@ -624,7 +637,8 @@ def time_prefill_graphs(worker: TpModelWorker, prompt_lens: List[int], seed: int
         failed = [why for key, why in graphs.failed.items() if key.tokens == n]
         out[n] = {"graph_unprofiled_wall_ms": statistics.median(walls),
                   "graph_replays": graphs.num_replays - start,
-                  "graph_capture_failed": failed[0] if failed else None}
+                  "graph_capture_failed": failed[0] if failed else None,
+                  "graph_memory_gib": memory_gib}
     runner.prefill_graphs = None  # later prefills (none here) run eagerly again
     return out
 

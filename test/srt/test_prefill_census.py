@@ -124,6 +124,7 @@ def test_cpu_census_json_line(census):
     assert rec["wall_ms"] > 0 and rec["unprofiled_wall_ms"] > 0
     # --prefill-graphs: a warm replay and a timed one per length (emulated graphs on CPU).
     assert rec["graph_replays"] == 2 and rec["graph_capture_failed"] is None
+    assert rec["graph_memory_gib"] is None  # CPU
     assert rec["graph_unprofiled_wall_ms"] > 0 and "prefill graph: " in census["stdout"]
     assert 0 < rec["busy_ms"] <= rec["wall_ms"]
     assert rec["host_gap_ms"] == pytest.approx(rec["wall_ms"] - rec["busy_ms"])

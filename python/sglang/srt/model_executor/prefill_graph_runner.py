@@ -184,6 +184,11 @@ class PrefillGraphRunner:
             for _ in range(2):  # outside the capture: JIT compiles, autotuning, allocator
                 self._body(key)
             self._sync()
+            if not self.emulate:
+                # The warm-ups' activations sit cached in the eager pool; give them back so
+                # that the graph's own pool can take that memory (a large bucket on a nearly
+                # full GPU would otherwise need it twice).
+                torch.cuda.empty_cache()
             graph = new_graph(self.emulate, self._pool)
             outputs = graph.capture(lambda: self._body(key))
             self._sync()
