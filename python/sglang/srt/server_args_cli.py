@@ -268,7 +268,7 @@ def _kernel_flags(g: Any, d: Dict[str, Any]) -> None:
                "whole forward (not upstream's piecewise graphs). A fresh prompt of up to the "
                "largest count replays the smallest count that holds it, padded at its end; "
                "other prefills (several requests, a cached prefix, input logprobs) run "
-               "eagerly.")
+               "eagerly. CUDA only; none with --disable-cuda-graph.")
 
 
 def _logging_flags(g: Any, d: Dict[str, Any]) -> None:
