@@ -17,8 +17,8 @@
 #                   prompts, default 4) against the fp8 42-layer server without speculation and
 #                   with NEXTN (SPECS, default "0 3"); one JSON line per run in $OUT/served.jsonl;
 #                   SERVED_ARGS adds server flags (SERVED_ARGS="--prefill-cuda-graph-tokens 8192")
-#   STAGE=conc      12-layer bf16 server (default flags), random-ids 1024 / 128 at concurrency
-#                   CONCS (default "1 4 16 64"); $OUT/conc.jsonl
+#   STAGE=conc      12-layer bf16 server (default flags; CONC_ARGS adds server flags), random-ids
+#                   1024 / 128 at concurrency CONCS (default "1 4 16 64"); $OUT/conc.jsonl
 #   STAGE=prefill_gates  the gpu-marked tests of the prefill path's kernels and glue (KDA fla
 #                   prefill, MLA RoPE assembly, norms, grouped MoE GEMM, dense fp8 GEMM and its
 #                   scaled_mm form, activation quantisation, prefill CUDA graphs), with skip
@@ -124,7 +124,8 @@ served)
   ;;
 conc)
   echo "== 12-layer bf16"
-  serve 30711 "$OUT/server_conc.log" $FLASH12 || exit 1
+  # shellcheck disable=SC2086  # CONC_ARGS is a list of words
+  serve 30711 "$OUT/server_conc.log" $FLASH12 ${CONC_ARGS:-} || exit 1
   grep -E "request slots|pools:" "$OUT/server_conc.log" | head -2
   for c in ${CONCS:-1 4 16 64}; do
     n=$(( c * 4 < 16 ? 16 : c * 4 ))
