@@ -120,7 +120,7 @@ def build_worker(server_args: ServerArgs, bench_args: BenchArgs, tp_rank: int,
     worker = target if spec_cls is None else spec_cls(args, target, requirements)
     if not args.disable_cuda_graph and target.device.type == "cuda":
         worker.init_cuda_graphs(capture_batch_sizes(args, bs))
-    init_prefill_graphs_from_args(target.model_runner, args, worker.prefill_hidden_mode)
+    init_prefill_graphs_from_args(worker, args)
     return worker
 
 

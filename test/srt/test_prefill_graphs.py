@@ -7,6 +7,8 @@
   same.
 * The same on the KDA backend's CUDA branch (Triton conv planes into fla with the raw gate),
   fla's contract stood in by torch, and with no host read inside the captured body.
+* An MTP draft's extend over the prompt replays with the target's hidden states as a
+  per-token input.
 * What must run eagerly does: two requests, a cached prefix, full logits, more tokens than the
   largest bucket, a failed capture (remembered, with the eager result).
 * The bucket filter and the ``--prefill-cuda-graph-tokens`` flag.
@@ -275,6 +277,47 @@ def test_the_captured_forward_reads_nothing_back_on_the_triton_kernels(monkeypat
     assert len(calls) == 3 and grouped and all(grouped)  # every MoE block on the grouped GEMMs
 
 
+def test_a_draft_extend_replays_with_its_hidden_state_input():
+    """An MTP draft's extend over a fresh prompt (DRAFT_EXTEND, the target's hidden state of
+    every row as a per-token input) replayed padded == eager: last-row logits and hidden
+    state, and the draft layer's KV rows. Without that input, or with another shape, it runs
+    eagerly."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardMode
+    from sglang.test.runner_utils import draft_runner_on
+
+    mc = ModelConfig.from_path(str(BUNDLED_MODEL_DIR))
+    target = ModelRunner(mc, device="cpu", dtype="float32", max_running_requests=2,
+                         max_total_tokens=128, draft_extra_mla_layers=True)
+    draft = draft_runner_on(target, mc)
+    hidden = mc.hf_config.hidden_size
+    pg = draft.init_prefill_graphs([8], capture_modes=(CaptureHiddenMode.LAST,),
+                                   forward_mode=ForwardMode.DRAFT_EXTEND,
+                                   token_inputs={"hidden_states": ((hidden,), torch.float32)})
+    ids = _ids(6, seed=21)
+    h = torch.randn(6, hidden, generator=torch.Generator().manual_seed(2))
+    outs = []
+    for replay in (False, True):
+        req = target.req_to_token_pool.alloc(1)[0]
+        loc = target.token_to_kv_pool_allocator.alloc(6)
+        target.req_to_token_pool.write(req, 0, loc)
+        fb = ForwardBatch.for_extend(ids, [req], [0], [6], loc,
+                                     forward_mode=ForwardMode.DRAFT_EXTEND,
+                                     capture_hidden_mode=CaptureHiddenMode.LAST)
+        out = draft.forward(fb, hidden_states=h) if replay else draft.forward_eager(
+            fb, hidden_states=h)
+        layer = draft.token_to_kv_pool.layer_ids[-1]  # the MTP layer's cache
+        outs.append((out, draft.token_to_kv_pool.get_kv_buffer(layer)[loc].clone()))
+        assert pg.key(fb, {"hidden_states": h}) is not None
+        assert pg.key(fb) is None and pg.key(fb, {"hidden_states": h[:, :8]}) is None
+        target.token_to_kv_pool_allocator.free(loc)
+        target.req_to_token_pool.free([req])
+    (a, kva), (b, kvb) = outs
+    assert pg.num_replays == 1
+    torch.testing.assert_close(b.next_token_logits, a.next_token_logits, **FP32)
+    torch.testing.assert_close(b.hidden_states, a.hidden_states, **FP32)
+    torch.testing.assert_close(kvb, kva, **FP32)
+
+
 def test_what_must_run_eagerly_does(pair):
     eager, graphed = pair
     pg = graphed.prefill_graphs
@@ -340,8 +383,9 @@ def test_bucket_filter():
                                   dict(speculative_algorithm="DSPARK")],
                          ids=["plain", "nextn3", "dspark"])
 def test_greedy_outputs_through_the_scheduler_are_unchanged(spec):
-    """Requests arriving one by one prefill alone (replays, in the worker's hidden-state mode:
-    the NEXTN draft extends over every prompt row's hidden state; DSPARK's draft context is
+    """Requests arriving one by one prefill alone (replays of the worker's plan: NEXTN's
+    target returns every prompt row's hidden state and its MTP layer's extend over them
+    replays too, with those hidden states as a per-token input; DSPARK's draft context is
     written from the target layers' hidden states, per-token outputs cut to the real rows);
     a prompt longer than the largest bucket runs eagerly; greedy tokens equal those of a
     scheduler without prefill graphs."""
@@ -351,19 +395,27 @@ def test_greedy_outputs_through_the_scheduler_are_unchanged(spec):
     kw = dict(max_total_tokens=2048, max_running_requests=4, **spec)
     prompts = [request(f"r{i}", _ids(n, seed=i).tolist(), max_new_tokens=12, temperature=0,
                        ignore_eos=True) for i, n in enumerate([5, 12, 16, 3, 40])]
-    outs = []
+    outs, accepted = [], []
     for graphs in (False, True):
         sched = make_scheduler(model, **kw)
         if graphs:
-            pg = sched.tp_worker.model_runner.init_prefill_graphs(
-                [8, 16], capture_modes=(sched.round_worker.prefill_hidden_mode,))
+            plan = sched.round_worker.prefill_graph_plan()
+            pgs = [runner.init_prefill_graphs([8, 16], **keywords) for runner, keywords in plan]
         submit_staggered(sched, prompts, stagger=20)
         outs.append(take_token_ids(sched))
+        # Drafts cannot change a greedy output, only what is accepted: the same acceptance
+        # says the draft's replayed prefill gave the eager drafts.
+        accepted.append((sched.spec_num_accept_tokens, sched.spec_num_correct_drafts))
     assert outs[0] == outs[1] and all(len(v) == 12 for v in outs[0].values())
-    assert pg.num_replays == 4  # every prompt but the 40-token one
-    mode = CaptureHiddenMode.FULL if spec.get("speculative_algorithm") == "NEXTN" \
-        else CaptureHiddenMode.NULL
-    assert {k.capture_hidden_mode for k in pg.graphs} == {mode}
+    assert accepted[0] == accepted[1]
+    nextn = spec.get("speculative_algorithm") == "NEXTN"
+    # The target (and NEXTN's MTP layer after it) replayed every prompt but the 40-token one.
+    assert [pg.num_replays for pg in pgs] == [4] * (2 if nextn else 1)
+    assert {k.capture_hidden_mode for k in pgs[0].graphs} == {
+        CaptureHiddenMode.FULL if nextn else CaptureHiddenMode.NULL}
+    if nextn:
+        assert pgs[1].runner is sched.round_worker.draft_runner
+        assert {k.capture_hidden_mode for k in pgs[1].graphs} == {CaptureHiddenMode.LAST}
 
 
 # ------------------------------------------------------------------------------ GPU (real graphs)

@@ -90,8 +90,7 @@ class SchedulerRoundMixin:
         # reports ready, rather than inside the first user prefills (CUDA only; skipped with
         # --skip-server-warmup). Plain prefill of the target only; the slots come back.
         warm_up_prefill(self.tp_worker.model_runner, args)
-        init_prefill_graphs_from_args(self.tp_worker.model_runner, args,
-                                      self.round_worker.prefill_hidden_mode)
+        init_prefill_graphs_from_args(self.round_worker, args)
         self.token_headroom = (self.spec_requirements.token_headroom
                                if self.spec_requirements is not None
                                else self.round_worker.round_tokens)

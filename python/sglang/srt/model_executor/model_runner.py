@@ -55,7 +55,7 @@ from sglang.srt.mem_cache.memory_pool import (
     ReqToTokenPool,
     TokenToKVPoolAllocator,
 )
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 from sglang.srt.model_executor.prefill_graph_runner import PrefillGraphRunner
 from sglang.srt.model_loader.loader import get_model, model_weight_bytes
 from sglang.srt.models.bailing_moe_v3 import set_kda_norm_in_o_proj, set_mla_absorb_gemv
@@ -710,24 +710,20 @@ class ModelRunner:
         return min(limits) if limits else None
 
     # ------------------------------------------------------------------ running
-    def init_prefill_graphs(self, buckets: Sequence[int],
-                            capture_modes: Sequence[CaptureHiddenMode] = (CaptureHiddenMode.NULL,),
-                            emulate: Optional[bool] = None) -> PrefillGraphRunner:
+    def init_prefill_graphs(self, buckets: Sequence[int], **keywords: Any) -> PrefillGraphRunner:
         """Capture one-request prefills padded to ``buckets`` tokens
-        (:mod:`~sglang.srt.model_executor.prefill_graph_runner`); :meth:`forward` replays them
-        from then on for the prefills they fit."""
-        if self.is_draft:
-            raise ValueError("prefill CUDA graphs are for the target model, not a draft")
-        self.prefill_graphs = PrefillGraphRunner(self, buckets, capture_modes=capture_modes,
-                                                 emulate=emulate)
+        (:class:`~sglang.srt.model_executor.prefill_graph_runner.PrefillGraphRunner`, which
+        takes ``keywords``: capture modes, forward mode, per-token inputs, emulation);
+        :meth:`forward` replays them from then on for the prefills they fit."""
+        self.prefill_graphs = PrefillGraphRunner(self, buckets, **keywords)
         return self.prefill_graphs
 
     def forward(self, forward_batch: ForwardBatch, **model_kwargs: Any) -> "LogitsProcessorOutput":
         """Run one forward: a captured prefill graph's replay where one fits
         (:meth:`init_prefill_graphs`), else :meth:`forward_eager`."""
-        if self.prefill_graphs is not None and not model_kwargs:
+        if self.prefill_graphs is not None:
             self._attach(forward_batch)  # as after an eager forward, for the caller
-            out = self.prefill_graphs.run(forward_batch)
+            out = self.prefill_graphs.run(forward_batch, model_kwargs)
             if out is not None:
                 return out
         return self.forward_eager(forward_batch, **model_kwargs)

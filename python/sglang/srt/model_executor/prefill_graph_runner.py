@@ -4,23 +4,27 @@ Eager, a batch-1 prefill of the 42-layer model issues about two thousand launche
 thousand tokens the host takes longer to issue them than the GPU to run them
 (docs/performance.md, the prefill census). A replay issues them all at once.
 
-* **Which prefills.** A fresh request alone: EXTEND, one request, no cached prefix (its
-  attention would read a prefix whose length the graph cannot know), no logits for every row
-  (input logprobs), no speculative payload, at most the largest bucket's tokens. Anything else
-  runs eagerly, and so does the target only (a draft's forwards take extra inputs).
+* **Which prefills.** A fresh request alone: EXTEND (or an MTP draft's DRAFT_EXTEND over the
+  prompt), one request, no cached prefix (its attention would read a prefix whose length the
+  graph cannot know), no logits for every row (input logprobs), no speculative payload, at
+  most the largest bucket's tokens, and exactly the per-token model inputs the runner was
+  built for (the draft's: the target's hidden state of every prompt row). Anything else runs
+  eagerly.
 * **Padding.** The request's ``T`` tokens are padded at their end to the smallest bucket
   ``P >= T``. The batch the graph was captured with says one request of ``P`` tokens; what
-  changes per replay lives in static device buffers: the token ids, the KV slots (padded rows
-  write to slot 0, every pool's padding slot), the request's length and slot
+  changes per replay lives in static device buffers: the token ids, the per-token model
+  inputs, the KV slots (padded rows write to slot 0, every pool's padding slot), the request's
+  length and slot
   (:class:`~sglang.srt.model_executor.forward_batch_info.PrefillPadding`). Positions are
   ``0 .. P-1`` for every replay. The logits come from row ``T - 1`` (the device's
   ``extend_seq_lens``); the KDA layers end their state at that row and write it to the slot
   (``TorchNativeKDABackend._extend_padded``); attention and the row-wise layers need nothing,
   since a real row never sees a later one.
 * **Keys.** A bucket and the hidden states the caller asks for
-  (:class:`~sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode`). The round
-  worker's own mode is captured at start-up, largest bucket first, into a memory pool of their
-  own; another mode is captured when first needed. A capture that fails leaves its key to
+  (:class:`~sglang.srt.model_executor.forward_batch_info.CaptureHiddenMode`). The modes the
+  round worker's prefill uses (``RoundWorker.prefill_graph_plan``) are captured at start-up,
+  largest bucket first, into a memory pool of their own; another mode is captured when first
+  needed. A capture that fails leaves its key to
   eager execution with a warning, never a crash.
 * **Outputs** are copied out of the graph's buffers, which the next replay overwrites: per
   request rows as they are, per token rows (full hidden states, a drafter's auxiliary hidden
@@ -35,7 +39,7 @@ import bisect
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Dict, List, NamedTuple, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -51,7 +55,7 @@ if TYPE_CHECKING:
     from sglang.srt.layers.logits_processor import LogitsProcessorOutput
     from sglang.srt.model_executor.model_runner import ModelRunner
 
-__all__ = ["PrefillGraphRunner", "PrefillGraphKey", "prefill_graph_buckets",
+__all__ = ["PrefillGraphRunner", "PrefillGraphKey", "TokenInputs", "prefill_graph_buckets",
            "init_prefill_graphs_from_args"]
 
 logger = logging.getLogger(__name__)
@@ -64,16 +68,23 @@ class PrefillGraphKey(NamedTuple):
     capture_hidden_mode: CaptureHiddenMode
 
 
-def init_prefill_graphs_from_args(model_runner: "ModelRunner", server_args: object,
-                                  capture_mode: CaptureHiddenMode) -> Optional["PrefillGraphRunner"]:
-    """The prefill graphs ``--prefill-cuda-graph-tokens`` asks for, captured in ``capture_mode``
-    (the round worker's ``prefill_hidden_mode``), on CUDA unless ``--disable-cuda-graph``;
-    None when there are none. Call it after any eager warm-up (a replay is no warm-up)."""
+# Per-token model inputs a runner's prefill takes besides the ids: name -> (shape of one row,
+# dtype), e.g. an MTP draft's {"hidden_states": ((hidden,), dtype)} (the target's hidden state
+# of every prompt row).
+TokenInputs = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
+
+
+def init_prefill_graphs_from_args(worker: Any, server_args: object) -> List["PrefillGraphRunner"]:
+    """The prefill graphs ``--prefill-cuda-graph-tokens`` asks for, on CUDA unless
+    ``--disable-cuda-graph``: for each ``(runner, keywords)`` of the round worker's
+    ``prefill_graph_plan()``, ``runner.init_prefill_graphs(tokens, **keywords)``. Empty when
+    there are none. Call it after any eager warm-up (a replay is no warm-up)."""
     tokens = getattr(server_args, "prefill_cuda_graph_tokens", None)
-    if not tokens or getattr(server_args, "disable_cuda_graph", False) \
-            or torch.device(model_runner.device).type != "cuda":
-        return None
-    return model_runner.init_prefill_graphs(tokens, capture_modes=(capture_mode,))
+    if not tokens or getattr(server_args, "disable_cuda_graph", False):
+        return []
+    return [runner.init_prefill_graphs(tokens, **keywords)
+            for runner, keywords in worker.prefill_graph_plan()
+            if torch.device(runner.device).type == "cuda"]
 
 
 def prefill_graph_buckets(requested: Sequence[int], *, max_tokens: int,
@@ -93,13 +104,23 @@ class PrefillGraphRunner:
     graphs the model's own capture limit applies, in emulation it does not, since re-running a
     forward eagerly is correct whatever it reads on the host). ``capture_modes``: the hidden
     state modes captured now (the others when first needed; none with ``capture_now=False``).
-    ``emulate``: :class:`EmulatedGraph` instead of CUDA graphs (default: off CUDA).
+    ``forward_mode``: the prefills' mode (``EXTEND``; ``DRAFT_EXTEND`` for an MTP draft's
+    extend over the prompt). ``token_inputs``: per-token model inputs (:data:`TokenInputs`)
+    that every replayed prefill passes, copied into static buffers like the ids. ``emulate``:
+    :class:`EmulatedGraph` instead of CUDA graphs (default: off CUDA).
     """
 
     def __init__(self, model_runner: "ModelRunner", buckets: Sequence[int], *,
                  capture_modes: Sequence[CaptureHiddenMode] = (CaptureHiddenMode.NULL,),
+                 forward_mode: ForwardMode = ForwardMode.EXTEND,
+                 token_inputs: Optional[TokenInputs] = None,
                  emulate: Optional[bool] = None, capture_now: bool = True):
+        if forward_mode not in (ForwardMode.EXTEND, ForwardMode.DRAFT_EXTEND):
+            raise ValueError(f"PrefillGraphRunner: prefills are EXTEND or DRAFT_EXTEND, got "
+                             f"{forward_mode.name}")
         self.runner = model_runner
+        self.forward_mode = forward_mode
+        self.token_inputs: TokenInputs = dict(token_inputs or {})
         self.device = torch.device(model_runner.device)
         self.emulate = self.device.type != "cuda" if emulate is None else emulate
         if not self.emulate and self.device.type != "cuda":
@@ -127,6 +148,8 @@ class PrefillGraphRunner:
         self.real_len = torch.ones(1, **i64)
         self.slot = torch.zeros(1, **i64)
         self.zero = torch.zeros(1, **i64)
+        self.inputs = {name: torch.zeros(top, *shape, dtype=dtype, device=self.device)
+                       for name, (shape, dtype) in self.token_inputs.items()}
         if capture_now:
             start, free_before = time.perf_counter(), self._free_bytes()
             for mode in capture_modes:
@@ -140,13 +163,21 @@ class PrefillGraphRunner:
                             self.buckets, time.perf_counter() - start, held)
 
     # ------------------------------------------------------------------ keys
-    def key(self, forward_batch: ForwardBatch) -> Optional[PrefillGraphKey]:
-        """The graph ``forward_batch`` would replay, or None when it runs eagerly."""
-        fb = forward_batch
-        if (not self.buckets or fb.forward_mode != ForwardMode.EXTEND or fb.batch_size != 1
+    def key(self, forward_batch: ForwardBatch,
+            model_inputs: Optional[Dict[str, Any]] = None) -> Optional[PrefillGraphKey]:
+        """The graph ``forward_batch`` (with the model keyword arguments ``model_inputs``) would
+        replay, or None when it runs eagerly."""
+        fb, inputs = forward_batch, model_inputs or {}
+        if (not self.buckets or fb.forward_mode != self.forward_mode or fb.batch_size != 1
                 or fb.extend_prefix_lens_cpu is None or list(fb.extend_prefix_lens_cpu) != [0]
-                or fb.return_full_logits or fb.spec_info is not None or fb.padding is not None):
+                or fb.return_full_logits or fb.spec_info is not None or fb.padding is not None
+                or set(inputs) != set(self.token_inputs)):
             return None
+        for name, value in inputs.items():
+            shape, dtype = self.token_inputs[name]
+            if not isinstance(value, torch.Tensor) or value.dtype != dtype \
+                    or tuple(value.shape) != (fb.num_tokens, *shape):
+                return None
         i = bisect.bisect_left(self.buckets, fb.num_tokens)
         if fb.num_tokens < 1 or i == len(self.buckets):
             return None
@@ -160,7 +191,7 @@ class PrefillGraphRunner:
         tensors from the static buffers."""
         valid = self.positions[:tokens] < self.real_len  # recomputed by every replay
         return ForwardBatch(
-            forward_mode=ForwardMode.EXTEND, batch_size=1,
+            forward_mode=self.forward_mode, batch_size=1,
             input_ids=self.input_ids[:tokens], positions=self.positions[:tokens],
             req_pool_indices=self.slot, seq_lens=self.real_len,
             out_cache_loc=self.loc[:tokens], extend_seq_lens=self.real_len,
@@ -171,7 +202,8 @@ class PrefillGraphRunner:
             padding=PrefillPadding(self.real_len, self.slot, valid))
 
     def _body(self, key: PrefillGraphKey) -> Dict[str, torch.Tensor]:
-        out = self.runner.forward_eager(self._static_batch(key.tokens, key.capture_hidden_mode))
+        out = self.runner.forward_eager(self._static_batch(key.tokens, key.capture_hidden_mode),
+                                        **{n: b[:key.tokens] for n, b in self.inputs.items()})
         return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)
                 if isinstance(getattr(out, f.name), torch.Tensor)}
 
@@ -218,12 +250,14 @@ class PrefillGraphRunner:
             torch.cuda.synchronize(self.device)
 
     # ------------------------------------------------------------------ replay
-    def run(self, forward_batch: ForwardBatch) -> Optional["LogitsProcessorOutput"]:
-        """Replay the graph of ``forward_batch`` (capturing it first if needed) and return the
-        forward's output for its real rows, or None when it must run eagerly."""
+    def run(self, forward_batch: ForwardBatch, model_inputs: Optional[Dict[str, Any]] = None
+            ) -> Optional["LogitsProcessorOutput"]:
+        """Replay the graph of ``forward_batch`` with the model keyword arguments
+        ``model_inputs`` (capturing it first if needed) and return the forward's output for its
+        real rows, or None when it must run eagerly."""
         from sglang.srt.layers.logits_processor import LogitsProcessorOutput
 
-        key = self.key(forward_batch)
+        key = self.key(forward_batch, model_inputs)
         if key is None:
             return None
         captured = self.graphs.get(key) or self._capture(key)
@@ -237,6 +271,8 @@ class PrefillGraphRunner:
         self.loc[t:key.tokens].zero_()
         self.real_len.fill_(t)
         self.slot.copy_(forward_batch.req_pool_indices, non_blocking=True)
+        for name, value in (model_inputs or {}).items():  # padded rows keep older rows
+            self.inputs[name][:t].copy_(value, non_blocking=True)
         captured.graph.replay()
         self.num_replays += 1
         fields = {name: (value[:t] if value.dim() and value.shape[0] == key.tokens else value)

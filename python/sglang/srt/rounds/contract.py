@@ -29,19 +29,19 @@ from __future__ import annotations
 import logging
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from sglang.srt.configs.engine_defaults import SPECULATIVE_MAX_RUNNING_REQUESTS
 from sglang.srt.environ import envs
 from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner, RoundPhase, run_phases
-from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode
 from sglang.srt.sampling.sampling_batch_info import SamplingBatchInfo
 
 if TYPE_CHECKING:
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
     from sglang.srt.rounds.plain import GenerationBatchResult, TpModelWorker
     from sglang.srt.rounds.relay import FutureMap, PendingRound
 
@@ -68,9 +68,6 @@ class RoundWorker(ABC):
     # True for a worker whose rounds can also return the hidden states of chosen rows
     # (``return_hidden_states``); the scheduler refuses such requests otherwise.
     returns_hidden_states = False
-    # The hidden states the worker's prefill asks of the target: the mode the start-up prefill
-    # graphs are captured for (model_executor/prefill_graph_runner.py).
-    prefill_hidden_mode: CaptureHiddenMode = CaptureHiddenMode.NULL
     graph_runner: Optional[CudaGraphRunner] = None
     device: torch.device
     future_map: "FutureMap"
@@ -180,6 +177,13 @@ class RoundWorker(ABC):
             seq_lens_bound = int(self.future_map.seq_lens[slots].max()) + n
         return self.run_round(slots, loc, sampling_info, seq_lens_bound, return_logprob,
                               top_logprobs_num)
+
+    def prefill_graph_plan(self) -> List[Tuple["ModelRunner", Dict[str, Any]]]:
+        """The runners whose one-request prefills ``--prefill-cuda-graph-tokens`` captures, each
+        with its ``ModelRunner.init_prefill_graphs`` keywords (the hidden states its prefill
+        asks for, its forward mode, its per-token inputs). None by default: a speculative
+        worker names its target's (the plain worker's plan) and its draft's, if any."""
+        return []
 
     def init_cuda_graphs(self, batch_sizes: Sequence[int], emulate: Optional[bool] = None,
                          capture_now: bool = True, per_phase: bool = False,
@@ -294,3 +298,5 @@ class BaseSpecWorker(RoundWorker):
     def __init__(self, server_args: Any, target_worker: "TpModelWorker",
                  requirements: SpecRequirements):
         """Build the draft over the target's pools."""
+
+

@@ -162,6 +162,10 @@ class TpModelWorker(RoundWorker):
                 sampling_info.append_tokens(next_ids)
         return result
 
+    def prefill_graph_plan(self) -> List[Tuple[ModelRunner, Dict[str, Any]]]:
+        """This worker's runner, its prefills as they are (logits only)."""
+        return [(self.model_runner, {})]
+
     def graph_setup(self) -> dict:
         """A decode step: one token and one KV slot per request, the target's backend."""
         return dict(tokens_per_request=1,

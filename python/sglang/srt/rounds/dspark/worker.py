@@ -260,6 +260,11 @@ class DSparkWorker(BaseSpecWorker):
         }
 
     # ------------------------------------------------------------------ prefill
+    def prefill_graph_plan(self) -> List[Tuple[ModelRunner, Dict[str, Any]]]:
+        """The target's prefill as the plain worker's: the draft's context comes from the
+        target layers' hidden states, which the model returns per token in any mode."""
+        return self.target_worker.prefill_graph_plan()
+
     def prefill(self, forward_batch: ForwardBatch, sampling_info: Optional[SamplingBatchInfo],
                 sample_rows: Optional[Sequence[int]] = None, return_logprob: bool = False,
                 top_logprobs_nums: Optional[Sequence[int]] = None,

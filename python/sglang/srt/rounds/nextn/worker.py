@@ -121,9 +121,6 @@ def nextn_request_slot_state(draft_config: ModelConfig, num_draft_tokens: int
 class NEXTNWorker(BaseSpecWorker):
     """Owns the draft runner (the MTP layer over the target's pools) and runs NEXTN rounds."""
 
-    # The MTP layer extends over every prompt token's final hidden state (prefill below).
-    prefill_hidden_mode = CaptureHiddenMode.FULL
-
     @classmethod
     def requirements(cls, server_args: Any, target_config: ModelConfig) -> SpecRequirements:
         """The chain's KV slots and KDA scratch (``N`` positions), two chains of headroom (see
@@ -252,6 +249,17 @@ class NEXTNWorker(BaseSpecWorker):
                                 draft_token=draft, hidden=out.hidden_states[sel],
                                 draft_probs=probs)
         return result
+
+    def prefill_graph_plan(self) -> List[Tuple[ModelRunner, Dict[str, Any]]]:
+        """The prefill above as two graphs: the target's forward returning every prompt row's
+        hidden state, and the MTP layer's extend over them (its per-token input), its last
+        row's logits and hidden state."""
+        hidden = self.target_runner.model_config.hf_config.hidden_size
+        return [(self.target_runner, dict(capture_modes=(CaptureHiddenMode.FULL,))),
+                (self.draft_runner, dict(
+                    capture_modes=(CaptureHiddenMode.LAST,),
+                    forward_mode=ForwardMode.DRAFT_EXTEND,
+                    token_inputs={"hidden_states": ((hidden,), self.target_runner.dtype)}))]
 
     # ------------------------------------------------------------------ decode round
     def graph_setup(self) -> dict:
