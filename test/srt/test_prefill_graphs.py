@@ -33,9 +33,10 @@ BUCKETS = (8, 24)
 FP32 = dict(rtol=1e-4, atol=1e-4)
 
 
-def _runner(dtype: str = "float32") -> ModelRunner:
+def _runner(dtype: str = "float32", **kw) -> ModelRunner:
+    opts = dict(max_running_requests=4, max_total_tokens=512, **kw)
     return ModelRunner(ModelConfig.from_path(str(BUNDLED_MODEL_DIR)), device="cpu", dtype=dtype,
-                       max_running_requests=4, max_total_tokens=512)
+                       **opts)
 
 
 def _ids(n: int, seed: int) -> torch.Tensor:
@@ -131,38 +132,33 @@ def test_greedy_decode_after_a_padded_prefill_is_the_same(pair):
     assert tokens[0] == tokens[1]
 
 
-def test_bf16_padded_prefill_matches_eager():
-    eager, graphed = _runner("bfloat16"), _runner("bfloat16")
-    graphed.init_prefill_graphs([16])
-    ids = _ids(11, seed=3)
+def _one_padded_prefill(bucket: int, n: int, seed: int, tol: dict, **runner_kw) -> None:
+    """An eager runner and one with a graph of ``bucket`` tokens, built alike (``runner_kw``):
+    one fresh prompt of ``n`` tokens through each (a replay on the second) gives last-row
+    logits, conv windows and recurrent states that agree within ``tol``."""
+    eager, graphed = _runner(**runner_kw), _runner(**runner_kw)
+    graphed.init_prefill_graphs([bucket])
+    ids = _ids(n, seed=seed)
     a, ra, la = _prefill(eager, ids)
     b, rb, lb = _prefill(graphed, ids)
     assert graphed.prefill_graphs.num_replays == 1
+    torch.testing.assert_close(b.next_token_logits, a.next_token_logits, **tol)
+    (ca, sa, _), (cb, sb, _) = _state(eager, ra, la), _state(graphed, rb, lb)
+    torch.testing.assert_close(cb, ca, **tol)
+    torch.testing.assert_close(sb, sa, **tol)
+
+
+def test_bf16_padded_prefill_matches_eager():
     # Padding changes the rows the chunked KDA sums over (exact zeros) and the batch shapes of
     # the projections, so bf16 agrees to its rounding, not bit for bit.
-    torch.testing.assert_close(b.next_token_logits, a.next_token_logits, rtol=2e-2, atol=2e-2)
-    (ca, sa, _), (cb, sb, _) = _state(eager, ra, la), _state(graphed, rb, lb)
-    torch.testing.assert_close(cb, ca, rtol=2e-2, atol=2e-2)
-    torch.testing.assert_close(sb, sa, rtol=2e-2, atol=2e-2)
+    _one_padded_prefill(16, 11, seed=3, tol=dict(rtol=2e-2, atol=2e-2), dtype="bfloat16")
 
 
 @pytest.mark.slow  # the conv kernel in Triton's interpreter
 def test_padded_prefill_on_the_triton_conv_matches_eager():
     """The same with the KDA prefill conv on its Triton kernel (the interpreter here): the
     kernel writes its window into a scratch one and the padded path re-reads the request's."""
-    kw = dict(device="cpu", dtype="float32", max_running_requests=2, max_total_tokens=128,
-              linear_attn_decode_backend="triton")
-    mc = ModelConfig.from_path(str(BUNDLED_MODEL_DIR))
-    eager, graphed = ModelRunner(mc, **kw), ModelRunner(mc, **kw)
-    graphed.init_prefill_graphs([8])
-    ids = _ids(6, seed=8)
-    a, ra, la = _prefill(eager, ids)
-    b, rb, lb = _prefill(graphed, ids)
-    assert graphed.prefill_graphs.num_replays == 1
-    torch.testing.assert_close(b.next_token_logits, a.next_token_logits, **FP32)
-    (ca, sa, _), (cb, sb, _) = _state(eager, ra, la), _state(graphed, rb, lb)
-    torch.testing.assert_close(cb, ca, **FP32)
-    torch.testing.assert_close(sb, sa, **FP32)
+    _one_padded_prefill(8, 6, seed=8, tol=FP32, linear_attn_decode_backend="triton")
 
 
 def _torch_chunk_kda_varlen(q, k, v, g, beta, scale, initial_state, seq_lens, cu_seqlens=None,
@@ -203,19 +199,7 @@ def test_padded_prefill_on_the_fla_branch_matches_eager(monkeypatch):
 
     monkeypatch.setattr(fla_kda, "chunk_kda_varlen", _torch_chunk_kda_varlen)
     monkeypatch.setattr(TorchNativeKDABackend, "_use_fla", lambda self, x: True)
-    kw = dict(device="cpu", dtype="float32", max_running_requests=2, max_total_tokens=128,
-              linear_attn_decode_backend="triton")
-    mc = ModelConfig.from_path(str(BUNDLED_MODEL_DIR))
-    eager, graphed = ModelRunner(mc, **kw), ModelRunner(mc, **kw)
-    graphed.init_prefill_graphs([8])
-    ids = _ids(5, seed=12)
-    a, ra, la = _prefill(eager, ids)
-    b, rb, lb = _prefill(graphed, ids)
-    assert graphed.prefill_graphs.num_replays == 1
-    torch.testing.assert_close(b.next_token_logits, a.next_token_logits, **FP32)
-    (ca, sa, _), (cb, sb, _) = _state(eager, ra, la), _state(graphed, rb, lb)
-    torch.testing.assert_close(cb, ca, **FP32)
-    torch.testing.assert_close(sb, sa, **FP32)
+    _one_padded_prefill(8, 5, seed=12, tol=FP32, linear_attn_decode_backend="triton")
 
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])

@@ -50,7 +50,7 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 __all__ = ["CudaGraphRunner", "GraphKey", "EmulatedGraph", "WIDTH_BUCKET", "MAX_GRAPHS",
-           "graph_variant", "run_phases", "new_graph"]
+           "graph_variant", "run_phases", "new_graph", "record_failed_capture"]
 
 RoundBody = Callable[[torch.Tensor, torch.Tensor, SamplingBatchInfo, int, bool],
                      Dict[str, torch.Tensor]]
@@ -145,6 +145,21 @@ class _CudaGraph:
 
     def replay(self) -> None:
         self._graph.replay()
+
+
+def record_failed_capture(failed: Dict, key: object, error: Exception, emulate: bool,
+                          device: torch.device, log: logging.Logger, what: str,
+                          fallback: str) -> None:
+    """After ``key``'s capture raised ``error``: remember why in ``failed`` (that key is not
+    tried again), warn once (``what`` failed; ``fallback`` says what runs instead) and, on
+    CUDA, let the aborted capture's work drain."""
+    failed[key] = f"{type(error).__name__}: {error}"
+    log.warning("%s capture of %s failed (%s); %s", what, key, failed[key], fallback)
+    if not emulate:
+        try:  # an error here is the same one
+            torch.cuda.synchronize(device)
+        except RuntimeError as sync_error:
+            log.warning("after the failed capture: %s", sync_error)
 
 
 def new_graph(emulate: bool, pool: object = None) -> object:
@@ -291,14 +306,8 @@ class CudaGraphRunner:
             if short:  # replay() slices outputs by request: they must be batch-major
                 raise ValueError(f"round outputs {short} are not batch-major [bs={key.bs}, ...]")
         except Exception as e:  # a capture problem must never take the server down
-            self.failed[key] = f"{type(e).__name__}: {e}"
-            logger.warning("CUDA graph capture of %s failed (%s); that batch shape runs eagerly",
-                           key, self.failed[key])
-            if not self.emulate:
-                try:  # let the aborted capture's work drain; an error here is the same one
-                    torch.cuda.synchronize(self.device)
-                except RuntimeError as sync_error:
-                    logger.warning("after the failed capture: %s", sync_error)
+            record_failed_capture(self.failed, key, e, self.emulate, self.device, logger,
+                                  "CUDA graph", "that batch shape runs eagerly")
             return None
         finally:
             self.loc.copy_(live_loc)

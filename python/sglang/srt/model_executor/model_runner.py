@@ -722,9 +722,9 @@ class ModelRunner:
         """Run one forward: a captured prefill graph's replay where one fits
         (:meth:`init_prefill_graphs`), else :meth:`forward_eager`."""
         if self.prefill_graphs is not None:
-            self._attach(forward_batch)  # as after an eager forward, for the caller
             out = self.prefill_graphs.run(forward_batch, model_kwargs)
             if out is not None:
+                self._attach(forward_batch)  # as after an eager forward, for the caller
                 return out
         return self.forward_eager(forward_batch, **model_kwargs)
 

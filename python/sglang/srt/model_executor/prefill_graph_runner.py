@@ -43,7 +43,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequenc
 
 import torch
 
-from sglang.srt.model_executor.cuda_graph_runner import new_graph
+from sglang.srt.model_executor.cuda_graph_runner import new_graph, record_failed_capture
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
     ForwardBatch,
@@ -225,14 +225,8 @@ class PrefillGraphRunner:
             outputs = graph.capture(lambda: self._body(key))
             self._sync()
         except Exception as e:  # a capture problem must never take the server down
-            self.failed[key] = f"{type(e).__name__}: {e}"
-            logger.warning("Prefill CUDA graph capture of %s failed (%s); such prefills run "
-                           "eagerly", key, self.failed[key])
-            if not self.emulate:
-                try:  # let the aborted capture's work drain; an error here is the same one
-                    torch.cuda.synchronize(self.device)
-                except RuntimeError as sync_error:
-                    logger.warning("after the failed capture: %s", sync_error)
+            record_failed_capture(self.failed, key, e, self.emulate, self.device, logger,
+                                  "Prefill CUDA graph", "such prefills run eagerly")
             return None
         captured = _Captured(graph, outputs)
         self.graphs[key] = captured
