@@ -21,9 +21,10 @@
 #                   1024 / 128 at concurrency CONCS (default "1 4 16 64"); $OUT/conc.jsonl
 #   STAGE=prefill_gates  the gpu-marked tests of the prefill path's kernels and glue (KDA fla
 #                   prefill, MLA RoPE assembly, norms, grouped MoE GEMM, dense fp8 GEMM and its
-#                   scaled_mm form, activation quantisation, prefill CUDA graphs), with skip
-#                   reasons (-rs). CENSUS_ARGS=--prefill-graphs on prefill12 / prefill42 times
-#                   captured prefills beside the eager census in the same process
+#                   scaled_mm form, activation quantisation, prefill CUDA graphs, the gated
+#                   activations), with skip reasons (-rs). CENSUS_ARGS=--prefill-graphs on
+#                   prefill12 / prefill42 times captured prefills beside the eager census in
+#                   the same process
 #   STAGE=gates     the gpu-marked graph gates (test/srt/test_cuda_graph_runner.py; GATES: other
 #                   files and pytest options, GATES_LOG: the log's name, GATES_TIMEOUT: seconds)
 #   STAGE=interference a decoding request's ITL while an 8192-token prompt is prefilled
@@ -142,7 +143,8 @@ prefill_gates)
   timeout ${GATES_TIMEOUT:-300} python3 -m pytest -q -m gpu -rfEs test/srt/test_attention_kda.py \
     test/kernels/test_mla_rope.py test/kernels/test_rmsnorm.py test/kernels/test_fp8_scaled_mm.py \
     test/kernels/test_moe_grouped_gemm.py test/kernels/test_fp8_gemm.py \
-    test/kernels/test_fp8_act_quant.py test/srt/test_prefill_graphs.py 2>&1 \
+    test/kernels/test_fp8_act_quant.py test/srt/test_prefill_graphs.py \
+    test/kernels/test_kernels_cuda.py::test_gated_act 2>&1 \
     | tee "$OUT/prefill_gates.log" \
     | grep -E "^(FAILED|ERROR|SKIPPED)|passed|failed"
   ;;

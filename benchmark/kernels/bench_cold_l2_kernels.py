@@ -1,6 +1,6 @@
 """Cold-L2 kernel-vs-reference timings of the sgl_kernel kernels that had no cold-L2
 microbenchmark of their own: ``kda_conv``, ``kda_prefill_conv``, ``mla_rope``, ``moe_combine``,
-``moe_router``, ``rmsnorm``, ``round_prep``, ``moe_align`` and ``moe_grouped_gemm`` (whose tuning sweep times
+``moe_router``, ``rmsnorm``, ``round_prep``, ``gated_act``, ``moe_align`` and ``moe_grouped_gemm`` (whose tuning sweep times
 CUDA-graph replays without the L2 flush), and ``kda_recurrent`` (whose tile sweep times no
 reference), at Ling-3.0-flash's shapes (read from the shipped preset), decode / verify sizes
 (1..16 tokens) and, where a kernel runs there, prefill sizes.
@@ -166,6 +166,29 @@ def bench_moe_combine(env: Env) -> Iterator[Case]:
                    lambda y=y, w=weights, s=shared: (moe_combine(y, w, s),),
                    lambda y=y, w=weights, s=shared: (moe_combine_reference(y, w, s),),
                    "moe_combine.moe_combine_reference", nbytes(y, weights) + nbytes(shared))
+
+
+def bench_gated_act(env: Env) -> Iterator[Case]:
+    """The dense MLP's SwiGLU (the routed experts' largest clamp) and MLA's sigmoid head gate
+    on the absorbed form's head-major output, against the torch forms the layers run without
+    the kernels (``sglang.srt.layers.activation``)."""
+    from sgl_kernel.gated_act import sigmoid_head_gate, silu_and_mul
+    from sglang.srt.layers.activation import SigmoidHeadGate
+    from sglang.srt.layers.activation import silu_and_mul as silu_and_mul_torch
+
+    d, torch_gate = env.dims, SigmoidHeadGate()
+    for t in env.decode_rows + env.prefill_rows:
+        x = env.randn(t, 2 * d.dense_inter)
+        yield Case("gated_act", "dense SwiGLU + clamp", t,
+                   lambda x=x: (silu_and_mul(x, d.expert_limit),),
+                   lambda x=x: (silu_and_mul_torch(x, d.expert_limit),),
+                   "activation.silu_and_mul", nbytes(x) * 3 // 2)
+        o = env.randn(d.heads, t, d.v_head_dim).transpose(0, 1)
+        g = env.randn(t, d.heads)
+        yield Case("gated_act", "MLA sigmoid head gate", t,
+                   lambda o=o, g=g: (sigmoid_head_gate(o, g),),
+                   lambda o=o, g=g: (torch_gate(o, g),),
+                   "activation.SigmoidHeadGate (torch form)", 2 * nbytes(o) + nbytes(g))
 
 
 def bench_moe_router(env: Env) -> Iterator[Case]:
@@ -434,6 +457,7 @@ def _fp8_weight(env: Env, shape: Tuple[int, ...], split: Optional[int] = None
 
 
 KERNELS: Dict[str, Callable[[Env], Iterator[Case]]] = {
+    "gated_act": bench_gated_act,
     "kda_conv": bench_kda_conv,
     "kda_prefill_conv": bench_kda_prefill_conv,
     "kda_recurrent": bench_kda_recurrent,

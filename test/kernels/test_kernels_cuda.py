@@ -1,8 +1,8 @@
 """Production-dtype checks of the kernels whose own test files have no ``@pytest.mark.gpu``
 comparison against their plain reference: ``small_m_gemm``, ``grouped_gemv`` (its GPU test
 runs bf16 at a reduced width without fp8; here Ling's expert shapes, bf16 and block fp8),
-``kda_conv``, ``kda_recurrent``, ``mla_rope``, ``moe_combine``, ``moe_router``, ``rmsnorm``
-and ``round_prep``.
+``kda_conv``, ``kda_recurrent``, ``mla_rope``, ``moe_combine``, ``moe_router``, ``rmsnorm``,
+``round_prep`` and ``gated_act``.
 
 Every test body runs on two targets (:data:`TARGETS`):
 
@@ -451,3 +451,25 @@ def test_flash_sizes_come_from_the_preset():
     assert (d.hidden, d.heads, d.experts, d.vocab) == (
         c["hidden_size"], c["num_attention_heads"], c["num_experts"], c["vocab_size"])
     assert d.verify_chain >= 2 and d.context <= c["max_position_embeddings"]
+
+
+def test_gated_act(target):
+    """The dense MLP's SwiGLU at its width (with and without the routed experts' largest
+    clamp) and MLA's sigmoid head gate on the absorbed form's head-major output, at decode,
+    verify and prefill sizes: within one output ulp of their references (``elem``: the
+    kernel's sigmoid and torch's round their last fp32 bit apart)."""
+    from sgl_kernel.gated_act import (sigmoid_head_gate, sigmoid_head_gate_reference,
+                                      silu_and_mul, silu_and_mul_reference)
+
+    d, gen = target.dims, target.gen(12)
+    for t in (*target.decode_rows, target.prefill_rows):
+        x = target.randn(t, 2 * d.dense_inter, gen=gen, scale=3.0)
+        for limit in (0.0, d.expert_limit):
+            got = silu_and_mul(x, limit)
+            assert got.dtype == target.dtype
+            torch.testing.assert_close(got, silu_and_mul_reference(x, limit), **target.elem)
+        o = target.randn(d.heads, t, d.v_head_dim, gen=gen).transpose(0, 1)
+        g = target.randn(t, d.heads, gen=gen, scale=4.0)
+        got = sigmoid_head_gate(o, g)
+        assert got.dtype == target.dtype and got.is_contiguous()
+        torch.testing.assert_close(got, sigmoid_head_gate_reference(o, g), **target.elem)

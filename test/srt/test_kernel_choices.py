@@ -33,6 +33,7 @@ def test_defaults_on_cuda(quantized, backend):
     # w8a8: the MoE's grouped GEMMs on fp8 models (timed faster), not the dense GEMMs (untimed)
     assert kc.moe_fp8_activations == quantized and not kc.dense_fp8_activations
     assert not kc.dense_scaled_mm  # the library's block-scaled GEMM: untimed
+    assert not kc.gated_act  # the one-launch SwiGLU and MLA head gate: untimed
 
 
 @pytest.mark.parametrize("quantized", [False, True])
@@ -45,7 +46,8 @@ def test_defaults_off_cuda_are_the_torch_paths(quantized):
                                    mla_absorb_gemv=False, kda_norm_in_o_proj=False,
                                    moe_grouped_mm=False, pdl_weight_prefetch=True,
                                    moe_align_kernel=False, moe_fp8_activations=False,
-                                   dense_fp8_activations=False, dense_scaled_mm=False)
+                                   dense_fp8_activations=False, dense_scaled_mm=False,
+                                   gated_act=False)
 
 
 def test_triton_moe_backend_brings_router_and_combine_anywhere():
@@ -130,6 +132,7 @@ def _runner(path: str, **kw):
 
 
 def _layer_state(runner):
+    from sglang.srt.layers.activation import SigmoidHeadGate, SiluAndMul
     from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
     from sglang.srt.layers.moe.moe_layer import FusedMoE
     from sglang.srt.layers.moe.topk import MoEGate
@@ -152,6 +155,7 @@ def _layer_state(runner):
         small_m_gemm=one(m.small_m_gemm for m in mods if hasattr(m, "small_m_gemm")),
         kda_norm_in_o_proj=one(m.norm_in_o_proj for m in mods if isinstance(m, BailingKDA)),
         mla_absorb_gemv=one(m.absorb_gemv for m in mods if isinstance(m, BailingMLA)),
+        gated_act=one(m.use_triton for m in mods if isinstance(m, (SiluAndMul, SigmoidHeadGate))),
     )
 
 
@@ -167,13 +171,14 @@ def test_runner_on_cpu_takes_the_torch_paths_by_default(tiny_path):
                     reason="forcing Triton kernels on CPU needs the interpreter (test/conftest.py)")
 def test_runner_applies_forced_choices_to_every_layer(tiny_path):
     forced = KernelChoices(rmsnorm=True, mla_rope=True, router=True, small_m_gemm=True,
-                           kda_norm_in_o_proj=True, moe_grouped_mm=True, mla_absorb_gemv=True)
+                           kda_norm_in_o_proj=True, moe_grouped_mm=True, mla_absorb_gemv=True,
+                           gated_act=True)
     runner = _runner(tiny_path, kernel_choices=forced)
     assert runner.requested_kernel_choices is forced
     state = _layer_state(runner)
     assert state == dict(rmsnorm=True, mla_rope=True, router=True, moe_combine=False,
                          moe_grouped_mm=True, small_m_gemm=True, kda_norm_in_o_proj=True,
-                         mla_absorb_gemv=True)
+                         mla_absorb_gemv=True, gated_act=True)
     # the one-kernel combine only exists on the Triton MoE runner
     triton = _runner(tiny_path, moe_runner_backend="triton",
                      kernel_choices=KernelChoices(router=False))

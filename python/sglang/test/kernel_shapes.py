@@ -40,6 +40,8 @@ class KernelDims:
     rope_interleave: bool
     context: int  # positions and request->token map width
     verify_chain: int  # tokens of a NEXTN verify (the engine's default chain)
+    dense_inter: int  # the dense MLP's intermediate width (the first layers)
+    v_head_dim: int  # MLA's value head
 
 
 @functools.lru_cache(maxsize=None)
@@ -62,7 +64,8 @@ def flash_kernel_dims() -> KernelDims:
         rope_interleave=c["rope_interleave"],
         # 8 K: a long decode's positions and request->token map width, inside
         # max_position_embeddings (the RoPE table and the map cost memory, not coverage).
-        context=min(8192, c["max_position_embeddings"]), verify_chain=NEXTN_DEFAULT_SPEC[2])
+        context=min(8192, c["max_position_embeddings"]), verify_chain=NEXTN_DEFAULT_SPEC[2],
+        dense_inter=c["intermediate_size"], v_head_dim=c["v_head_dim"])
 
 
 # hidden 192 spans two 128-column fp8 scale blocks, the second ragged, and is no power of two
@@ -71,4 +74,4 @@ TINY_KERNEL_DIMS = KernelDims(
     hidden=192, heads=2, head_dim=16, conv_kernel=4, qk_nope=16, qk_rope=8, kv_lora_rank=24,
     experts=16, topk=4, moe_inter=32, groups=4, topk_group=2, routed_scale=2.5, expert_limit=4.0,
     shared_limit=7.0, eps=1e-6, vocab=100, lower_bound=-5.0, rope_theta=6e6,
-    rope_interleave=True, context=64, verify_chain=3)
+    rope_interleave=True, context=64, verify_chain=3, dense_inter=40, v_head_dim=12)

@@ -43,6 +43,9 @@ knows (:func:`default_kernel_choices`):
   block-scaled ``_scaled_mm``, cuBLASLt's fp8 GEMM with 1 x 128 / 128 x 128 scales:
   ``sgl_kernel.fp8_scaled_mm``; each weight shape checked once against the dequantised product):
   off until timed on the GPU.
+* ``gated_act`` (the dense MLP's SwiGLU and MLA's sigmoid head gate each as one launch:
+  ``sgl_kernel.gated_act``, where the torch forms take five to seven element-wise launches and
+  fp32 intermediates): off until timed on the GPU.
 * ``kda_norm_in_o_proj`` (KDA's output norm inside o_proj's loads; measured slower than its own
   launch) and ``moe_grouped_mm`` (the torch-native MoE's large batches through
   ``torch._grouped_mm``; never measured): off. ``pdl_weight_prefetch`` (the small-M GEMM's
@@ -93,6 +96,7 @@ class KernelChoices:
     moe_fp8_activations: Optional[bool] = None
     dense_fp8_activations: Optional[bool] = None
     dense_scaled_mm: Optional[bool] = None
+    gated_act: Optional[bool] = None
 
     def __post_init__(self) -> None:
         for name, value in self.items().items():
@@ -173,6 +177,7 @@ def default_kernel_choices(device_type: str, *, quantized: bool, moe_runner_back
         moe_fp8_activations=cuda and quantized,
         dense_fp8_activations=False,
         dense_scaled_mm=False,
+        gated_act=False,
     )
 
 

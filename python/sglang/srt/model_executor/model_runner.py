@@ -42,6 +42,7 @@ from sglang.srt.configs.engine_defaults import (
 from sglang.srt.configs.model_config import ModelConfig
 from sglang.srt.distributed import parallel_state as ps
 from sglang.srt.environ import envs, set_env_values
+from sglang.srt.layers.activation import set_gated_act_backend
 from sglang.srt.layers.attention.attention_registry import create_attn_backend
 from sglang.srt.layers.kernel_choices import KernelChoices
 from sglang.srt.layers.layernorm import set_norm_backend
@@ -525,6 +526,7 @@ class ModelRunner:
             align_kernel=kc.moe_align_kernel)
         self.triton_norms = set_norm_backend(self.model, kc.rmsnorm, self.device)
         self.triton_rope = set_rope_backend(self.model, kc.mla_rope, self.device)
+        set_gated_act_backend(self.model, kc.gated_act, self.device)
         self.small_m_gemm = set_linear_backend(self.model, kc.small_m_gemm, self.device)
         set_kda_norm_in_o_proj(self.model, kc.kda_norm_in_o_proj)
         set_mla_absorb_gemv(self.model, kc.mla_absorb_gemv)

@@ -23,6 +23,7 @@ from sglang.srt.distributed import (
     get_tensor_model_parallel_rank,
     get_tensor_model_parallel_world_size,
 )
+from sglang.srt.layers.activation import SigmoidHeadGate
 from sglang.srt.layers.attention.kda_ops import KDAGate
 from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
 from sglang.srt.layers.linear import (
@@ -254,6 +255,7 @@ class BailingMLA(nn.Module):
         self.w_kc.weight_loader = self._load_kv_b
         self.w_vc.dummy_init = normal_dummy_init(self.kv_lora_rank)
         self.g_proj = ColumnParallelLinear(hidden, self.total_num_heads, params_dtype=dtype)
+        self.head_gate = SigmoidHeadGate()
         self.dense = RowParallelLinear(self.total_num_heads * self.v_head_dim, hidden,
                                        params_dtype=dtype)
         self.rotary_emb = rope
@@ -316,8 +318,7 @@ class BailingMLA(nn.Module):
             o = self._attend_normal(positions, q_nope, q_rope, latent, k_rope, forward_batch)
         else:
             o = self._attend_absorbed(positions, q_nope, q_rope, latent, k_rope, forward_batch)
-        gate = torch.sigmoid(self.g_proj(x).float()).unsqueeze(-1)  # one scalar per head
-        o = (o.float() * gate).to(x.dtype)
+        o = self.head_gate(o, self.g_proj(x))  # one sigmoid scalar per head
         return self.dense(o.reshape(t, h * self.v_head_dim))
 
     def _attend_absorbed(self, positions: torch.Tensor, q_nope: torch.Tensor,
