@@ -147,11 +147,20 @@ def test_tp_rank_reads_only_its_slice(ckpt, monkeypatch):
     total = sum(w.nbytes for w in seen.values())
     assert read == sum(w.bytes_read for w in seen.values())
     assert read < 0.75 * total, (read, total)
-    # A column-parallel projection (MLA q_proj of layer 2): exactly its second half was read.
-    name = "model.layers.2.attention.q_proj.weight"
-    assert seen[name].bytes_read == seen[name].nbytes // 2
-    full = load_file(os.path.join(ckpt, "model.safetensors"))[name]
-    assert torch.equal(dict(model.named_parameters())[name], full[full.shape[0] // 2:])
+    # MLA's input projections of layer 2 share one local weight [q | kv_a | g]: of the
+    # column-parallel q_proj and g_proj exactly the second half was read, of the replicated
+    # kv_a_proj_with_mqa all of it.
+    files = load_file(os.path.join(ckpt, "model.safetensors"))
+    local = dict(model.named_parameters())["model.layers.2.attention.fused_qkv_a_g_proj.weight"]
+    row = 0
+    for piece, split in (("q_proj", True), ("kv_a_proj_with_mqa", False), ("g_proj", True)):
+        name = f"model.layers.2.attention.{piece}.weight"
+        full = files[name]
+        rows = full[full.shape[0] // 2:] if split else full
+        assert seen[name].bytes_read == rows.nbytes, piece
+        assert torch.equal(local[row:row + rows.shape[0]], rows), piece
+        row += rows.shape[0]
+    assert row == local.shape[0]
 
 
 def test_missing_tensor_is_named(ckpt, tmp_path):
@@ -245,7 +254,7 @@ def test_e_score_correction_bias_alias(ckpt, tmp_path):
 def test_bf16_checkpoint_loads_into_fp32(tmp_path):
     path = write_random_checkpoint(str(tmp_path / "bf16"), dtype=torch.bfloat16)
     stored = load_file(os.path.join(path, "model.safetensors"))
-    name = "model.layers.2.attention.q_proj.weight"
+    name = "model.layers.2.attention.dense.weight"
     assert stored[name].dtype == torch.bfloat16
     runner = make_runner(path)
     params = dict(runner.model.named_parameters())

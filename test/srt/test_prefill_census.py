@@ -87,14 +87,10 @@ def test_category_table_maps_the_bundled_model_modules():
                          a + "o_proj": "dense projections", a + "o_norm": "norms"})
         else:
             want[p + "attention"] = "MLA attention"
-            want.update({a + "kv_a_proj_with_mqa": "dense projections",
-                         a + "kv_a_layernorm": "norms", a + "g_proj": "dense projections",
-                         a + "dense": "dense projections"})
+            want.update({a + "fused_qkv_a_g_proj": "dense projections",
+                         a + "kv_a_layernorm": "norms", a + "dense": "dense projections"})
             if cfg.q_lora_rank:
-                want.update({a + "q_a_proj": "dense projections", a + "q_a_layernorm": "norms",
-                             a + "q_b_proj": "dense projections"})
-            else:
-                want[a + "q_proj"] = "dense projections"
+                want.update({a + "q_a_layernorm": "norms", a + "q_b_proj": "dense projections"})
         want[p + "mlp"] = "MoE" if cfg.is_moe_layer(i) else "dense projections"
     assert got == want
     assert set(want.values()) == set(pc.CATEGORIES) - {"other"}  # the tiny model has them all

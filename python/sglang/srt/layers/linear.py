@@ -235,16 +235,30 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     ``weight_loader(param, loaded, shard_id=i)`` fills logical output ``i`` from its own
     checkpoint tensor; ``shard_id=None`` loads an already-fused checkpoint tensor. Each logical
     output is one piece for the quant method (its own scale grid in block fp8).
+
+    ``replicated[i]`` keeps logical output ``i`` whole on every rank (a projection whose output
+    every rank needs, as a :class:`ReplicatedLinear` would), so that it can share the matmul
+    of projections of the same input that are split per head.
     """
 
     def __init__(self, input_size: int, output_sizes: List[int], bias: bool = False,
-                 gather_output: bool = False, params_dtype: Optional[torch.dtype] = None):
+                 gather_output: bool = False, params_dtype: Optional[torch.dtype] = None,
+                 replicated: Optional[List[bool]] = None):
         self.output_sizes = list(output_sizes)
+        self.replicated = list(replicated) if replicated else [False] * len(self.output_sizes)
+        if len(self.replicated) != len(self.output_sizes):
+            raise ValueError(f"MergedColumnParallelLinear: {len(self.replicated)} replicated "
+                             f"flags for {len(self.output_sizes)} outputs")
         tp = get_tensor_model_parallel_world_size()
         self.output_sizes_per_partition = [
-            divide(s, tp, f"merged output {i} size") for i, s in enumerate(self.output_sizes)
+            s if rep else divide(s, tp, f"merged output {i} size")
+            for i, (s, rep) in enumerate(zip(self.output_sizes, self.replicated))
         ]
-        super().__init__(input_size, sum(self.output_sizes), bias, gather_output, params_dtype)
+        # The column-parallel base sizes this rank's block as sum(outputs) / tp; with
+        # replicated outputs the local width is their full size plus the others' slices.
+        super().__init__(input_size, tp * sum(self.output_sizes_per_partition), bias,
+                         gather_output, params_dtype)
+        self.output_size = sum(self.output_sizes)
         if gather_output:
             # A gathered fused output would interleave the ranks' pieces of each logical output.
             raise ValueError("MergedColumnParallelLinear does not support gather_output")
@@ -273,12 +287,12 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
                 raise ValueError(f"{loaded.name}: shard_id {i} out of range for "
                                  f"{len(self.output_sizes)} merged outputs")
             n = self.output_sizes_per_partition[i]
+            start = 0 if self.replicated[i] else self.tp_rank * n  # this rank's first row
             if shard_id is None:  # rows of output i inside the fused tensor
-                shards.append(WeightShard(i, offs[i], n, full_offs[i] + self.tp_rank * n,
+                shards.append(WeightShard(i, offs[i], n, full_offs[i] + start,
                                           self.output_size, 0, k, k))
             else:
-                shards.append(WeightShard(i, offs[i], n, self.tp_rank * n,
-                                          self.output_sizes[i], 0, k, k))
+                shards.append(WeightShard(i, offs[i], n, start, self.output_sizes[i], 0, k, k))
         if shard_id is None and self.quant_method.loads_scales and param is not self.bias:
             # A fused scale tensor would put pieces on one grid; checkpoints store them apart.
             raise ValueError(f"{loaded.name}: a fused tensor cannot load a block-fp8 layer; "

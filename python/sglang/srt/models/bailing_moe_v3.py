@@ -238,14 +238,16 @@ class BailingMLA(nn.Module):
         self.kv_lora_rank = config.kv_lora_rank
         self.q_lora_rank = config.q_lora_rank
         qk_total = self.total_num_heads * config.qk_head_dim
+        # The three projections of the layer's input (the query's, or its low-rank first half;
+        # the latent with the shared rope key; the head gate) as one matmul: q and the gate are
+        # split per head, the latent is needed whole on every rank.
+        q_in = self.q_lora_rank or qk_total
+        self.fused_qkv_a_g_proj = MergedColumnParallelLinear(
+            hidden, [q_in, self.kv_lora_rank + self.qk_rope_head_dim, self.total_num_heads],
+            params_dtype=dtype, replicated=[bool(self.q_lora_rank), True, False])
         if self.q_lora_rank:
-            self.q_a_proj = ReplicatedLinear(hidden, self.q_lora_rank, params_dtype=dtype)
             self.q_a_layernorm = RMSNorm(self.q_lora_rank, config.rms_norm_eps, dtype)
             self.q_b_proj = ColumnParallelLinear(self.q_lora_rank, qk_total, params_dtype=dtype)
-        else:
-            self.q_proj = ColumnParallelLinear(hidden, qk_total, params_dtype=dtype)
-        self.kv_a_proj_with_mqa = ReplicatedLinear(
-            hidden, self.kv_lora_rank + self.qk_rope_head_dim, params_dtype=dtype)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, config.rms_norm_eps, dtype)
         h = self.num_heads
         self.w_kc = nn.Parameter(torch.empty(h, self.qk_nope_head_dim, self.kv_lora_rank,
@@ -254,7 +256,6 @@ class BailingMLA(nn.Module):
                                  requires_grad=False)
         self.w_kc.weight_loader = self._load_kv_b
         self.w_vc.dummy_init = normal_dummy_init(self.kv_lora_rank)
-        self.g_proj = ColumnParallelLinear(hidden, self.total_num_heads, params_dtype=dtype)
         self.head_gate = SigmoidHeadGate()
         self.dense = RowParallelLinear(self.total_num_heads * self.v_head_dim, hidden,
                                        params_dtype=dtype)
@@ -281,19 +282,16 @@ class BailingMLA(nn.Module):
 
     def weight_slots(self, prefix: str) -> Slots:
         """Checkpoint names under ``prefix`` (``...attention.``)."""
-        slots: Slots = {}
+        q_name = "q_a_proj" if self.q_lora_rank else "q_proj"
+        slots = merged_slots(prefix, (q_name, "kv_a_proj_with_mqa", "g_proj"),
+                             self.fused_qkv_a_g_proj)
         if self.q_lora_rank:
-            slots.update(linear_slot(f"{prefix}q_a_proj.weight", self.q_a_proj))
             slots.update(norm_slot(f"{prefix}q_a_layernorm.weight", self.q_a_layernorm))
             slots.update(linear_slot(f"{prefix}q_b_proj.weight", self.q_b_proj))
-        else:
-            slots.update(linear_slot(f"{prefix}q_proj.weight", self.q_proj))
-        slots.update(linear_slot(f"{prefix}kv_a_proj_with_mqa.weight", self.kv_a_proj_with_mqa))
         slots.update(norm_slot(f"{prefix}kv_a_layernorm.weight", self.kv_a_layernorm))
         per_head = self.qk_nope_head_dim + self.v_head_dim
         slots[f"{prefix}kv_b_proj.weight"] = WeightSlot(
             (self.total_num_heads * per_head, self.kv_lora_rank), self.w_kc)
-        slots.update(linear_slot(f"{prefix}g_proj.weight", self.g_proj))
         slots.update(linear_slot(f"{prefix}dense.weight", self.dense))
         return slots
 
@@ -306,19 +304,19 @@ class BailingMLA(nn.Module):
         Both write the same cache rows, so the decode that follows does not depend on the form.
         """
         t, h = x.shape[0], self.num_heads
+        fused = self.fused_qkv_a_g_proj
+        q, kv_a, g = fused.split_output(fused(x))
         if self.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
-        else:
-            q = self.q_proj(x)
-        q_nope, q_rope = q.view(t, h, -1).split([self.qk_nope_head_dim, self.qk_rope_head_dim], -1)
-        latent, k_rope = self.kv_a_proj_with_mqa(x).split(
-            [self.kv_lora_rank, self.qk_rope_head_dim], -1)
+            q = self.q_b_proj(self.q_a_layernorm(q))
+        q_nope, q_rope = q.reshape(t, h, -1).split([self.qk_nope_head_dim,
+                                                    self.qk_rope_head_dim], -1)
+        latent, k_rope = kv_a.split([self.kv_lora_rank, self.qk_rope_head_dim], -1)
         latent = self.kv_a_layernorm(latent)
         if self.attn.use_normal_form(forward_batch):
             o = self._attend_normal(positions, q_nope, q_rope, latent, k_rope, forward_batch)
         else:
             o = self._attend_absorbed(positions, q_nope, q_rope, latent, k_rope, forward_batch)
-        o = self.head_gate(o, self.g_proj(x))  # one sigmoid scalar per head
+        o = self.head_gate(o, g)  # one sigmoid scalar per head
         return self.dense(o.reshape(t, h * self.v_head_dim))
 
     def _attend_absorbed(self, positions: torch.Tensor, q_nope: torch.Tensor,
