@@ -144,14 +144,17 @@ def test_bad_shapes_raise():
 class Harness:
     """A KDA layer over a real KDAStatePool / ReqToTokenPool, driven through ForwardBatch."""
 
-    def __init__(self, backend=None, size: int = 4, device: str = "cpu"):
+    def __init__(self, backend=None, size: int = 4, device: str = "cpu", head_dim: int = D):
         gen = torch.Generator().manual_seed(0)
         self.device = device
-        self.layer = RadixLinearAttention(layer_id=3, num_heads=H, head_dim=D, conv_kernel=KERNEL)
-        self.layer.conv_weight.data.copy_(torch.randn(3 * C, KERNEL, generator=gen) * 0.5)
+        self.layer = RadixLinearAttention(layer_id=3, num_heads=H, head_dim=head_dim,
+                                          conv_kernel=KERNEL)
+        self.layer.conv_weight.data.copy_(
+            torch.randn(3 * H * head_dim, KERNEL, generator=gen) * 0.5)
         self.layer.to(device)
         self.req_pool = ReqToTokenPool(size, 512, device)
-        self.state_pool = KDAStatePool(size, [1, 3], H, D, D, KERNEL, torch.float32, device)
+        self.state_pool = KDAStatePool(size, [1, 3], H, head_dim, head_dim, KERNEL, torch.float32,
+                                       device)
         self.backend = backend or create_attn_backend("torch_native")
 
     def new_request(self) -> int:
@@ -410,20 +413,22 @@ def test_fla_prefill_second_layer_does_not_sync_on_cuda():
 def test_backend_fla_prefill_forms_the_raw_gate_in_kernel_on_cuda():
     """The model's call on the fla path: raw gate inputs (KDAGate) and unnormalised q / k go to
     fla, which forms the decay, beta and the L2 norm inside its kernels; two requests of one
-    batch (one behind a prefix) against the torch path."""
+    batch (one behind a prefix) against the torch path. Heads of 32 channels: fla's kernel
+    for the in-kernel gate takes no head narrower than 16 (a tensor-core product's K)."""
     if not fla_kda.is_available():
         pytest.skip("fla-core not installed")
     from sglang.srt.layers.attention.kda_ops import KDAGate
 
     gen = torch.Generator().manual_seed(11)
     lens = [70, 33]
-    t = sum(lens) + 20
-    q, k, v, f = (torch.randn(t, C, generator=gen) for _ in range(4))
+    t, d = sum(lens) + 20, 32
+    c = H * d
+    q, k, v, f = (torch.randn(t, c, generator=gen) for _ in range(4))
     b = torch.randn(t, H, generator=gen)
-    a_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(C, generator=gen)
+    a_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(c, generator=gen)
     results = []
     for impl in ("torch", "fla"):
-        h = Harness(backend=TorchNativeKDABackend(impl), device="cuda")
+        h = Harness(backend=TorchNativeKDABackend(impl), device="cuda", head_dim=d)
         slots = [h.new_request(), h.new_request()]
         outs = []
         # The second request first extends 20 tokens alone, then 33 more beside the first's 70.

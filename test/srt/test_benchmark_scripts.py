@@ -258,3 +258,26 @@ def test_graph_ab_times_a_dspark_round(tmp_path):
     assert [(r["mode"], r["overlap"]) for r in rows] == [("eager", True), ("eager", False)]
     assert all(r["label"] == "dspark3" and r["round_tokens"] == 4 and r["tokens"] >= 4
                for r in rows), stdout
+
+
+def test_ablation_summary_groups_seeds_by_loss(tmp_path):
+    """summarize_ablation.py --by-loss: runs that differ only in their seed form one row with
+    the mean, sample standard deviation and range of their accept lengths."""
+    runs = {"default-s0": (0.1, 0.9, 0.5, 1.70, [0.5, 0.2]),
+            "default-s1": (0.1, 0.9, 0.5, 1.80, [0.7, 0.2]),
+            "plain-ce-s0": (1.0, 0.0, 0.0, 1.75, [0.6, 0.3])}
+    for name, (ce, tv, acc, length, slots) in runs.items():
+        d = tmp_path / name
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"block_size": 7}))
+        (d / "train_log.json").write_text(json.dumps({
+            "args": {"alpha_ce": ce, "alpha_tv": tv, "alpha_accept": acc},
+            "train": {"num_steps": 800, "seconds": 1.0},
+            "eval": {"accept_length": length, "slot_accept": slots, "mean_ece": 0.01}}))
+    out = _run("dspark/summarize_ablation.py", "--by-loss",
+               *(str(tmp_path / n) for n in runs), "--json", str(tmp_path / "rows.jsonl"))
+    rows = {line.split()[0]: line.split() for line in out.splitlines()[-2:]}
+    # 0.1/0.9/0.5, block 7, 2 runs: mean 1.75, stdev 0.0707, range 1.70..1.80, slot means
+    assert rows["0.1/0.9/0.5"][1:7] == ["7", "2", "1.750", "0.071", "1.700", "1.800"]
+    assert rows["0.1/0.9/0.5"][7:] == ["0.600,", "0.200"]
+    assert rows["1.0/0.0/0.0"][2:5] == ["1", "1.750", "0.000"]

@@ -15,7 +15,7 @@ from sglang.srt.layers.kernel_choices import (
     kernel_choices_from_args,
 )
 
-FAST_ON_CUDA = ("rmsnorm", "mla_rope")  # measured faster, gated: on for CUDA whatever else
+FAST_ON_CUDA = ("rmsnorm", "mla_rope", "gated_act")  # measured faster, gated: on for CUDA
 MOE_FOLLOWERS = ("router", "moe_combine")  # follow --moe-runner-backend
 
 
@@ -33,7 +33,6 @@ def test_defaults_on_cuda(quantized, backend):
     # w8a8: the MoE's grouped GEMMs on fp8 models (timed faster), not the dense GEMMs (untimed)
     assert kc.moe_fp8_activations == quantized and not kc.dense_fp8_activations
     assert not kc.dense_scaled_mm  # the library's block-scaled GEMM: untimed
-    assert not kc.gated_act  # the one-launch SwiGLU and MLA head gate: untimed
 
 
 @pytest.mark.parametrize("quantized", [False, True])

@@ -408,7 +408,11 @@ def test_greedy_outputs_through_the_scheduler_are_unchanged(spec):
 def test_real_prefill_graphs_equal_eager_on_cuda(kernels):
     """The gate on the GPU, bf16, the bundled model: every bucket captures (no host sync, no
     host copy inside the forward: fla's chunk index built on the device), and a padded replay's
-    last-row logits, KDA state and the greedy decode after it match the eager prefill's."""
+    last-row logits, KDA state and the greedy decode after it match the eager prefill's.
+
+    The torch MoE reads expert counts on the host above a few tokens, so its model can only be
+    captured up to ``max_cuda_graph_tokens()`` (16 tokens on the bundled model): its buckets stop
+    there, the larger ones are dropped rather than failed."""
     if not torch.cuda.is_available():
         pytest.skip("needs CUDA")
     kw = dict(device="cuda", dtype="bfloat16", max_running_requests=4, max_total_tokens=8192,
@@ -416,9 +420,14 @@ def test_real_prefill_graphs_equal_eager_on_cuda(kernels):
               attention_backend="triton" if kernels == "triton" else "torch_native")
     mc = ModelConfig.from_path(str(BUNDLED_MODEL_DIR))
     eager, graphed = ModelRunner(mc, **kw), ModelRunner(mc, **kw)
-    pg = graphed.init_prefill_graphs([64, 512, 2048])
-    assert not pg.failed, pg.failed
-    for n in (1, 37, 64, 300, 2048):
+    limit = graphed.max_cuda_graph_tokens()
+    assert (limit is None) == (kernels == "triton")
+    buckets, lengths = [64, 512, 2048], (1, 37, 64, 300, 2048)
+    if limit is not None:
+        buckets, lengths = [limit // 2, limit], (1, limit // 2 + 1, limit)
+    pg = graphed.init_prefill_graphs(buckets + [4096] * (limit is not None))
+    assert pg.buckets == buckets and not pg.failed, (pg.buckets, pg.failed)
+    for n in lengths:
         ids = _ids(n, seed=n).cuda()
         a, ra, la = _prefill(eager, ids)
         b, rb, lb = _prefill(graphed, ids)
@@ -429,4 +438,4 @@ def test_real_prefill_graphs_equal_eager_on_cuda(kernels):
         torch.testing.assert_close(sb, sa, rtol=3e-2, atol=3e-2)
         _free(eager, ra, la)
         _free(graphed, rb, lb)
-    assert pg.num_replays == 5
+    assert pg.num_replays == len(lengths)

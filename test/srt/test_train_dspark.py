@@ -465,6 +465,11 @@ def test_command_rerun_from_cache_and_mismatch(smoke_run):
                   "--data-cache", cache] + TINY_ARGS)
     assert again["data"]["loaded"] is True
     assert again["train"]["loss"] == pytest.approx(log["train"]["loss"], rel=1e-5)
+    # --train-seed reseeds the training alone: the same cache, other losses.
+    other = main(["--target-path", target, "--output-dir", str(root / "other"),
+                  "--data-cache", cache, "--train-seed", "5"] + TINY_ARGS)
+    assert other["data"]["loaded"] is True
+    assert other["train"]["loss"][0] != pytest.approx(log["train"]["loss"][0], rel=1e-5)
     with pytest.raises(ValueError, match="max_new_tokens"):
         main(["--target-path", target, "--output-dir", str(root / "bad"),
               "--data-cache", cache] + TINY_ARGS + ["--max-new-tokens", "11"])

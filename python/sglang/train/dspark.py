@@ -155,7 +155,12 @@ def build_argparser() -> argparse.ArgumentParser:
                         "checkpoint's dtype on CUDA)")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of this process and of the engine's scheduler")
-    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--seed", type=int, default=0,
+                   help="seeds every phase: the data (its cache records it) and the training")
+    g.add_argument("--train-seed", type=int, default=None,
+                   help="seed of the training phase alone (the draft's initialisation and its "
+                        "batches; default --seed), so that runs over one data cache differ "
+                        "only in it")
     return ap
 
 
@@ -299,7 +304,8 @@ def train_draft(args: argparse.Namespace, config: Dict[str, Any],
     usable = [s for s in train if s.num_generated >= 2]
     if not usable:
         raise SystemExit("no training sequence has two generated tokens; raise --max-new-tokens")
-    draft = ReferenceDSparkDraft(config, seed=args.seed).to(device)
+    train_seed = args.seed if args.train_seed is None else args.train_seed
+    draft = ReferenceDSparkDraft(config, seed=train_seed).to(device)
     with torch.no_grad():
         # The Markov head starts neutral (bias 0): the backbone alone gives the first drafts.
         draft.markov_head.markov_w2.weight.zero_()
@@ -312,7 +318,7 @@ def train_draft(args: argparse.Namespace, config: Dict[str, Any],
     opt = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95),
                             weight_decay=args.weight_decay, fused=device.type == "cuda")
     eval_batch = heldout_blocks(held, args.eval_anchors, gamma)
-    gen = torch.Generator().manual_seed(args.seed + 1)
+    gen = torch.Generator().manual_seed(train_seed + 1)
     clock = ProgressClock(args.steps, args.time_budget_s)
     keys = ("loss", "ce", "tv", "conf", "accept", "tau")
     log: Dict[str, Any] = {"steps": [], "lr": [], "eval": [], **{k: [] for k in keys}}

@@ -274,14 +274,17 @@ def target_fingerprint(target_path: str) -> str:
 def save_feature_cache(path: str, meta: Dict[str, Any], train: Sequence[FeatureSequence],
                        held_out: Sequence[FeatureSequence]) -> None:
     """Write the sequences and their features (``torch.save``) with ``meta`` describing how
-    they were made."""
+    they were made. The file appears whole (written beside it, then renamed), so another run
+    waiting for the cache never reads half of it."""
     def pack(seqs: Sequence[FeatureSequence]) -> List[Dict[str, Any]]:
         return [{"tokens": s.tokens, "prompt_len": s.prompt_len, "setting": s.setting,
                  "aux": s.aux, "final": s.final} for s in seqs]
 
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    partial = f"{path}.partial"
     torch.save({"version": CACHE_VERSION, "meta": meta, "train": pack(train),
-                "held_out": pack(held_out)}, path)
+                "held_out": pack(held_out)}, partial)
+    os.replace(partial, path)
 
 
 def load_feature_cache(path: str, expect_meta: Dict[str, Any]
