@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # The acceptance-aware loss against plain CE over several seeds: the bundled draft's
-# architecture and block, trained on the bundled model's data with the default loss (0.1 CE +
-# 0.9 L1 + confidence BCE + 0.5 acceptance-aware) and with plain CE (+ the confidence head's
-# BCE), the same number of optimizer steps, once per training seed (--train-seed). One data
-# cache serves every run, so a seed changes only the initialisation and the batches; runs
-# already done are kept, so a second invocation completes an interrupted set.
+# architecture and block, trained on the bundled model's data with DSpark's loss and the
+# acceptance-aware term (0.1 CE + 0.9 L1 + confidence BCE + 0.5 acceptance-aware; run name
+# "default", the training default when the script was written) and with plain CE (+ the
+# confidence head's BCE, the default since), the same number of optimizer steps, once per
+# training seed (--train-seed). One data cache serves every run, so a seed changes only the
+# initialisation and the batches; runs already done are kept, so a second invocation
+# completes an interrupted set.
 #   bash benchmark/dspark/loss_seeds.sh OUT_DIR [STEPS] [SEEDS] [JOBS]
 # STEPS default 800 (the bundled draft's budget), SEEDS default "0 1 2", JOBS runs at a time
 # (default 2, one thread each, after one short run that builds the shared data cache). The
@@ -34,7 +36,8 @@ read -ra seeds <<< "$SEEDS"
   --output-dir "$OUT/cache-build" --target-layer-ids 1 3 4 --num-threads "$JOBS" --steps 1 \
   --data-cache "$OUT/data_cache.pt" > "$OUT/cache-build.log" 2>&1
 {
-  for s in "${seeds[@]}"; do echo "default $s"; done
+  recipe="--alpha-ce 0.1 --alpha-tv 0.9 --alpha-accept 0.5"
+  for s in "${seeds[@]}"; do echo "default $s $recipe"; done
   for s in "${seeds[@]}"; do echo "plain-ce $s --alpha-ce 1 --alpha-tv 0 --alpha-accept 0"; done
 } | xargs -P "$JOBS" -L 1 bash -c 'run "$@"' _
-python3 benchmark/dspark/summarize_ablation.py --by-loss "$OUT"/default-s* "$OUT"/plain-ce-s*
+python3 benchmark/dspark/summarize_ablation.py --by-loss "$OUT"/default-s*/ "$OUT"/plain-ce-s*/

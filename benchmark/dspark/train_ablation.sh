@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # DSpark training ablation on the bundled model (held-out Python prompts, offline greedy accept
-# length of each saved draft): block 8 with the default loss (CE + L1 + confidence BCE +
-# acceptance-aware), without the acceptance-aware term, and with plain CE (+ the confidence
-# head's BCE, which trains that head only through the shared backbone); block 16 with the
-# default loss. One data cache serves every run, so the runs differ only in the loss and the block.
+# length of each saved draft): block 8 with DSpark's loss (0.1 CE + 0.9 L1 + confidence BCE +
+# 0.5 acceptance-aware, the training default until benchmark/dspark/loss_seeds.sh decided for
+# plain CE), the same without the acceptance-aware term, and plain CE (+ the confidence head's
+# BCE, which trains that head only through the shared backbone); block 16 with DSpark's loss.
+# One data cache serves every run, so the runs differ only in the loss and the block.
 #   bash benchmark/dspark/train_ablation.sh OUT_DIR [STEPS] [THREADS]
 # Every run trains the same number of optimizer steps (not the same time: a shared machine
 # would give the runs different step counts); OUT_DIR/<variant>/ holds the draft folders, and
@@ -22,9 +23,10 @@ run() {  # name, extra flags
     --data-cache "$OUT/data_cache.pt" "$@" > "$OUT/$name.log" 2>&1
   tail -1 "$OUT/$name.log"
 }
-run block8-accept --block-size 8
-run block8-l1 --block-size 8 --alpha-accept 0
+RECIPE="--alpha-ce 0.1 --alpha-tv 0.9"  # DSpark's CE / L1 mix (the default is plain CE)
+run block8-accept --block-size 8 $RECIPE --alpha-accept 0.5
+run block8-l1 --block-size 8 $RECIPE --alpha-accept 0
 run block8-plain-ce --block-size 8 --alpha-ce 1 --alpha-tv 0 --alpha-accept 0
-run block16-accept --block-size 16
+run block16-accept --block-size 16 $RECIPE --alpha-accept 0.5
 python3 benchmark/dspark/summarize_ablation.py "$OUT"/block8-accept "$OUT"/block8-l1 \
   "$OUT"/block8-plain-ce "$OUT"/block16-accept

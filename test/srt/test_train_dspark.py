@@ -406,7 +406,7 @@ def test_bundled_draft_loads_small_and_trained():
     model.set_embed_and_head(embed, head)
     ev = evaluate_draft(model, [FeatureSequence(torch.tensor(seq), len(prompt), "greedy", aux,
                                                 final)], head)
-    assert ev["accept_length"] > 1.3, ev  # 1.52 when the draft was bundled
+    assert ev["accept_length"] > 1.3, ev  # 1.68 for the bundled draft (plain CE, 2026-12-05)
     assert ev["slot_accept"][0] > 0.2
 
 

@@ -130,11 +130,17 @@ def build_argparser() -> argparse.ArgumentParser:
     g.add_argument("--min-lr-ratio", type=float, default=0.05)
     g.add_argument("--weight-decay", type=float, default=0.0)
     g.add_argument("--grad-clip", type=float, default=1.0)
-    g.add_argument("--alpha-ce", type=float, default=0.1)
-    g.add_argument("--alpha-tv", type=float, default=0.9)
-    g.add_argument("--alpha-conf", type=float, default=1.0)
-    g.add_argument("--alpha-accept", type=float, default=0.5,
-                   help="weight of the acceptance-aware loss -E[accepted prefix] / gamma")
+    # Defaults: LossWeights' (plain CE + the confidence BCE, the ablation's winner).
+    g.add_argument("--alpha-ce", type=float, default=LossWeights.alpha_ce,
+                   help="weight of the position-decayed cross-entropy")
+    g.add_argument("--alpha-tv", type=float, default=LossWeights.alpha_tv,
+                   help="weight of the L1 (total variation) term (DSpark's recipe: 0.9, with "
+                        "--alpha-ce 0.1)")
+    g.add_argument("--alpha-conf", type=float, default=LossWeights.alpha_conf,
+                   help="weight of the confidence head's BCE")
+    g.add_argument("--alpha-accept", type=float, default=LossWeights.alpha_accept,
+                   help="weight of the acceptance-aware loss -E[accepted prefix] / gamma "
+                        "(off by default: it lost to plain CE, docs/speculative_decoding.md)")
     g.add_argument("--loss-decay-gamma", type=float, default=4.0,
                    help="position weights exp(-k / this), 0-based slot k")
     g.add_argument("--eval-interval", type=int, default=25)
