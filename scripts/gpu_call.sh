@@ -7,7 +7,9 @@
 #
 # Each argument is one stage: its time limit in seconds, the stage script under scripts/
 # (gpu_prefill.sh or gpu_graphs.sh) and the environment it takes (STAGE=... and the stage's own
-# variables). Stages run in order; one that exceeds its limit is stopped with what it
+# variables). A value with spaces cannot go there (the words are split): export it before the
+# call instead, e.g. SERVED_ARGS="--prefill-cuda-graph-tokens 1024 8192" or CONCS="16 64",
+# and every stage sees it. Stages run in order; one that exceeds its limit is stopped with what it
 # started, and the next one runs. Example, the gpu-marked gates, then the
 # deterministic gate's cost:
 #
