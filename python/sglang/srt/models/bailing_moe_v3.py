@@ -29,7 +29,6 @@ from sglang.srt.layers.layernorm import GatedRMSNorm, RMSNorm
 from sglang.srt.layers.linear import (
     ColumnParallelLinear,
     MergedColumnParallelLinear,
-    ReplicatedLinear,
     RowParallelLinear,
     copy_checked,
     normal_dummy_init,
