@@ -617,17 +617,8 @@ def time_prefill_graphs(worker: TpModelWorker, prompt_lens: List[int], seed: int
     "graph_capture_failed", "graph_memory_gib"}}``; the last is the device memory the captures
     took, all lengths together (None off CUDA)."""
     runner = worker.model_runner
-    cuda = runner.device.type == "cuda"
-    if cuda:
-        torch.cuda.synchronize(runner.device)
-        torch.cuda.empty_cache()
-        free_before = torch.cuda.mem_get_info(runner.device)[0]
     graphs = runner.init_prefill_graphs(prompt_lens)
-    memory_gib = None
-    if cuda:
-        torch.cuda.synchronize(runner.device)
-        torch.cuda.empty_cache()
-        memory_gib = (free_before - torch.cuda.mem_get_info(runner.device)[0]) / 2**30
+    memory_gib = None if graphs.memory_bytes is None else graphs.memory_bytes / 2**30
     out = {}
     for n in prompt_lens:
         start = graphs.num_replays

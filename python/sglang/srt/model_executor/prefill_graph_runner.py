@@ -137,6 +137,8 @@ class PrefillGraphRunner:
         self.graphs: Dict[PrefillGraphKey, "_Captured"] = {}
         self.failed: Dict[PrefillGraphKey, str] = {}
         self.num_replays = 0
+        # Device memory the captures made at construction took (None: emulated, or none made).
+        self.memory_bytes: Optional[int] = None
         self._pool = None if self.emulate else torch.cuda.graph_pool_handle()
         if not self.buckets:
             return
@@ -151,13 +153,17 @@ class PrefillGraphRunner:
         self.inputs = {name: torch.zeros(top, *shape, dtype=dtype, device=self.device)
                        for name, (shape, dtype) in self.token_inputs.items()}
         if capture_now:
-            start, free_before = time.perf_counter(), self._free_bytes()
+            # The eager cache is released before measuring (each capture releases it anyway),
+            # so that the difference is what the captures hold, not the cache they freed.
+            start, free_before = time.perf_counter(), self._free_bytes(release_cache=True)
             for mode in capture_modes:
                 for tokens in reversed(self.buckets):  # largest first: the others reuse its pool
                     self._capture(PrefillGraphKey(tokens, mode))
+            if free_before is not None:
+                self.memory_bytes = free_before - self._free_bytes()
             if model_runner.tp_rank == 0:
-                held = "" if free_before is None else \
-                    f", {(free_before - self._free_bytes()) / 2**30:.2f} GiB of device memory"
+                held = "" if self.memory_bytes is None else \
+                    f", {self.memory_bytes / 2**30:.2f} GiB of device memory"
                 logger.info("Prefill CUDA graphs: %d of %d captured (token counts %s) in %.1f s%s",
                             len(self.graphs), len(self.buckets) * len(capture_modes),
                             self.buckets, time.perf_counter() - start, held)
@@ -232,11 +238,14 @@ class PrefillGraphRunner:
         self.graphs[key] = captured
         return captured
 
-    def _free_bytes(self) -> Optional[int]:
-        """Free device memory after the queue drains (None in emulation)."""
+    def _free_bytes(self, release_cache: bool = False) -> Optional[int]:
+        """Free device memory after the queue drains (None in emulation), after releasing the
+        allocator's cached blocks when ``release_cache``."""
         if self.emulate:
             return None
         torch.cuda.synchronize(self.device)
+        if release_cache:
+            torch.cuda.empty_cache()
         return torch.cuda.mem_get_info(self.device)[0]
 
     def _sync(self) -> None:

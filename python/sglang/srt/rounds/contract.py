@@ -298,5 +298,3 @@ class BaseSpecWorker(RoundWorker):
     def __init__(self, server_args: Any, target_worker: "TpModelWorker",
                  requirements: SpecRequirements):
         """Build the draft over the target's pools."""
-
-

@@ -8,7 +8,7 @@ alone (stage, then commit).
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
 
@@ -95,7 +95,7 @@ class TorchNativeKDABackend(AttentionBackend):
             raise ValueError("kda_prefill_impl='fla' needs CUDA and fla-core (pip install fla-core)")
         self.kda_prefill_impl = kda_prefill_impl
         self._cache = MetadataCache()
-        self._varlen: Optional[tuple] = None  # (layout, FlaVarlen) of the last fla extend
+        self._varlen: Optional[tuple] = None  # (key, FlaVarlen) of the last fla extend
 
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         """Extend-like batches: the host-side per-request layout; decode needs none."""
@@ -269,8 +269,8 @@ class TorchNativeKDABackend(AttentionBackend):
             else:
                 g = g.masked_fill(pad_rows[:, None, None], 0.0)
                 beta = beta.masked_fill(pad_rows[:, None], 0.0)
-            return self._extend_fla(y, g, beta, gate, layer,
-                                    fla_kda.fla_varlen_captured(t, pad.slot), ssm_pool)
+            varlen = self._forward_varlen(pad, lambda: fla_kda.fla_varlen_captured(t, pad.slot))
+            return self._extend_fla(y, g, beta, gate, layer, varlen, ssm_pool)
         qn, kn, vn = self._split_heads(y, layer)
         gf, bf = self._gate(g, beta, gate, layer)
         gf = gf.masked_fill(pad_rows[:, None, None], 0.0)
@@ -310,12 +310,19 @@ class TorchNativeKDABackend(AttentionBackend):
         return y
 
     def _fla_varlen(self, lay: ExtendLayout, reqs, device: torch.device) -> fla_kda.FlaVarlen:
-        """The forward's :class:`~sglang.srt.layers.attention.fla_kda.FlaVarlen`, built by its
-        first KDA layer and reused by the others (keyed by the layout object, which
-        ``MetadataCache`` builds once per forward)."""
-        if self._varlen is None or self._varlen[0] is not lay:
-            varlen = fla_kda.fla_varlen([n for _, _, n in reqs], [s for s, _, _ in reqs], device)
-            self._varlen = (lay, varlen)
+        """The forward's :class:`~sglang.srt.layers.attention.fla_kda.FlaVarlen` for its
+        requests, keyed by the layout object (which ``MetadataCache`` builds once per forward)."""
+        return self._forward_varlen(lay, lambda: fla_kda.fla_varlen(
+            [n for _, _, n in reqs], [s for s, _, _ in reqs], device))
+
+    def _forward_varlen(self, key: object, build: Callable[[], "fla_kda.FlaVarlen"]
+                        ) -> "fla_kda.FlaVarlen":
+        """``build()``'s FlaVarlen, made by the forward's first KDA layer and reused by the
+        others: ``key`` is an object made once per forward (an :class:`ExtendLayout`, a padded
+        prefill's ``PrefillPadding``). fla keys its chunk-index cache by tensor identity, and
+        in a captured prefill the description's device kernel runs once, not once a layer."""
+        if self._varlen is None or self._varlen[0] is not key:
+            self._varlen = (key, build())
         return self._varlen[1]
 
     @staticmethod
