@@ -40,7 +40,9 @@
 #                 FP8AB_SETTINGS "PDL CHOICES label,..." (PDL: SGLANG_ENABLE_PDL 0/1; CHOICES:
 #                 graph_ab's --kernel-choices, - for none; default: the defaults, PDL on with /
 #                 without the weight prefetch, the torch MLA RoPE, KDA's output norm inside
-#                 o_proj), FP8AB_SPECS (default "0"); lines with the setting's label in
+#                 o_proj), FP8AB_SPECS (default "0"), FP8AB_STEPS (iterations per row, 16),
+#                 FP8AB_ARGS (more graph_ab flags, e.g. "--prefill-graph-ab 1024": decode before
+#                 and after a prefill graph capture); lines with the setting's label in
 #                 $OUT/fp8ab.jsonl (about a minute per process)
 #   STAGE=dspark_flash  DSpark at Flash width: the whole 42-layer Ling-3.0-flash in block fp8 with
 #                 the dummy draft preset ling-3.0-flash-dspark (5 layers of hidden 2560, the
@@ -174,8 +176,8 @@ fp8ab)
       spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
       echo "== fp8ab $label nextn $steps"
       SGLANG_ENABLE_PDL=$pdl timeout ${AB_TIMEOUT:-150} python3 benchmark/batch1/graph_ab.py $FULL $KARGS $ckc $spec \
-        --prompt-len 8192 --steps 16 --replays 30 --label "flash42 fp8 $label nextn$steps" \
-        --result-filename $OUT/fp8ab.jsonl 2>&1 | grep -v Warn | grep -E "graph|replay"
+        --prompt-len 8192 --steps ${FP8AB_STEPS:-16} --replays 30 --label "flash42 fp8 $label nextn$steps" \
+        ${FP8AB_ARGS:-} --result-filename $OUT/fp8ab.jsonl 2>&1 | grep -v Warn | grep -E "graph|replay"
     done
   done
   ;;

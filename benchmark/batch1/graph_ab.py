@@ -24,13 +24,20 @@ work between replays: the floor the served step can approach when the host is hi
 (profiled vs unprofiled iteration time printed beside it). One JSON line per configuration goes
 to ``--result-filename``. The device memory is reported too (weights, KV / state pools, the
 rest of what is allocated: graph pools and activations, free), once after the runs.
+
+``--prefill-graph-ab TOKENS...`` then asks whether capturing one-request prefill graphs
+(``--prefill-cuda-graph-tokens TOKENS``) slows the decode that follows: the graph + overlap
+iteration before the capture, with the graphs held, and after they are released, in this
+process on this request (rows ``prefill_graphs``: ``none`` / ``captured`` / ``released``).
 """
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import sys
 import time
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
 
 import torch
@@ -38,6 +45,7 @@ import torch
 from sglang.srt.layers.kernel_choices import add_kernel_choices_arg, kernel_choices_from_args
 from sglang.srt.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from sglang.srt.managers.scheduler import Scheduler
+from sglang.srt.model_executor.prefill_graph_runner import init_prefill_graphs_from_args
 from sglang.srt.sampling.sampling_params import SamplingParams
 from sglang.srt.server_args import ServerArgs
 
@@ -214,6 +222,35 @@ def _seam_ab(sched: Scheduler, steps: int, repeats: int) -> List[Dict[str, Any]]
              "iter_ms_runs": v, **counts[name]} for name, v in times.items()]
 
 
+def _prefill_graph_ab(sched: Scheduler, tokens: List[int], steps: int) -> List[Dict[str, Any]]:
+    """Graph + overlap iterations before capturing prefill graphs of ``tokens``, with them held,
+    and after releasing them (the allocator's cache emptied): does the capture, not a replay,
+    change the decode's speed?"""
+    rows: List[Dict[str, Any]] = []
+    sched.enable_overlap = True
+
+    def point(name: str, **extra: Any) -> None:
+        res = _time_steps(sched, steps)
+        res.update(mode="graph", overlap=True, prefill_graphs=name, **extra)
+        rows.append(res)
+
+    point("none")
+    t0 = time.perf_counter()
+    captured = init_prefill_graphs_from_args(sched.round_worker, SimpleNamespace(
+        prefill_cuda_graph_tokens=list(tokens), disable_cuda_graph=False))
+    held = sum(r.memory_bytes or 0 for r in captured) / 2**30
+    point("captured", capture_s=time.perf_counter() - t0, prefill_graph_gib=held,
+          buckets=[b for r in captured for b in r.buckets])
+    for runner, _ in sched.round_worker.prefill_graph_plan():
+        runner.prefill_graphs = None
+    del captured
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    point("released")
+    return rows
+
+
 def default_label(algorithm: Optional[str], nextn_steps: Optional[int], proposed: int) -> str:
     """The rows' label without ``--label``: ``plain``, ``nextn<steps>``, ``dspark<drafts per
     round>`` or the algorithm's name in lower case."""
@@ -239,6 +276,9 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
                         help="Also time the seam variants (graph refill full / changed / glue, "
                              "round prep torch / fused, one graph per phase / per round), "
                              "interleaved REPEATS times, with graphs and overlap.")
+    parser.add_argument("--prefill-graph-ab", type=int, nargs="+", default=None, metavar="TOKENS",
+                        help="Also time graph + overlap before capturing prefill graphs of TOKENS, "
+                             "with them held and after releasing them (module docstring).")
     add_kernel_choices_arg(parser)
     args = parser.parse_args(argv)
     server_args = ServerArgs.from_cli_args(args)
@@ -248,7 +288,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     configs = [("graph", True), ("graph", False), ("eager", True), ("eager", False)]
     if runner is None:
         configs = [c for c in configs if c[0] == "eager"]
-    rows = len(configs) + 2 + (args.seam_ab * 8 if runner is not None else 0)
+    rows = len(configs) + 2 + (args.seam_ab * 8 if runner is not None else 0) \
+        + (3 if args.prefill_graph_ab and runner is not None else 0)
     budget = (args.steps + 3) * rows * sched.round_worker.round_tokens + 64
     start_request(sched, args.prompt_len, budget, server_args.random_seed or 0)
     results = []
@@ -262,6 +303,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     sched.enable_overlap = True
     if args.seam_ab and runner is not None:
         results += _seam_ab(sched, args.steps, args.seam_ab)
+    if args.prefill_graph_ab and runner is not None:
+        results += _prefill_graph_ab(sched, args.prefill_graph_ab, args.steps)
     extra: Dict[str, Any] = {"replay_ms": _replay_ms(sched, args.replays),
                              "memory": _memory_report(sched),
                              "kernel_choices": sched.tp_worker.model_runner.kernel_choices
@@ -273,14 +316,15 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
                                         server_args.speculative_num_steps,
                                         sched.round_worker.proposed_per_round)
     extra["round_tokens"] = sched.round_worker.round_tokens  # the verify window (1: plain)
-    print(f"{'config':<18}{'iter ms':>9}{'tok/iter':>10}")
+    print(f"{'config':<28}{'iter ms':>9}{'tok/iter':>10}")
     for r in results:
         r.update(label=label, prompt_len=args.prompt_len, steps=args.steps, **extra)
-        name = r.get("seam") or r["mode"] + (" +overlap" if r["overlap"] else "")
+        name = r.get("seam") or r["mode"] + (" +overlap" if r["overlap"] else "") + (
+            f" pg:{r['prefill_graphs']}" if "prefill_graphs" in r else "")
         if "tokens" in r:
-            print(f"{name:<18}{r['iter_ms']:>9.3f}{r['tokens'] / (args.steps + 3):>10.2f}")
+            print(f"{name:<28}{r['iter_ms']:>9.3f}{r['tokens'] / (args.steps + 3):>10.2f}")
         else:
-            print(f"{name:<18}{r['iter_ms']:>9.3f}  runs {[round(x, 3) for x in r['iter_ms_runs']]}"
+            print(f"{name:<28}{r['iter_ms']:>9.3f}  runs {[round(x, 3) for x in r['iter_ms_runs']]}"
                   f" replays {r['replays']} glue {r['glue_replays']} failed {r['failed']}")
     print("back-to-back replay ms:", extra["replay_ms"])
     mem = extra["memory"]

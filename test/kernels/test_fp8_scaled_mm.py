@@ -187,17 +187,27 @@ def test_fp8_linear_layer_with_dense_scaled_mm(monkeypatch):
 @pytest.mark.gpu
 def test_library_product_on_the_kda_projection_shape_on_cuda():
     """``torch._scaled_mm`` itself on the 42-layer model's fused KDA projection (q | k | v | b |
-    f | g, K = 2560) at 256 rows in bf16: within bf16 rounding of w8a8 on the dequantised weight.
-    Skipped, with the library's reason, where this torch / cuBLAS does not take block scales."""
+    f | g, K = 2560) at 256 rows in bf16: the grid-aligned groups within bf16 rounding of w8a8
+    on the dequantised weight, the 20-row ``b`` piece (off the grid: the weight-only path, on x
+    as it is) within bf16 rounding of the weight-only product; every group that can use the
+    library did (its once-per-shape check passed)."""
     if not ON_CUDA:
         pytest.skip("needs CUDA")
     pieces = [2560, 2560, 2560, 20, 2560, 2560]
     q, s, rows = _fused_weight(pieces, 2560, seed=7)
     x = torch.randn(256, 2560, device="cuda", dtype=torch.bfloat16)
-    y = fsm.blockwise_linear(x, q, s, fsm.row_groups(pieces))
+    groups = fsm.row_groups(pieces)
+    y = fsm.blockwise_linear(x, q, s, groups)
+    w = block_dequantize(q, s, torch.float32, rows=rows)
     xq, xs = per_token_group_quant_fp8(x)
-    ref = group_dequantize(xq, xs) @ block_dequantize(q, s, torch.float32, rows=rows).t()
-    assert _rel(y, ref) < 1e-2
+    w8a8 = group_dequantize(xq, xs) @ w.t()
+    weight_only = x.float() @ w.t()
+    b = slice(7680, 7700)
+    lib = torch.cat([torch.arange(0, 7680), torch.arange(7700, sum(pieces))]).cuda()
+    assert [fsm.library_status(x.device, r1 - r0, 2560, x.dtype) for r0, r1, _ in groups] \
+        == [True, None, True]  # the 20-row group is not eligible, so never checked
+    assert _rel(y[:, lib], w8a8[:, lib]) < 1e-2
+    assert _rel(y[:, b], weight_only[:, b]) < 1e-2
     used = {n: fsm.library_status(x.device, n, 2560, x.dtype) for n in (7680, 20, 5120)}
     if not used[7680]:
         pytest.skip(f"the library did not take the block-scaled product here: {used}")
