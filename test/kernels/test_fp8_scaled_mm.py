@@ -149,12 +149,14 @@ def test_fp8_linear_layer_with_dense_scaled_mm(monkeypatch):
     """A merged block-fp8 layer (pieces 96 | 20 | 128, K = 160, a bias) with ``small_m_gemm``
     and ``dense_scaled_mm`` (what ``KernelChoices.dense_scaled_mm`` sets) above the small-M
     rows: ``blockwise_linear`` on the layer's row groups, the library called for the two
-    grid-aligned groups; within the activations' e4m3 rounding of the weight-only path; a 3-D
-    x keeps its leading dims; the flag off: ``block_fp8_linear`` as before."""
+    grid-aligned groups, the 20-row group on its weight dequantised once by
+    ``set_fp8_activations`` (no dequantisation at the call); within the activations' e4m3
+    rounding of the weight-only path; a 3-D x keeps its leading dims; the flag off:
+    ``block_fp8_linear`` as before."""
     from sgl_kernel.small_m_gemm import SMALL_M_MAX_ROWS
     from sglang.srt.layers.linear import MergedColumnParallelLinear
     from sglang.srt.layers.quantization import quantization_scope
-    from sglang.srt.layers.quantization.fp8 import Fp8Config
+    from sglang.srt.layers.quantization.fp8 import Fp8Config, set_fp8_activations
     from sglang.srt.model_loader.weight_utils import LazyWeight
 
     pieces, k = [96, 20, 128], 160
@@ -177,7 +179,13 @@ def test_fp8_linear_layer_with_dense_scaled_mm(monkeypatch):
     layer.small_m_gemm = True
     plain = layer(x)
     assert not calls and torch.equal(plain, ref)  # flag off: the weight-only path
-    layer.dense_scaled_mm = True
+    set_fp8_activations(layer, moe=False, dense=False, dense_scaled_mm=True)
+    assert layer.dense_scaled_mm and list(layer.scaled_mm_groups[1]) == [1]
+
+    def no_dequantize(*args, **kwargs):
+        raise AssertionError("a weight was dequantised at the call")
+
+    monkeypatch.setattr(fsm, "block_fp8_dequantize", no_dequantize)
     got = layer(x)
     assert calls == [96, 128] and 0 < _rel(got, ref) < 0.1
     assert _rel(got[:, 96:116], ref[:, 96:116]) < 1e-6  # the 20-row piece: weight-only

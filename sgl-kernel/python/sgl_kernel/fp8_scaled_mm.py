@@ -18,7 +18,9 @@ piece its own scale grid (``quantization.fp8_utils.block_index``), so a piece th
 multiple of 128 rows (KDA's ``b``: one row per head) breaks the uniform 128-row grid the
 library assumes. :func:`row_groups` cuts the weight into groups that each have one grid; each
 group is one call, a group the library cannot take (rows not a multiple of 16) runs on its
-dequantised weight, and the outputs are concatenated.
+dequantised weight, and the outputs are concatenated. Such groups are a few rows (KDA's ``b``:
+one per head), so a layer dequantises them once (:func:`off_grid_weights`) rather than at
+every call.
 
 The library is the GPU's: whether a group runs, and whether it computes what the scales mean,
 is checked once per weight shape against the dequantised product (:func:`blockwise_linear`,
@@ -38,7 +40,7 @@ from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize
 from sgl_kernel.fp8_gemm import block_fp8_dequantize
 
 __all__ = ["RowGroup", "row_groups", "scaled_mm_operands", "scaled_mm_reference",
-           "blockwise_linear", "scaled_mm_eligible", "library_status"]
+           "blockwise_linear", "scaled_mm_eligible", "library_status", "off_grid_weights"]
 
 logger = logging.getLogger(__name__)
 
@@ -91,6 +93,17 @@ def library_status(device: torch.device, n: int, k: int, dtype: torch.dtype) -> 
 def scaled_mm_eligible(n: int, k: int) -> bool:
     """Whether ``_scaled_mm`` takes a ``[n, k]`` weight group (its multiple-of-16 checks)."""
     return n > 0 and n % 16 == 0 and k % 16 == 0
+
+
+def off_grid_weights(w: torch.Tensor, w_scale: torch.Tensor, groups: Sequence[RowGroup],
+                     dtype: torch.dtype) -> Dict[int, torch.Tensor]:
+    """``{group index: weight}``: the groups of ``groups`` that the library cannot take
+    (:func:`scaled_mm_eligible` false) dequantised to ``dtype`` once, for
+    :func:`blockwise_linear`'s ``dequantized``."""
+    k = w.shape[1]
+    return {i: block_fp8_dequantize(w[r0:r1], w_scale[s0:s0 + -(-(r1 - r0) // QBLOCK)], None,
+                                    dtype)
+            for i, (r0, r1, s0) in enumerate(groups) if not scaled_mm_eligible(r1 - r0, k)}
 
 
 def scaled_mm_operands(q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor,
@@ -176,15 +189,18 @@ def _group_uses_library(key: Tuple[int, int, int, torch.dtype], q: torch.Tensor,
 
 def blockwise_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      groups: Sequence[RowGroup], bias: Optional[torch.Tensor] = None,
-                     mm: Optional[Callable[..., torch.Tensor]] = None) -> torch.Tensor:
+                     mm: Optional[Callable[..., torch.Tensor]] = None,
+                     dequantized: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
     """``x [M, K] @ dequant(w).T (+ bias)`` in x's dtype with x quantised per row and
     128-column group and each row group of ``w`` (:func:`row_groups`, covering all its rows)
     on ``mm`` (default ``torch._scaled_mm``; tests pass :func:`scaled_mm_reference`).
 
     A group the library does not take (rows not a multiple of 16, a shape whose check failed or
     that it refused, or one not yet checked while a CUDA graph is being captured) runs as the
-    engine's weight-only path does: its weight dequantised to x's dtype
-    (:func:`sgl_kernel.fp8_gemm.block_fp8_dequantize`) and ``F.linear`` on x as it is."""
+    engine's weight-only path does: ``F.linear`` on x as it is with the group's weight in x's
+    dtype, from ``dequantized`` (:func:`off_grid_weights`, by group index) when it holds the
+    group in that dtype, else dequantised now
+    (:func:`sgl_kernel.fp8_gemm.block_fp8_dequantize`)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"blockwise_linear: expected x [M, K], w [N, K]; got "
                          f"{tuple(x.shape)}, {tuple(w.shape)}")
@@ -197,7 +213,7 @@ def blockwise_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     q_scale = _outer_dim_major(q_scale)  # once for every group's call
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     outs = []
-    for r0, r1, s0 in groups:
+    for i, (r0, r1, s0) in enumerate(groups):
         wg, sg = w[r0:r1], w_scale[s0:s0 + -(-(r1 - r0) // QBLOCK)]
         key = _key(x.device, r1 - r0, w.shape[1], x.dtype)
         out = None
@@ -214,7 +230,10 @@ def blockwise_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                 if not _group_uses_library(key, q, q_scale, wg, sg, out):
                     out = None
         if out is None:
-            out = torch.nn.functional.linear(x, block_fp8_dequantize(wg, sg, None, x.dtype))
+            wd = (dequantized or {}).get(i)
+            if wd is None or wd.dtype != x.dtype:
+                wd = block_fp8_dequantize(wg, sg, None, x.dtype)
+            out = torch.nn.functional.linear(x, wd)
         outs.append(out)
     y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
     return y if bias is None else y + bias

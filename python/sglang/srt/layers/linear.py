@@ -133,8 +133,10 @@ class LinearBase(nn.Module):
     # KernelChoices.dense_fp8_activations (quantization.fp8.set_fp8_activations): a block-fp8 layer's
     # products above the small-M range on fp8 activations.
     fp8_activations = False
-    # KernelChoices.dense_scaled_mm: the same on torch's block-scaled _scaled_mm.
+    # KernelChoices.dense_scaled_mm: the same on torch's block-scaled _scaled_mm, with the
+    # layer's row groups and its off-grid groups dequantised once (quantization.fp8).
     dense_scaled_mm = False
+    scaled_mm_groups = None
 
     def __init__(self, input_size: int, output_size: int, bias: bool,
                  params_dtype: Optional[torch.dtype]):

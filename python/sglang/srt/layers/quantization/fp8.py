@@ -270,10 +270,13 @@ class Fp8LinearMethod(LinearMethodBase):
                 x = gated_rms_norm_heads(x, gated_norm)
             x2 = x.reshape(-1, x.shape[-1])
             if layer.dense_scaled_mm:  # one call per run of pieces on one 128-row scale grid
-                from sgl_kernel.fp8_scaled_mm import blockwise_linear, row_groups
+                from sgl_kernel.fp8_scaled_mm import blockwise_linear
 
-                y = blockwise_linear(x2, layer.weight, layer.weight_scale_inv,
-                                     row_groups(layer.weight_pieces), bias)
+                if layer.scaled_mm_groups is None:  # set_fp8_activations makes them
+                    layer.scaled_mm_groups = _scaled_mm_groups(layer)
+                groups, off_grid = layer.scaled_mm_groups
+                y = blockwise_linear(x2, layer.weight, layer.weight_scale_inv, groups, bias,
+                                     dequantized=off_grid)
             else:
                 y = fp8_gemm.block_fp8_linear(x2, layer.weight, layer.weight_scale_inv,
                                               layer.weight_row_block, bias,
@@ -298,6 +301,18 @@ def set_fp8_activations(model: nn.Module, *, moe: bool, dense: bool,
         elif isinstance(method, Fp8LinearMethod):
             module.fp8_activations = bool(dense)
             module.dense_scaled_mm = bool(dense_scaled_mm)
+            module.scaled_mm_groups = _scaled_mm_groups(module) if dense_scaled_mm else None
+
+
+def _scaled_mm_groups(layer: nn.Module) -> Tuple[list, Dict[int, torch.Tensor]]:
+    """A block-fp8 layer's row groups for ``sgl_kernel.fp8_scaled_mm.blockwise_linear`` and the
+    groups off the library's grid dequantised once to the layer's dtype (a few rows: KDA's ``b``
+    piece), so that no call dequantises a weight."""
+    from sgl_kernel.fp8_scaled_mm import off_grid_weights, row_groups
+
+    groups = row_groups(layer.weight_pieces)
+    return groups, off_grid_weights(layer.weight, layer.weight_scale_inv, groups,
+                                    layer.params_dtype)
 
 
 class DequantizedExperts:
