@@ -382,21 +382,23 @@ def _greedy_sequence(runner, prompt, n):
 
 
 def test_bundled_draft_loads_small_and_trained():
-    """assets/tiny-bailing-v3/dspark: the published layout, under 8 MB, and a trained draft: on
-    a held-out greedy continuation it beats an untrained draft's ~1 token per round."""
+    """assets/tiny-bailing-v3/dspark: the published layout, under the draft size limit, and a
+    trained draft: on a held-out greedy continuation it beats an untrained draft's ~1 token per
+    round."""
     from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR
+    from sglang.train.dspark import SIZE_LIMIT_BYTES
     from sglang.train.data import HELD_OUT_FILES, stdlib_root
     from sglang.train.dspark_data import TargetFeatureRunner
     from sglang.train.tokenizer import load_tokenizer
 
     folder = BUNDLED_MODEL_DIR / "dspark"
-    assert sum(f.stat().st_size for f in folder.iterdir()) <= 8 * 10 ** 6
+    assert sum(f.stat().st_size for f in folder.iterdir()) <= SIZE_LIMIT_BYTES
     assert (folder / "README.md").is_file() and (folder / "train_log.json").is_file()
     fr = TargetFeatureRunner(str(BUNDLED_MODEL_DIR), [1, 3, 4], max_batch_tokens=256,
                              max_batch_seqs=1)
     model = load_dspark_draft(str(folder), fr.hf_config, dtype=torch.float32, device="cpu")
     assert model.gamma == 7 and model.config.target_layer_ids == [1, 3, 4]
-    assert model.config.markov_rank == 32 and model.has_confidence_head
+    assert model.config.markov_rank == 64 and model.has_confidence_head
     tok = load_tokenizer(BUNDLED_MODEL_DIR)
     texts = [(stdlib_root() / f).read_text(encoding="utf-8") for f in HELD_OUT_FILES]
     prompt = draw_prompts(texts, tok, 3, 48, torch.Generator().manual_seed(0))[-1]
@@ -406,7 +408,7 @@ def test_bundled_draft_loads_small_and_trained():
     model.set_embed_and_head(embed, head)
     ev = evaluate_draft(model, [FeatureSequence(torch.tensor(seq), len(prompt), "greedy", aux,
                                                 final)], head)
-    assert ev["accept_length"] > 1.3, ev  # 1.68 for the bundled draft (plain CE, 2026-12-05)
+    assert ev["accept_length"] > 1.3, ev  # 2.14 for the bundled draft (3 layers, 2026-12-05)
     assert ev["slot_accept"][0] > 0.2
 
 
