@@ -272,8 +272,8 @@ def test_equal_with_and_without_pdl_in_a_graph():
     assert_bitwise_equal(outputs_without_and_with_pdl(step))
 
 
-@pytest.mark.parametrize("adaptive", [False, True])
-def test_batch_invariant_split_is_bit_exact_across_launch_shapes(adaptive):
+@pytest.mark.parametrize("adaptive,heads", [(False, 16), (True, 16), (False, 4)])
+def test_batch_invariant_split_is_bit_exact_across_launch_shapes(adaptive, heads):
     """With the fixed split boundaries of ``mla_decode_batch_invariant_split`` a query token's
     output is bit-identical whether it runs alone (a 1-token decode), inside a 4-token verify
     chain, or beside another request: keys it cannot see add exact zeros and the key groups
@@ -281,10 +281,9 @@ def test_batch_invariant_split_is_bit_exact_across_launch_shapes(adaptive):
     (from the request's longest query) groups the keys differently in the two launches, and
     its results differ in the last bits.
 
-    16 heads: each token's rows fill one 16-row program, as Ling's 32 heads fill two. (On the
-    GPU the tensor-core product computes each row independently of its neighbours; the
-    interpreter's matmul may round a row differently at another row offset of the tile.)"""
-    heads = 16
+    16 heads: each token's rows fill one 16-row program, as Ling's 32 heads fill two; 4 heads
+    (the bundled model): with fixed splits each token still runs alone in its program, as in a
+    decode (``mla_decode_fwd``'s docstring)."""
     from sgl_kernel.mla_decode import mla_decode_batch_invariant_split, mla_decode_fwd
 
     cache = Cache(seed=5)
@@ -310,6 +309,28 @@ def test_batch_invariant_split_is_bit_exact_across_launch_shapes(adaptive):
         assert torch.equal(verify, beside) and torch.equal(alone, verify)
     ref = cache.reference(q, torch.tensor([2], device=DEVICE), torch.tensor([chain], device=DEVICE))
     assert _rel(verify.unsqueeze(0), ref) < TOL[torch.float32]
+
+
+def test_batch_invariant_chain_runs_one_token_per_request(monkeypatch):
+    """With fixed splits a launch of N tokens per request is the decode launch over B * N
+    one-token requests: grid (B * N, row blocks of H, splits), results equal to the adaptive
+    launch's within rounding, written into the caller's ``out``."""
+    import sgl_kernel.mla_decode as mod
+
+    split = _GridRecorder(mod._mla_split_kernel)
+    monkeypatch.setattr(mod, "_mla_split_kernel", split)
+    cache = Cache(seed=7)
+    b, n, heads = 2, 3, 4
+    splits, split_len = mod.mla_decode_batch_invariant_split(cache.req_to_token.shape[1],
+                                                             cache.dk)
+    rpi = torch.tensor([1, 3], device=DEVICE)
+    pos = torch.tensor([[20, 21, 22], [5, 6, 7]], device=DEVICE)
+    q = cache.query(b, n * heads)
+    out = torch.empty(b, n * heads, V, device=DEVICE)
+    res = mod.mla_decode_fwd(q, cache.kv, cache.req_to_token, rpi, pos, V, SCALE, out=out,
+                             num_splits=splits, split_len=split_len)
+    assert res is out and split.grids == [(b * n, 1, splits)]
+    assert _rel(out, cache.reference(q, rpi, pos)) < TOL[torch.float32]
 
 
 def test_split_len_must_cover_the_capacity():

@@ -314,8 +314,11 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch
     :func:`mla_decode_scratch_numel` elements) may be preallocated so that a CUDA graph reuses
     them; the launches read no device value on the host. ``split_len`` (with ``num_splits``,
     both from :func:`mla_decode_batch_invariant_split`) fixes the split boundaries so that a
-    query row's result does not depend on the other rows or requests of the launch. Returns
-    ``out``.
+    query row's result does not depend on the other rows or requests of the launch; with it,
+    ``N > 1`` tokens per request run as ``B * N`` requests of one token each, so that every
+    token is computed by the kernel and the program contents of a one-token decode (on the
+    H100 a 4-head verify row rounded differently from the same row decoded alone when one
+    program held several tokens' rows: docs/performance.md). Returns ``out``.
     """
     _check_inputs(q, kv_buffer, req_to_token, req_pool_indices, positions, v_dim)
     b, rows, dk = q.shape
@@ -349,6 +352,16 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch
                          f"with at least {need} elements, got {scratch.dtype} "
                          f"{tuple(scratch.shape)} on {scratch.device}")
     if b == 0:
+        return out
+    if split_len is not None and n > 1:
+        heads = rows // n
+        tok_out = out.view(b * n, heads, v_dim) if out.is_contiguous() else None
+        res = mla_decode_fwd(q.reshape(b * n, heads, dk), kv_buffer, req_to_token,
+                             req_pool_indices.repeat_interleave(n), positions.reshape(b * n, 1),
+                             v_dim, scale, num_splits=num_splits, out=tok_out, scratch=scratch,
+                             split_len=split_len)
+        if tok_out is None:
+            out.copy_(res.view(b, rows, v_dim))
         return out
     flat = scratch.view(-1)
     part = flat[:b * rows * num_splits * v_dim]
