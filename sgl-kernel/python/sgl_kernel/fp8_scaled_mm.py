@@ -95,15 +95,20 @@ def scaled_mm_eligible(n: int, k: int) -> bool:
     return n > 0 and n % 16 == 0 and k % 16 == 0
 
 
+def _group_weight(w: torch.Tensor, w_scale: torch.Tensor, group: RowGroup
+                  ) -> Tuple[torch.Tensor, torch.Tensor]:
+    """The rows of ``group`` and their block-scale rows."""
+    r0, r1, s0 = group
+    return w[r0:r1], w_scale[s0:s0 + -(-(r1 - r0) // QBLOCK)]
+
+
 def off_grid_weights(w: torch.Tensor, w_scale: torch.Tensor, groups: Sequence[RowGroup],
                      dtype: torch.dtype) -> Dict[int, torch.Tensor]:
     """``{group index: weight}``: the groups of ``groups`` that the library cannot take
     (:func:`scaled_mm_eligible` false) dequantised to ``dtype`` once, for
     :func:`blockwise_linear`'s ``dequantized``."""
-    k = w.shape[1]
-    return {i: block_fp8_dequantize(w[r0:r1], w_scale[s0:s0 + -(-(r1 - r0) // QBLOCK)], None,
-                                    dtype)
-            for i, (r0, r1, s0) in enumerate(groups) if not scaled_mm_eligible(r1 - r0, k)}
+    return {i: block_fp8_dequantize(*_group_weight(w, w_scale, g), None, dtype)
+            for i, g in enumerate(groups) if not scaled_mm_eligible(g[1] - g[0], w.shape[1])}
 
 
 def scaled_mm_operands(q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor,
@@ -213,17 +218,17 @@ def blockwise_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     q_scale = _outer_dim_major(q_scale)  # once for every group's call
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     outs = []
-    for i, (r0, r1, s0) in enumerate(groups):
-        wg, sg = w[r0:r1], w_scale[s0:s0 + -(-(r1 - r0) // QBLOCK)]
-        key = _key(x.device, r1 - r0, w.shape[1], x.dtype)
+    for i, group in enumerate(groups):
+        wg, sg = _group_weight(w, w_scale, group)
+        key = _key(x.device, wg.shape[0], w.shape[1], x.dtype)
         out = None
-        if scaled_mm_eligible(r1 - r0, w.shape[1]) and _CHECKED.get(key, not capturing):
+        if scaled_mm_eligible(wg.shape[0], w.shape[1]) and _CHECKED.get(key, not capturing):
             try:
                 out = mm(*scaled_mm_operands(q, q_scale, wg, sg), out_dtype=x.dtype)
             except (RuntimeError, ValueError) as exc:  # the library refuses this layout
                 if key not in _CHECKED:
                     logger.warning("fp8 scaled_mm: a [%d, %d] weight group is refused (%s); "
-                                   "it keeps the dequantised path", r1 - r0, w.shape[1],
+                                   "it keeps the dequantised path", wg.shape[0], w.shape[1],
                                    str(exc).splitlines()[0])
                 _CHECKED[key] = False
             else:

@@ -272,9 +272,7 @@ class Fp8LinearMethod(LinearMethodBase):
             if layer.dense_scaled_mm:  # one call per run of pieces on one 128-row scale grid
                 from sgl_kernel.fp8_scaled_mm import blockwise_linear
 
-                if layer.scaled_mm_groups is None:  # set_fp8_activations makes them
-                    layer.scaled_mm_groups = _scaled_mm_groups(layer)
-                groups, off_grid = layer.scaled_mm_groups
+                groups, off_grid = layer.scaled_mm_groups  # set_fp8_activations made them
                 y = blockwise_linear(x2, layer.weight, layer.weight_scale_inv, groups, bias,
                                      dequantized=off_grid)
             else:
