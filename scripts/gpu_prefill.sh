@@ -7,8 +7,9 @@
 #                   $OUT/moe_grouped_gemm.json for sgl-kernel/python/sgl_kernel/configs/;
 #                   SWEEP_TOKENS, and SWEEP_ARGS: more flags of the sweep, which replace the
 #                   grid's, e.g. "--block-m 64 128 --block-n 128 256"), the
-#                   KDA prefill conv's tile sweep (CONVSWEEP=0 skips it) and the dense fp8 GEMM
-#                   benchmark (FP8BENCH=0 skips it; FP8BENCH_ARGS: its flags, e.g. "--no-sweep")
+#                   KDA prefill conv's tile sweep (CONVSWEEP=0 skips it; SWEEP=0 the MoE's) and
+#                   the dense fp8 GEMM benchmark (FP8BENCH=0 skips it; FP8BENCH_ARGS: its flags,
+#                   e.g. "--no-sweep")
 #   STAGE=prefill12 bench_one_batch prefill of 1024 and 8192 tokens on the 12-layer dummy
 #                   Ling-3.0-flash in bf16, defaults vs the torch MoE (the per-expert loop), and
 #                   the prefill census of both at 1024 / 8192 tokens ($OUT/prefill_census.jsonl)
@@ -77,20 +78,20 @@ case "${STAGE:-kernels}" in
 kernels)
   timeout 240 python3 -m pytest -q -m gpu ${KTESTS:-test/kernels/test_moe_grouped_gemm.py \
     test/kernels/test_fp8_gemm.py test/srt/test_mla_prefill.py} 2>&1 | tee "$OUT/kernel_tests.log" | tail -4
-  [ "${SWEEP:-1}" = 1 ] || exit 0
+  # SWEEP=0 skips the MoE tile sweep only (CONVSWEEP=0 / FP8BENCH=0 skip the others).
   # The packaged table is the output: $OUT gets a copy. A reduced grid (the compiles dominate).
-  for dt in ${SWEEP_DTYPES:-bf16 fp8}; do
+  [ "${SWEEP:-1}" = 1 ] && for dt in ${SWEEP_DTYPES:-bf16 fp8}; do
     bk="64 128"; [ $dt != bf16 ] && bk=128  # fp8 weights: a K step inside a scale block
     timeout ${SWEEP_TIMEOUT:-200} python3 benchmark/kernels/tune_moe_grouped_gemm.py --dtype $dt \
       --proj up down --tokens ${SWEEP_TOKENS:-128 1024 4096 8192} --block-m 32 64 128 \
       --block-n 128 --block-k $bk --group-m 8 --num-warps 4 8 --num-stages 3 4 ${SWEEP_ARGS:-} \
       > "$OUT/moe_sweep_$dt.log" 2>&1; grep "^|" "$OUT/moe_sweep_$dt.log" | tail -20
   done
-  cp sgl-kernel/python/sgl_kernel/configs/moe_grouped_gemm.json "$OUT/"
+  [ "${SWEEP:-1}" = 1 ] && cp sgl-kernel/python/sgl_kernel/configs/moe_grouped_gemm.json "$OUT/"
   [ "${CONVSWEEP:-1}" = 1 ] && { timeout 150 python3 benchmark/kernels/tune_kda_prefill_conv.py \
     > "$OUT/kda_prefill_conv_sweep.log" 2>&1; grep "^|" "$OUT/kda_prefill_conv_sweep.log" | tail -4; }
   [ "${FP8BENCH:-1}" = 1 ] && { timeout 120 python3 benchmark/kernels/bench_fp8_gemm.py ${FP8BENCH_ARGS:-} \
-    > "$OUT/fp8_gemm.log" 2>&1; grep "^|" "$OUT/fp8_gemm.log" | tail -25; }
+    > "$OUT/fp8_gemm.log" 2>&1; grep -E "^\||^library" "$OUT/fp8_gemm.log" | tail -25; }
   ;;
 prefill12)  # ONE_BATCH=0: the census alone (its unprofiled wall time is the prefill time)
   [ "${ONE_BATCH:-1}" = 1 ] && one_batch flash12-new $FLASH12

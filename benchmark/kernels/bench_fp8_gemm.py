@@ -20,7 +20,9 @@ pre-quantised activations (checked against the fp32 reference on the same quanti
 activations at the first row count), and the same w8a8 product on the library's block-scaled
 fp8 GEMM (``sgl_kernel.fp8_scaled_mm.blockwise_linear``: torch's ``_scaled_mm`` per row group,
 ``KernelChoices.dense_scaled_mm``; the column says "lib" where the library took every
-grid-aligned group, "deq" where it refused one and the dequantised path ran). The last table
+grid-aligned group, "deq" where it refused one and the dequantised path ran) on every group,
+and on the engine's per-shape plan (``fp8_scaled_mm.weight_only_groups``: groups narrower than
+``LIBRARY_MIN_ROWS`` weight-only on a weight dequantised once, as the layer runs it). The last table
 adds the shapes up over the 42-layer model (how many layers have each projection) for one
 prefill of M tokens.
 
@@ -41,23 +43,27 @@ from cold_l2 import flush_buffer, kernel_bench_device  # benchmark/kernels/cold_
 from sgl_kernel._triton_mode import LaunchConfig
 from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
 from sgl_kernel.fp8_blocks import block_quantize
-from sgl_kernel.fp8_scaled_mm import (blockwise_linear, library_status, row_groups,
-                                      scaled_mm_eligible)
+from sgl_kernel.fp8_scaled_mm import (LIBRARY_MIN_ROWS, blockwise_linear, library_status,
+                                      row_groups, scaled_mm_eligible, weight_only_groups)
 from sgl_kernel.fp8_gemm import (block_fp8_dequantize, block_fp8_gemm, block_fp8_gemm_reference,
                                  block_fp8_linear, gemm_config, launch_config)
 
-# name -> (row pieces, K, layers of Ling-3.0-flash that have it): hidden 2560, 32 heads x 128,
-# KDA's fused q|k|v|b|f|g (35 KDA layers), MLA's projections (7 layers), the shared expert
-# (40 MoE layers, width 768) and the dense MLP (the first 2 layers, width 6144).
+# name -> (row pieces, K, layers of Ling-3.0-flash whose prefill runs it as a dense projection):
+# hidden 2560, 32 heads x 128, KDA's fused q|k|v|b|f|g and o_proj (35 KDA layers), MLA's fused
+# q | kv_a | g input projection ("mla qkv_a_g") and its output projection (7 layers), the dense MLP (the first 2
+# layers, width 6144). MLA's pieces alone and the shared expert (width 768) are timed for
+# reference with no layers: at prefill the shared expert rides the MoE's grouped GEMM
+# (layers/moe/fused_moe_triton.py), so the model's total leaves them out.
 FLASH_SHAPES: Dict[str, Tuple[Sequence[int], int, int]] = {
     "kda qkvbfg": ([4096, 4096, 4096, 32, 4096, 4096], 2560, 35),
     "kda o_proj": ([2560], 4096, 35),
-    "mla q": ([6144], 2560, 7),
-    "mla kv_a": ([576], 2560, 7),
-    "mla g": ([32], 2560, 7),
+    "mla qkv_a_g": ([6144, 576, 32], 2560, 7),
+    "mla q": ([6144], 2560, 0),
+    "mla kv_a": ([576], 2560, 0),
+    "mla g": ([32], 2560, 0),
     "mla dense": ([2560], 4096, 7),
-    "shared gate_up": ([768, 768], 2560, 40),
-    "shared down": ([2560], 768, 40),
+    "shared gate_up": ([768, 768], 2560, 0),
+    "shared down": ([2560], 768, 0),
     "dense gate_up": ([6144, 6144], 2560, 2),
     "dense down": ([2560], 6144, 2),
 }
@@ -145,14 +151,16 @@ def main() -> None:
           "per-block (config) | best swept prescaled (config) | dequant + F.linear "
           "| Triton dequant + F.linear | bf16 F.linear | w8a8: quant + gemm, default tiles "
           "| w8a8: quant alone | w8a8: quant + best swept gemm (config) | w8a8: quant + "
-          "library scaled_mm | default / F.linear | w8a8 / F.linear |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "library scaled_mm | library, the engine's per-shape plan | default / F.linear "
+          "| w8a8 / F.linear |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     totals: Dict[int, List[float]] = {}
     for name in args.shapes:
         pieces, k, layers = FLASH_SHAPES[name]
         pieces = [max(1, n // args.scale) for n in pieces]
         w, scale, rows = _weight(pieces, k, dev)
         groups = row_groups(pieces)
+        plan = weight_only_groups(w, scale, groups, dt, max(1, LIBRARY_MIN_ROWS // args.scale))
         n = w.shape[0]
         cols = torch.arange(k, device=dev) // 128
         w16 = dequantize_indexed(w, scale, rows, cols, dt)
@@ -236,11 +244,13 @@ def main() -> None:
                     best_w8 = (t, c)
             t_w8_best = t_quant + best_w8[0]
             t_lib = median_us(lambda: blockwise_linear(x, w, scale, groups), args.iters, flush)
+            t_plan = median_us(lambda: blockwise_linear(x, w, scale, groups, dequantized=plan),
+                               args.iters, flush)
             eligible = [g for g in groups if scaled_mm_eligible(g[1] - g[0], k)]
             took = bool(eligible) and all(library_status(x.device, g[1] - g[0], k, dt)
                                           for g in eligible)
             times = (t_def, t_pre, best[False][0], best[True][0], t_deq, t_tdq, t_lin, t_w8,
-                     t_quant, t_w8_best, t_lib)
+                     t_quant, t_w8_best, t_lib, t_plan)
             tot = totals.setdefault(m, [0.0] * len(times))
             for j, t in enumerate(times):
                 tot[j] += layers * t
@@ -248,17 +258,24 @@ def main() -> None:
                   + " | ".join(f"{fmt(t)} ({_label(c)})" for t, c in (best[False], best[True]))
                   + f" | {fmt(t_deq)} | {fmt(t_tdq)} | {fmt(t_lin)} | {fmt(t_w8)} | "
                   f"{t_quant:.1f} µs | {fmt(t_w8_best)} ({_label(best_w8[1])}) | "
-                  f"{fmt(t_lib)} ({'lib' if took else 'deq'}) | "
+                  f"{fmt(t_lib)} ({'lib' if took else 'deq'}) | {fmt(t_plan)} | "
                   f"{t_def / t_lin:.2f} | {t_w8 / t_lin:.2f} |")
     print("\nThe model's dense projections for one prefill of M tokens (each shape times its "
           "layers):\n")
     print("| M | fp8 gemm default | prescaled, default tiles | best swept per-block | best swept "
           "prescaled | dequant + F.linear | Triton dequant + F.linear | bf16 F.linear | w8a8: "
           "quant + gemm | w8a8: quant alone | w8a8: quant + best swept gemm | w8a8: quant + "
-          "library scaled_mm |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "library scaled_mm | library, per-shape plan |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for m, tot in totals.items():
         print(f"| {m} | " + " | ".join(f"{t / 1000:.2f} ms" for t in tot) + " |")
+    from sgl_kernel import fp8_scaled_mm
+
+    # Whether the library's out= wrote a group into its column slice in place (else the
+    # layer copies each group's product there): per (N, K) group shape checked.
+    print("\nlibrary writes column slices in place: " + (", ".join(
+        f"{n}x{k}: {'yes' if ok else 'no'}" for (_, n, k, _), ok in
+        sorted(fp8_scaled_mm._SLICE_OUT.items(), key=lambda kv: kv[0][1:3])) or "not checked"))
 
 
 if __name__ == "__main__":

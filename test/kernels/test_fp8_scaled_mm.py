@@ -24,6 +24,7 @@ pytestmark = needs_triton
 def fresh_checks(monkeypatch):
     """Each test decides its shapes' checks anew."""
     monkeypatch.setattr(fsm, "_CHECKED", {})
+    monkeypatch.setattr(fsm, "_SLICE_OUT", {})
 
 
 def _fused_weight(pieces, k: int, seed: int):
@@ -84,13 +85,14 @@ def test_fused_weight_through_row_groups(dtype, tol):
     bias = torch.randn(sum(pieces), generator=gen).to(DEVICE, dtype)
     calls = []
 
-    def mm(*args, out_dtype):
+    def mm(*args, out_dtype, out=None):
         calls.append(args[1].shape[1])
-        return fsm.scaled_mm_reference(*args, out_dtype)
+        return fsm.scaled_mm_reference(*args, out_dtype, out)
 
     groups = fsm.row_groups(pieces)
     y = fsm.blockwise_linear(x, q, s, groups, bias, mm=mm)
-    assert calls == [256, 128] and y.shape == (m, sum(pieces)) and y.dtype == dtype
+    # each group's first call: its product, then the in-place write into a slice checked
+    assert calls == [256, 256, 128, 128] and y.shape == (m, sum(pieces)) and y.dtype == dtype
     w = block_dequantize(q, s, torch.float32, rows=rows)
     xq, xs = per_token_group_quant_fp8(x)
     w8a8 = (group_dequantize(xq, xs) @ w.t() + bias.float()).to(dtype)
@@ -107,9 +109,9 @@ def test_a_library_that_misreads_the_scales_is_refused(caplog):
     x = torch.randn(16, 256).to(DEVICE)
     calls = []
 
-    def wrong(a, b, sa, sb, out_dtype):
+    def wrong(a, b, sa, sb, out_dtype, out=None):
         calls.append(1)
-        return fsm.scaled_mm_reference(a, b, sa, sb.t().flip(0).t(), out_dtype)
+        return fsm.scaled_mm_reference(a, b, sa, sb.t().flip(0).t(), out_dtype, out)
 
     weight_only = torch.nn.functional.linear(x, block_dequantize(q, s, torch.float32))
     with caplog.at_level(logging.WARNING, logger=fsm.__name__):
@@ -125,7 +127,7 @@ def test_a_refusing_library_falls_back_once(caplog):
     x = torch.randn(8, 128).to(DEVICE)
     calls = []
 
-    def refuses(*args, out_dtype):
+    def refuses(*args, out_dtype, out=None):
         calls.append(1)
         raise RuntimeError("Invalid scaling configuration.\nmore")
 
@@ -135,6 +137,75 @@ def test_a_refusing_library_falls_back_once(caplog):
     assert calls == [1]
     assert _rel(y, torch.nn.functional.linear(x, block_dequantize(q, s, torch.float32))) < 1e-5
     assert any("Invalid scaling configuration." in r.message for r in caplog.records)
+
+
+def _contiguous_writer(calls):
+    """A library whose ``out=`` writes ``[M, N]`` values from the slice's first element as if
+    the slice were contiguous (what torch's CPU ``_scaled_mm`` was seen doing), over the
+    neighbouring columns."""
+    def mm(*args, out_dtype, out=None):
+        calls.append(out is not None)
+        product = fsm.scaled_mm_reference(*args, out_dtype)
+        if out is None:
+            return product
+        out.as_strided(product.shape, (product.shape[1], 1)).copy_(product)
+        return out
+    return mm
+
+
+@pytest.mark.parametrize("writes_slices", [True, False])
+def test_groups_are_written_into_one_output(writes_slices):
+    """Three groups (256 | 32 | 128 rows) written into one output, no concatenation: where the
+    library writes a column slice in place (the reference honours the row stride) later calls
+    pass it the slice; where it writes as if contiguous (neighbours overwritten) the
+    once-per-shape check sees the sentinels touched and later calls copy a separate product;
+    either way every call equals the first and the groups' columns are their own products."""
+    pieces, k, m = [256, 32, 128], 128, 40
+    q, s, _ = _fused_weight(pieces, k, seed=9)
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(10)).to(DEVICE)
+    calls = []
+    mm = (lambda *a, out_dtype, out=None: calls.append(out is not None)
+          or fsm.scaled_mm_reference(*a, out_dtype, out)) if writes_slices \
+        else _contiguous_writer(calls)
+    groups = fsm.row_groups(pieces)
+    first = fsm.blockwise_linear(x, q, s, groups, mm=mm)
+    assert calls == [False, True] * 3  # each group: its product, then the slice check
+    assert all(fsm._SLICE_OUT[fsm._key(x.device, r1 - r0, k, x.dtype)] is writes_slices
+               for r0, r1, _ in groups)
+    calls.clear()
+    again = fsm.blockwise_linear(x, q, s, groups, mm=mm)
+    assert calls == [writes_slices] * 3 and torch.equal(again, first)
+    for r0, r1, s0 in groups:
+        alone = fsm.blockwise_linear(x, q[r0:r1], s[s0:s0 + -(-(r1 - r0) // 128)],
+                                     [(0, r1 - r0, 0)], mm=fsm.scaled_mm_reference)
+        assert torch.equal(first[:, r0:r1], alone)
+
+
+def test_narrow_groups_stay_weight_only():
+    """The per-shape plan: with ``min_rows`` 128 the 96-row group and the 20-row one (off the
+    library's multiple-of-16 rule) are dequantised once and never reach the library, the
+    256-row group does; the weight-only columns equal ``F.linear`` on the dequantised weight.
+    With the default :data:`LIBRARY_MIN_ROWS` every group of this small weight is planned
+    weight-only."""
+    pieces, k, m = [256, 96, 20], 128, 24
+    q, s, rows = _fused_weight(pieces, k, seed=11)
+    groups = fsm.row_groups(pieces)
+    assert [g[1] - g[0] for g in groups] == [256, 96, 20]
+    plan = fsm.weight_only_groups(q, s, groups, torch.float32, min_rows=128)
+    assert sorted(plan) == [1, 2] and plan[1].shape == (96, k) and plan[1].dtype == torch.float32
+    assert sorted(fsm.weight_only_groups(q, s, groups, torch.float32)) == [0, 1, 2]
+    calls = []
+
+    def mm(*args, out_dtype, out=None):
+        calls.append(args[1].shape[1])
+        return fsm.scaled_mm_reference(*args, out_dtype, out)
+
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(12)).to(DEVICE)
+    y = fsm.blockwise_linear(x, q, s, groups, mm=mm, dequantized=plan)
+    assert set(calls) == {256}
+    weight_only = torch.nn.functional.linear(x, block_dequantize(q, s, torch.float32, rows=rows))
+    assert torch.equal(y[:, 256:], weight_only[:, 256:])
+    assert 0 < _rel(y[:, :256], weight_only[:, :256]) < 0.1  # w8a8 there
 
 
 def test_rejects_bad_inputs():
@@ -174,20 +245,23 @@ def test_fp8_linear_layer_with_dense_scaled_mm(monkeypatch):
     ref = torch.nn.functional.linear(x, layer.quant_method.dequantized_weight(layer, x.dtype),
                                      layer.bias)
     calls = []
-    monkeypatch.setattr(fsm, "_library_scaled_mm", lambda *a, out_dtype: calls.append(
-        a[1].shape[1]) or fsm.scaled_mm_reference(*a, out_dtype))
+    monkeypatch.setattr(fsm, "_library_scaled_mm", lambda *a, out_dtype, out=None: calls.append(
+        a[1].shape[1]) or fsm.scaled_mm_reference(*a, out_dtype, out))
     layer.small_m_gemm = True
     plain = layer(x)
     assert not calls and torch.equal(plain, ref)  # flag off: the weight-only path
     set_fp8_activations(layer, moe=False, dense=False, dense_scaled_mm=True)
-    assert layer.dense_scaled_mm and list(layer.scaled_mm_groups[1]) == [1]
+    assert layer.dense_scaled_mm and sorted(layer.scaled_mm_groups[1]) == [0, 1, 2]  # all narrow
+    monkeypatch.setattr(fsm, "LIBRARY_MIN_ROWS", 64)  # so that 96 and 128 rows are wide here
+    set_fp8_activations(layer, moe=False, dense=False, dense_scaled_mm=True)
+    assert list(layer.scaled_mm_groups[1]) == [1]
 
     def no_dequantize(*args, **kwargs):
         raise AssertionError("a weight was dequantised at the call")
 
     monkeypatch.setattr(fsm, "block_fp8_dequantize", no_dequantize)
     got = layer(x)
-    assert calls == [96, 128] and 0 < _rel(got, ref) < 0.1
+    assert calls == [96, 96, 128, 128] and 0 < _rel(got, ref) < 0.1  # products, slice checks
     assert _rel(got[:, 96:116], ref[:, 96:116]) < 1e-6  # the 20-row piece: weight-only
     assert torch.equal(layer(x.reshape(4, 25, k)), got.reshape(4, 25, sum(pieces)))
 
@@ -220,3 +294,8 @@ def test_library_product_on_the_kda_projection_shape_on_cuda():
     if not used[7680]:
         pytest.skip(f"the library did not take the block-scaled product here: {used}")
     assert used == {7680: True, 20: None, 5120: True}  # the 20-row piece never asks it
+    # Later calls write the library's groups into their columns in place where its out= was
+    # seen to honour the row stride, else copy them there: the same values either way.
+    again = fsm.blockwise_linear(x, q, s, groups)
+    print("library writes column slices in place:", dict(fsm._SLICE_OUT))
+    assert _rel(again, y) < 1e-2 and torch.equal(again[:, b], y[:, b])

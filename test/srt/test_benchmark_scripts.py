@@ -230,18 +230,22 @@ def test_kda_prefill_conv_sweep_times_the_default_and_checks_bits():
 def test_fp8_gemm_benchmark_smoke_run():
     """benchmark/kernels/bench_fp8_gemm.py on two scaled-down shapes in the interpreter: the
     kernel (weight-only and w8a8) is checked against the reference, each shape gets a row with
-    every column (the w8a8 ones included) and the model total is printed."""
-    stdout = _run("kernels/bench_fp8_gemm.py", "--rows", "96", "--shapes", "mla kv_a",
+    every column (the w8a8 ones and the engine's per-shape plan included) and the model total
+    is printed (the fused MLA projection counts, the shared expert does not)."""
+    stdout = _run("kernels/bench_fp8_gemm.py", "--rows", "96", "--shapes", "mla qkv_a_g",
                   "shared gate_up", "--scale", "16", "--iters", "1", TRITON_INTERPRET="1")
-    rows = re.findall(r"^\| (mla kv_a|shared gate_up) \| (\d+)x2560 \| 6 \| .* \| ([\d.]+) \|$",
+    rows = re.findall(r"^\| (mla qkv_a_g|shared gate_up) \| (\d+)x2560 \| 6 \| .* \| ([\d.]+) \|$",
                       stdout, re.MULTILINE)
-    assert [(r[0], r[1]) for r in rows] == [("mla kv_a", "36"), ("shared gate_up", "96")], stdout
+    assert [(r[0], r[1]) for r in rows] == [("mla qkv_a_g", "422"), ("shared gate_up", "96")], \
+        stdout
     header = next(line for line in stdout.splitlines() if line.startswith("| shape |"))
     assert "w8a8: quant + gemm" in header and "w8a8: quant alone" in header, header
+    assert "per-shape plan" in header, header
     for line in stdout.splitlines():
-        if line.startswith(("| mla kv_a |", "| shared gate_up |")):
+        if line.startswith(("| mla qkv_a_g |", "| shared gate_up |")):
             assert line.count(" | ") == header.count(" | "), line
-    assert re.search(r"^\| 6 \| [\d.]+ ms \|", stdout, re.MULTILINE), stdout
+    total = re.search(r"^\| 6 \| ([\d.]+) ms \|", stdout, re.MULTILINE)
+    assert total and float(total.group(1)) > 0, stdout
 
 
 def test_graph_ab_times_a_dspark_round(tmp_path):

@@ -17,10 +17,17 @@ A fused weight (``MergedColumnParallelLinear``: q | k | v | b | f | g of a KDA l
 piece its own scale grid (``quantization.fp8_utils.block_index``), so a piece that is not a
 multiple of 128 rows (KDA's ``b``: one row per head) breaks the uniform 128-row grid the
 library assumes. :func:`row_groups` cuts the weight into groups that each have one grid; each
-group is one call, a group the library cannot take (rows not a multiple of 16) runs on its
-dequantised weight, and the outputs are concatenated. Such groups are a few rows (KDA's ``b``:
-one per head), so a layer dequantises them once (:func:`off_grid_weights`) rather than at
-every call.
+group is one call, written into its columns of one output (no concatenation: the library
+writes a column slice in place where it was seen to, :func:`blockwise_linear`).
+
+Which groups the library takes is a per-shape plan (:func:`weight_only_groups`): on the H100
+its block-scaled GEMM at 8192 rows was 14-35% faster than the dequantised weight on cuBLAS for
+every group of 2560 rows or more and 1.5-4x slower for narrower ones (576, 1536 and 32 rows;
+docs/performance.md, "Dense fp8 on the library"), so a group narrower than
+:data:`LIBRARY_MIN_ROWS`, or one the library cannot take (rows not a multiple of 16), runs
+weight-only on its weight dequantised once when the plan is made: on Ling-3.0-flash these are
+MLA's ``kv_a`` and head-gate rows and KDA's ``b``, 27 MB in bf16 for the 42 layers. No call
+dequantises a weight.
 
 The library is the GPU's: whether a group runs, and whether it computes what the scales mean,
 is checked once per weight shape against the dequantised product (:func:`blockwise_linear`,
@@ -40,7 +47,8 @@ from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize
 from sgl_kernel.fp8_gemm import block_fp8_dequantize
 
 __all__ = ["RowGroup", "row_groups", "scaled_mm_operands", "scaled_mm_reference",
-           "blockwise_linear", "scaled_mm_eligible", "library_status", "off_grid_weights"]
+           "blockwise_linear", "scaled_mm_eligible", "library_status", "weight_only_groups",
+           "LIBRARY_MIN_ROWS"]
 
 logger = logging.getLogger(__name__)
 
@@ -53,6 +61,14 @@ _CHECKED: Dict[Tuple[int, int, int, torch.dtype], bool] = {}
 # sides sum the same e4m3 products in fp32 and round once to x's dtype.
 _CHECK_TOL = 1e-2
 _CHECK_ROWS = 64  # rows of the first call that the check recomputes
+# (device index, N, K, x dtype) -> whether the library wrote its product into a column slice of
+# a wider output in place (its ``out=`` honouring the row stride; checked once per shape).
+_SLICE_OUT: Dict[Tuple[int, int, int, torch.dtype], bool] = {}
+_SENTINEL_COLS = 16  # columns either side of the slice the check watches
+
+# Groups narrower than this many rows run weight-only on a once-dequantised weight (the module
+# docstring: the library lost on every narrower group timed on the H100, won on every wider one).
+LIBRARY_MIN_ROWS = 2048
 
 
 def row_groups(pieces: Sequence[int], block: int = QBLOCK) -> List[RowGroup]:
@@ -102,13 +118,16 @@ def _group_weight(w: torch.Tensor, w_scale: torch.Tensor, group: RowGroup
     return w[r0:r1], w_scale[s0:s0 + -(-(r1 - r0) // QBLOCK)]
 
 
-def off_grid_weights(w: torch.Tensor, w_scale: torch.Tensor, groups: Sequence[RowGroup],
-                     dtype: torch.dtype) -> Dict[int, torch.Tensor]:
-    """``{group index: weight}``: the groups of ``groups`` that the library cannot take
-    (:func:`scaled_mm_eligible` false) dequantised to ``dtype`` once, for
-    :func:`blockwise_linear`'s ``dequantized``."""
+def weight_only_groups(w: torch.Tensor, w_scale: torch.Tensor, groups: Sequence[RowGroup],
+                       dtype: torch.dtype, min_rows: int = LIBRARY_MIN_ROWS
+                       ) -> Dict[int, torch.Tensor]:
+    """The plan of :func:`blockwise_linear`'s ``dequantized``: ``{group index: weight}`` for the
+    groups of ``groups`` that stay off the library, dequantised to ``dtype`` once: those it
+    cannot take (:func:`scaled_mm_eligible` false) and those narrower than ``min_rows`` (the
+    module docstring says why)."""
     return {i: block_fp8_dequantize(*_group_weight(w, w_scale, g), None, dtype)
-            for i, g in enumerate(groups) if not scaled_mm_eligible(g[1] - g[0], w.shape[1])}
+            for i, g in enumerate(groups)
+            if not scaled_mm_eligible(g[1] - g[0], w.shape[1]) or g[1] - g[0] < min_rows}
 
 
 def scaled_mm_operands(q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor,
@@ -132,11 +151,13 @@ def _stride_ok(scale: torch.Tensor, dim: int, size: int, stride: int) -> bool:
 
 
 def scaled_mm_reference(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor,
-                        scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+                        scale_b: torch.Tensor, out_dtype: torch.dtype,
+                        out: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``torch._scaled_mm`` with 1 x 128 scales on ``mat_a`` and 128 x 128 on ``mat_b`` in plain
     torch: the same layout checks (module docstring; a ``ValueError`` names the one that
     fails) and ``out[m, n] = sum_k a[m, k] * scale_a[m, k // 128] * b[k, n] *
-    scale_b[k // 128, n // 128]`` in fp32, rounded once to ``out_dtype``."""
+    scale_b[k // 128, n // 128]`` in fp32, rounded once to ``out_dtype``; written into ``out``
+    (``[M, N]``, any row stride) and returned when given."""
     m, k = mat_a.shape
     n = mat_b.shape[1]
     kb, nb = -(-k // QBLOCK), -(-n // QBLOCK)
@@ -156,12 +177,18 @@ def scaled_mm_reference(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch
                          f"{tuple(sbt.shape)} stride {sbt.stride()}")
     a = group_dequantize(mat_a, scale_a)
     b = block_dequantize(mat_b.t(), sbt, torch.float32)  # [N, K]
-    return (a @ b.t()).to(out_dtype)
+    product = (a @ b.t()).to(out_dtype)
+    return product if out is None else out.copy_(product)
 
 
 def _library_scaled_mm(mat_a: torch.Tensor, mat_b: torch.Tensor, scale_a: torch.Tensor,
-                       scale_b: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    return torch._scaled_mm(mat_a, mat_b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype)
+                       scale_b: torch.Tensor, out_dtype: torch.dtype,
+                       out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    if out is None:
+        return torch._scaled_mm(mat_a, mat_b, scale_a=scale_a, scale_b=scale_b,
+                                out_dtype=out_dtype)
+    return torch._scaled_mm(mat_a, mat_b, scale_a=scale_a, scale_b=scale_b, out_dtype=out_dtype,
+                            out=out)
 
 
 def _dequantized_any(q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor,
@@ -170,6 +197,10 @@ def _dequantized_any(q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor,
     once-per-shape check, for any shape."""
     a = group_dequantize(q, q_scale)
     return (a @ block_dequantize(w, w_scale, torch.float32).t()).to(out_dtype)
+
+
+def _rel_err(got: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((got.float() - ref.float()).abs().max() / ref.float().abs().max().clamp_min(1e-30))
 
 
 def _group_uses_library(key: Tuple[int, int, int, torch.dtype], q: torch.Tensor,
@@ -181,8 +212,8 @@ def _group_uses_library(key: Tuple[int, int, int, torch.dtype], q: torch.Tensor,
     if key in _CHECKED:
         return _CHECKED[key]
     rows = min(q.shape[0], _CHECK_ROWS)
-    ref = _dequantized_any(q[:rows], q_scale[:rows], w, w_scale, torch.float32)
-    err = float((out[:rows].float() - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
+    err = _rel_err(out[:rows], _dequantized_any(q[:rows], q_scale[:rows], w, w_scale,
+                                                torch.float32))
     ok = err <= _CHECK_TOL
     if not ok:
         logger.warning("fp8 scaled_mm: the library's block-scaled product of a [%d, %d] weight "
@@ -192,20 +223,70 @@ def _group_uses_library(key: Tuple[int, int, int, torch.dtype], q: torch.Tensor,
     return ok
 
 
+def _writes_column_slice(mm: Callable[..., torch.Tensor], q: torch.Tensor,
+                         q_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                         expected: torch.Tensor) -> bool:
+    """Whether ``mm(..., out=view)`` writes a product into a column slice of a wider tensor in
+    place: the first rows into a slice with sentinel columns (NaN) either side, which must stay
+    untouched, and the slice within the once-per-shape tolerance of ``expected`` (this call's
+    own product). torch's CPU ``_scaled_mm`` was seen writing such a slice as if it were
+    contiguous, over its neighbours, so it is checked rather than assumed."""
+    rows, n, pad = min(q.shape[0], _CHECK_ROWS), w.shape[0], _SENTINEL_COLS
+    scratch = torch.full((rows, n + 2 * pad), float("nan"), dtype=expected.dtype,
+                         device=expected.device)
+    view = scratch[:, pad:pad + n]
+    try:
+        mm(*scaled_mm_operands(q[:rows], q_scale[:rows], w, w_scale), out_dtype=expected.dtype,
+           out=view)
+    except (RuntimeError, ValueError, TypeError):
+        return False
+    untouched = bool(scratch[:, :pad].isnan().all() and scratch[:, pad + n:].isnan().all())
+    return untouched and _rel_err(view, expected[:rows]) <= _CHECK_TOL
+
+
+def _library_product(key: Tuple[int, int, int, torch.dtype], q: torch.Tensor,
+                     q_scale: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
+                     dtype: torch.dtype, mm: Callable[..., torch.Tensor],
+                     dst: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """One group's product on the library: written into ``dst`` (a column slice of the layer's
+    output) and returned, or returned as a new tensor when ``dst`` is None; None when the
+    group keeps the weight-only path (a shape the library refused or computed wrongly at its
+    first call, when both checks run)."""
+    operands = scaled_mm_operands(q, q_scale, w, w_scale)
+    if key in _CHECKED:  # checked and passed (the caller asks only then or outside capture)
+        if dst is not None and _SLICE_OUT.get(key):
+            return mm(*operands, out_dtype=dtype, out=dst)
+        out = mm(*operands, out_dtype=dtype)
+        return out if dst is None else dst.copy_(out)
+    try:
+        out = mm(*operands, out_dtype=dtype)
+    except (RuntimeError, ValueError) as exc:  # the library refuses this layout
+        logger.warning("fp8 scaled_mm: a [%d, %d] weight group is refused (%s); it keeps the "
+                       "dequantised path", w.shape[0], w.shape[1], str(exc).splitlines()[0])
+        _CHECKED[key] = False
+        return None
+    if not _group_uses_library(key, q, q_scale, w, w_scale, out):
+        return None
+    _SLICE_OUT[key] = _writes_column_slice(mm, q, q_scale, w, w_scale, out)
+    return out if dst is None else dst.copy_(out)
+
+
 def blockwise_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      groups: Sequence[RowGroup], bias: Optional[torch.Tensor] = None,
                      mm: Optional[Callable[..., torch.Tensor]] = None,
                      dequantized: Optional[Dict[int, torch.Tensor]] = None) -> torch.Tensor:
     """``x [M, K] @ dequant(w).T (+ bias)`` in x's dtype with x quantised per row and
     128-column group and each row group of ``w`` (:func:`row_groups`, covering all its rows)
-    on ``mm`` (default ``torch._scaled_mm``; tests pass :func:`scaled_mm_reference`).
+    on ``mm`` (default ``torch._scaled_mm``; tests pass :func:`scaled_mm_reference`), each
+    group's product written into its columns of one output.
 
-    A group the library does not take (rows not a multiple of 16, a shape whose check failed or
-    that it refused, or one not yet checked while a CUDA graph is being captured) runs as the
-    engine's weight-only path does: ``F.linear`` on x as it is with the group's weight in x's
-    dtype, from ``dequantized`` (:func:`off_grid_weights`, by group index) when it holds the
-    group in that dtype, else dequantised now
-    (:func:`sgl_kernel.fp8_gemm.block_fp8_dequantize`)."""
+    A group in ``dequantized`` (:func:`weight_only_groups`, by group index: the plan of which
+    groups stay off the library, their weights dequantised once) runs as the engine's
+    weight-only path does: ``F.linear`` on x as it is with that weight. So does a group the
+    library does not take (rows not a multiple of 16, a shape whose check failed or that it
+    refused, or one not yet checked while a CUDA graph is being captured), on its weight
+    dequantised now (:func:`sgl_kernel.fp8_gemm.block_fp8_dequantize`) unless ``dequantized``
+    holds it."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"blockwise_linear: expected x [M, K], w [N, K]; got "
                          f"{tuple(x.shape)}, {tuple(w.shape)}")
@@ -214,31 +295,29 @@ def blockwise_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
         raise ValueError(f"blockwise_linear: row groups {list(groups)} do not cover the weight's "
                          f"{w.shape[0]} rows in order")
     mm = mm or _library_scaled_mm
-    q, q_scale = per_token_group_quant_fp8(x if x.stride(1) == 1 else x.contiguous())
-    q_scale = _outer_dim_major(q_scale)  # once for every group's call
+    dequantized = dequantized or {}
+    on_library = [i not in dequantized and scaled_mm_eligible(g[1] - g[0], w.shape[1])
+                  for i, g in enumerate(groups)]
+    if any(on_library):
+        q, q_scale = per_token_group_quant_fp8(x if x.stride(1) == 1 else x.contiguous())
+        q_scale = _outer_dim_major(q_scale)  # once for every group's call
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
-    outs = []
+    single = len(groups) == 1
+    y = None if single else torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
     for i, group in enumerate(groups):
         wg, sg = _group_weight(w, w_scale, group)
+        dst = None if single else y[:, group[0]:group[1]]
         key = _key(x.device, wg.shape[0], w.shape[1], x.dtype)
         out = None
-        if scaled_mm_eligible(wg.shape[0], w.shape[1]) and _CHECKED.get(key, not capturing):
-            try:
-                out = mm(*scaled_mm_operands(q, q_scale, wg, sg), out_dtype=x.dtype)
-            except (RuntimeError, ValueError) as exc:  # the library refuses this layout
-                if key not in _CHECKED:
-                    logger.warning("fp8 scaled_mm: a [%d, %d] weight group is refused (%s); "
-                                   "it keeps the dequantised path", wg.shape[0], w.shape[1],
-                                   str(exc).splitlines()[0])
-                _CHECKED[key] = False
-            else:
-                if not _group_uses_library(key, q, q_scale, wg, sg, out):
-                    out = None
+        if on_library[i] and _CHECKED.get(key, not capturing):
+            out = _library_product(key, q, q_scale, wg, sg, x.dtype, mm, dst)
         if out is None:
-            wd = (dequantized or {}).get(i)
+            wd = dequantized.get(i)
             if wd is None or wd.dtype != x.dtype:
                 wd = block_fp8_dequantize(wg, sg, None, x.dtype)
             out = torch.nn.functional.linear(x, wd)
-        outs.append(out)
-    y = outs[0] if len(outs) == 1 else torch.cat(outs, dim=1)
+            if dst is not None:
+                dst.copy_(out)
+        if single:
+            y = out
     return y if bias is None else y + bias

@@ -250,7 +250,9 @@ class Fp8LinearMethod(LinearMethodBase):
         the tiled GEMM, no dequantised weight (values within the activations' e4m3 rounding of
         the reference path's); with the layer's ``dense_scaled_mm``
         (``KernelChoices.dense_scaled_mm``, first if both are on) the same w8a8 numerics on
-        the library's block-scaled fp8 GEMM (``sgl_kernel.fp8_scaled_mm``). Off, the reference path: ``linear(x, dequant(weight), bias)``,
+        the library's block-scaled fp8 GEMM (``sgl_kernel.fp8_scaled_mm``) for the wide row
+        groups, and the narrow ones weight-only on their weights dequantised once. Off, the
+        reference path: ``linear(x, dequant(weight), bias)``,
         which forms the whole weight in x's dtype in several fp32 torch passes at every call.
         The small-M kernel keeps x in its dtype either way. A ``gated_norm`` prologue above the
         small-M range is the torch GatedRMSNorm first, as in :func:`linear`."""
@@ -272,9 +274,9 @@ class Fp8LinearMethod(LinearMethodBase):
             if layer.dense_scaled_mm:  # one call per run of pieces on one 128-row scale grid
                 from sgl_kernel.fp8_scaled_mm import blockwise_linear
 
-                groups, off_grid = layer.scaled_mm_groups  # set_fp8_activations made them
+                groups, weight_only = layer.scaled_mm_groups  # set_fp8_activations made them
                 y = blockwise_linear(x2, layer.weight, layer.weight_scale_inv, groups, bias,
-                                     dequantized=off_grid)
+                                     dequantized=weight_only)
             else:
                 y = fp8_gemm.block_fp8_linear(x2, layer.weight, layer.weight_scale_inv,
                                               layer.weight_row_block, bias,
@@ -303,14 +305,16 @@ def set_fp8_activations(model: nn.Module, *, moe: bool, dense: bool,
 
 
 def _scaled_mm_groups(layer: nn.Module) -> Tuple[list, Dict[int, torch.Tensor]]:
-    """A block-fp8 layer's row groups for ``sgl_kernel.fp8_scaled_mm.blockwise_linear`` and the
-    groups off the library's grid dequantised once to the layer's dtype (a few rows: KDA's ``b``
-    piece), so that no call dequantises a weight."""
-    from sgl_kernel.fp8_scaled_mm import off_grid_weights, row_groups
+    """A block-fp8 layer's row groups for ``sgl_kernel.fp8_scaled_mm.blockwise_linear`` and its
+    plan: the groups that stay off the library (off its grid, or narrower than
+    ``fp8_scaled_mm.LIBRARY_MIN_ROWS``: MLA's ``kv_a`` and head gate, KDA's ``b``) dequantised
+    once to the layer's dtype, so that no call dequantises a weight."""
+    from sgl_kernel import fp8_scaled_mm
 
-    groups = row_groups(layer.weight_pieces)
-    return groups, off_grid_weights(layer.weight, layer.weight_scale_inv, groups,
-                                    layer.params_dtype)
+    groups = fp8_scaled_mm.row_groups(layer.weight_pieces)
+    return groups, fp8_scaled_mm.weight_only_groups(
+        layer.weight, layer.weight_scale_inv, groups, layer.params_dtype,
+        fp8_scaled_mm.LIBRARY_MIN_ROWS)
 
 
 class DequantizedExperts:
