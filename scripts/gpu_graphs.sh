@@ -168,6 +168,8 @@ fp8full)
   ;;
 fp8ab)
   FULL="--model-path ling-3.0-flash --load-format dummy --quantization fp8 --mem-fraction-static 0.93 --max-running-requests 2 --context-length 9216 --cuda-graph-max-bs 1"
+  # LAYERS=N: the first N layers (an H100's 80 GB holds about 20 of the 42)
+  [ -n "${LAYERS:-}" ] && FULL="$FULL --json-model-override-args {\"num_hidden_layers\":$LAYERS}"
   IFS=, read -ra settings <<< "${FP8AB_SETTINGS:-0 - defaults,1 - pdl+prefetch,1 pdl_weight_prefetch=0 pdl,0 mla_rope=0 torch-rope,0 kda_norm_in_o_proj=1 norm-in-o_proj}"
   for setting in "${settings[@]}"; do
     read -r pdl choices label <<< "$setting"

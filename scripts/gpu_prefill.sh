@@ -15,7 +15,7 @@
 #                   the prefill census of both at 1024 / 8192 tokens ($OUT/prefill_census.jsonl)
 #   STAGE=peer      transformers' bailing_hybrid (wheel in .whl_peer) on the 12-layer shape:
 #                   prefill of 1024 / 8192 tokens and decode steps, $OUT/hf_peer.jsonl
-#   STAGE=prefill42 the same on the whole 42-layer Ling-3.0-flash in block fp8
+#   STAGE=prefill42 the same on the whole 42-layer Ling-3.0-flash in block fp8 (LAYERS=N: its first N)
 #   STAGE=served    the seed's workload (random-ids 8192 in / 1024 out, concurrency 1, PROMPTS
 #                   prompts, default 4) against the fp8 42-layer server without speculation and
 #                   with NEXTN (SPECS, default "0 3"); one JSON line per run in $OUT/served.jsonl;
@@ -34,8 +34,9 @@
 #                   (benchmark/batch1/prefill_interference.py), 12-layer bf16 server per
 #                   --chunked-prefill-size in CHUNKS (default "8192 2048"); $OUT/interference.jsonl
 #   STAGE=probe     benchmark/batch1/invariance_probe.py (bundled model, bf16, deterministic
-#                   flag) for NEXTN-3 and DSPARK on PROBE_PROMPTS (default "7 0 1 2"): the first
-#                   module whose verify row differs from the decode of the same token
+#                   flag) for NEXTN-3 and DSPARK (PROBE_ALGS, default "nextn3 dspark") on
+#                   PROBE_PROMPTS (default "7 0 1 2"): the first module whose verify row
+#                   differs from the decode of the same token
 #   STAGE=determinism  the bit-exact bf16 speculation gate (test/srt/test_deterministic_spec.py:
 #                   NEXTN-3 and DSPARK == plain with --enable-deterministic-inference), then the
 #                   flag's cost: bench_one_batch decode (64 steps after 1024 tokens) of the
@@ -46,6 +47,8 @@ set -uo pipefail
 source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names
 FLASH12="--model-path ling-3.0-flash --load-format dummy --json-model-override-args {\"num_hidden_layers\":12}"
 FLASH42="--model-path ling-3.0-flash --load-format dummy --quantization fp8 --mem-fraction-static 0.93 --context-length 9216"
+# LAYERS=N: the fp8 stages on the first N layers (an H100's 80 GB holds about 20 of the 42)
+[ -n "${LAYERS:-}" ] && FLASH42="$FLASH42 --json-model-override-args {\"num_hidden_layers\":$LAYERS}"
 date -u; git log --oneline -1
 
 # bench_one_batch prefill lines of one process: "<label> <input_len> <prefill ms>".
@@ -176,7 +179,7 @@ determinism)  # DET_GATE=0: the cost only (the gate ran with the other gpu tests
   ;;
 probe)  # which target module rounds a verify row apart from the decode of the same token
   for i in ${PROBE_PROMPTS:-7 0 1 2}; do
-    for alg in nextn3 dspark; do
+    for alg in ${PROBE_ALGS:-nextn3 dspark}; do
       spec="--speculative-algorithm DSPARK"
       [ $alg = nextn3 ] && spec="--speculative-algorithm NEXTN --speculative-num-steps 3"
       # shellcheck disable=SC2086  # spec is a list of flags

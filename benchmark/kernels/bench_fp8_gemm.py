@@ -20,9 +20,8 @@ pre-quantised activations (checked against the fp32 reference on the same quanti
 activations at the first row count), and the same w8a8 product on the library's block-scaled
 fp8 GEMM (``sgl_kernel.fp8_scaled_mm.blockwise_linear``: torch's ``_scaled_mm`` per row group,
 ``KernelChoices.dense_scaled_mm``; the column says "lib" where the library took every
-grid-aligned group, "deq" where it refused one and the dequantised path ran) on every group,
-and on the engine's per-shape plan (``fp8_scaled_mm.weight_only_groups``: groups narrower than
-``LIBRARY_MIN_ROWS`` weight-only on a weight dequantised once, as the layer runs it). The last table
+grid-aligned group, "deq" where it refused one and the dequantised path ran), as the layer runs
+it (groups off the library's rules on weights dequantised once). The last table
 adds the shapes up over the 42-layer model (how many layers have each projection) for one
 prefill of M tokens.
 
@@ -43,8 +42,8 @@ from cold_l2 import flush_buffer, kernel_bench_device  # benchmark/kernels/cold_
 from sgl_kernel._triton_mode import LaunchConfig
 from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
 from sgl_kernel.fp8_blocks import block_quantize
-from sgl_kernel.fp8_scaled_mm import (LIBRARY_MIN_ROWS, blockwise_linear, library_status,
-                                      row_groups, scaled_mm_eligible, weight_only_groups)
+from sgl_kernel.fp8_scaled_mm import (blockwise_linear, library_status, row_groups,
+                                      scaled_mm_eligible, weight_only_groups)
 from sgl_kernel.fp8_gemm import (block_fp8_dequantize, block_fp8_gemm, block_fp8_gemm_reference,
                                  block_fp8_linear, gemm_config, launch_config)
 
@@ -151,16 +150,15 @@ def main() -> None:
           "per-block (config) | best swept prescaled (config) | dequant + F.linear "
           "| Triton dequant + F.linear | bf16 F.linear | w8a8: quant + gemm, default tiles "
           "| w8a8: quant alone | w8a8: quant + best swept gemm (config) | w8a8: quant + "
-          "library scaled_mm | library, the engine's per-shape plan | default / F.linear "
-          "| w8a8 / F.linear |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "library scaled_mm | default / F.linear | w8a8 / F.linear |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     totals: Dict[int, List[float]] = {}
     for name in args.shapes:
         pieces, k, layers = FLASH_SHAPES[name]
         pieces = [max(1, n // args.scale) for n in pieces]
         w, scale, rows = _weight(pieces, k, dev)
         groups = row_groups(pieces)
-        plan = weight_only_groups(w, scale, groups, dt, max(1, LIBRARY_MIN_ROWS // args.scale))
+        off_grid = weight_only_groups(w, scale, groups, dt)
         n = w.shape[0]
         cols = torch.arange(k, device=dev) // 128
         w16 = dequantize_indexed(w, scale, rows, cols, dt)
@@ -243,14 +241,13 @@ def main() -> None:
                 if t < best_w8[0]:
                     best_w8 = (t, c)
             t_w8_best = t_quant + best_w8[0]
-            t_lib = median_us(lambda: blockwise_linear(x, w, scale, groups), args.iters, flush)
-            t_plan = median_us(lambda: blockwise_linear(x, w, scale, groups, dequantized=plan),
-                               args.iters, flush)
+            t_lib = median_us(lambda: blockwise_linear(x, w, scale, groups, dequantized=off_grid),
+                              args.iters, flush)
             eligible = [g for g in groups if scaled_mm_eligible(g[1] - g[0], k)]
             took = bool(eligible) and all(library_status(x.device, g[1] - g[0], k, dt)
                                           for g in eligible)
             times = (t_def, t_pre, best[False][0], best[True][0], t_deq, t_tdq, t_lin, t_w8,
-                     t_quant, t_w8_best, t_lib, t_plan)
+                     t_quant, t_w8_best, t_lib)
             tot = totals.setdefault(m, [0.0] * len(times))
             for j, t in enumerate(times):
                 tot[j] += layers * t
@@ -258,15 +255,15 @@ def main() -> None:
                   + " | ".join(f"{fmt(t)} ({_label(c)})" for t, c in (best[False], best[True]))
                   + f" | {fmt(t_deq)} | {fmt(t_tdq)} | {fmt(t_lin)} | {fmt(t_w8)} | "
                   f"{t_quant:.1f} µs | {fmt(t_w8_best)} ({_label(best_w8[1])}) | "
-                  f"{fmt(t_lib)} ({'lib' if took else 'deq'}) | {fmt(t_plan)} | "
+                  f"{fmt(t_lib)} ({'lib' if took else 'deq'}) | "
                   f"{t_def / t_lin:.2f} | {t_w8 / t_lin:.2f} |")
     print("\nThe model's dense projections for one prefill of M tokens (each shape times its "
           "layers):\n")
     print("| M | fp8 gemm default | prescaled, default tiles | best swept per-block | best swept "
           "prescaled | dequant + F.linear | Triton dequant + F.linear | bf16 F.linear | w8a8: "
           "quant + gemm | w8a8: quant alone | w8a8: quant + best swept gemm | w8a8: quant + "
-          "library scaled_mm | library, per-shape plan |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "library scaled_mm |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for m, tot in totals.items():
         print(f"| {m} | " + " | ".join(f"{t / 1000:.2f} ms" for t in tot) + " |")
     from sgl_kernel import fp8_scaled_mm

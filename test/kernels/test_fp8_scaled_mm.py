@@ -181,39 +181,34 @@ def test_groups_are_written_into_one_output(writes_slices):
         assert torch.equal(first[:, r0:r1], alone)
 
 
-def test_narrow_groups_stay_weight_only():
-    """The per-shape plan: with ``min_rows`` 128 the 96-row group and the 20-row one (off the
-    library's multiple-of-16 rule) are dequantised once and never reach the library, the
-    256-row group does; the weight-only columns equal ``F.linear`` on the dequantised weight.
-    With the default :data:`LIBRARY_MIN_ROWS` every group of this small weight is planned
-    weight-only."""
-    pieces, k, m = [256, 96, 20], 128, 24
-    q, s, rows = _fused_weight(pieces, k, seed=11)
+def test_misaligned_columns_are_copied_not_written_in_place():
+    """A group whose columns do not start on 16 bytes (fp16 output, a 20-row group before it:
+    column 276 is byte 552) is never passed to the library as ``out=`` (cuBLASLt refuses such a
+    slice with ``CUBLAS_STATUS_NOT_SUPPORTED``): its product is copied there; the aligned group
+    is written in place (the output's rows, 408 columns, are 816 bytes); the 20- and 4-row
+    groups, off the library's rules, are weight-only on weights dequantised once
+    (:func:`weight_only_groups`)."""
+    pieces, k, m = [256, 20, 128, 4], 128, 32
+    q, s, rows = _fused_weight(pieces, k, seed=13)
     groups = fsm.row_groups(pieces)
-    assert [g[1] - g[0] for g in groups] == [256, 96, 20]
-    plan = fsm.weight_only_groups(q, s, groups, torch.float32, min_rows=128)
-    assert sorted(plan) == [1, 2] and plan[1].shape == (96, k) and plan[1].dtype == torch.float32
-    assert sorted(fsm.weight_only_groups(q, s, groups, torch.float32)) == [0, 1, 2]
+    off_grid = fsm.weight_only_groups(q, s, groups, torch.float16)
+    assert sorted(off_grid) == [1, 3] and off_grid[1].shape == (20, k)
     calls = []
 
-    def mm(*args, out_dtype, out=None):
-        calls.append(args[1].shape[1])
+    def fussy(*args, out_dtype, out=None):
+        if out is not None and (out.data_ptr() % 16 or out.stride(0) * out.element_size() % 16):
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        calls.append((args[1].shape[1], out is not None))
         return fsm.scaled_mm_reference(*args, out_dtype, out)
 
-    x = torch.randn(m, k, generator=torch.Generator().manual_seed(12)).to(DEVICE)
-    y = fsm.blockwise_linear(x, q, s, groups, mm=mm, dequantized=plan)
-    assert set(calls) == {256}
-    weight_only = torch.nn.functional.linear(x, block_dequantize(q, s, torch.float32, rows=rows))
-    assert torch.equal(y[:, 256:], weight_only[:, 256:])
-    assert 0 < _rel(y[:, :256], weight_only[:, :256]) < 0.1  # w8a8 there
-
-
-def test_rejects_bad_inputs():
-    q, s, _ = _fused_weight([128], 128, seed=6)
-    with pytest.raises(ValueError, match="do not cover"):
-        fsm.blockwise_linear(torch.randn(4, 128).to(DEVICE), q, s, [(0, 64, 0)])
-    with pytest.raises(ValueError, match="expected x"):
-        fsm.blockwise_linear(torch.randn(4, 96).to(DEVICE), q, s, [(0, 128, 0)])
+    x = torch.randn(m, k, generator=torch.Generator().manual_seed(14)).to(DEVICE, torch.float16)
+    first = fsm.blockwise_linear(x, q, s, groups, mm=fussy, dequantized=off_grid)
+    calls.clear()
+    again = fsm.blockwise_linear(x, q, s, groups, mm=fussy, dequantized=off_grid)
+    assert calls == [(256, True), (128, False)] and torch.equal(again, first)
+    weight_only = x @ block_dequantize(q, s, torch.float16, rows=rows).t()
+    for cols in (slice(256, 276), slice(404, 408)):
+        assert torch.equal(first[:, cols], weight_only[:, cols])
 
 
 def test_fp8_linear_layer_with_dense_scaled_mm(monkeypatch):
@@ -251,10 +246,7 @@ def test_fp8_linear_layer_with_dense_scaled_mm(monkeypatch):
     plain = layer(x)
     assert not calls and torch.equal(plain, ref)  # flag off: the weight-only path
     set_fp8_activations(layer, moe=False, dense=False, dense_scaled_mm=True)
-    assert layer.dense_scaled_mm and sorted(layer.scaled_mm_groups[1]) == [0, 1, 2]  # all narrow
-    monkeypatch.setattr(fsm, "LIBRARY_MIN_ROWS", 64)  # so that 96 and 128 rows are wide here
-    set_fp8_activations(layer, moe=False, dense=False, dense_scaled_mm=True)
-    assert list(layer.scaled_mm_groups[1]) == [1]
+    assert layer.dense_scaled_mm and list(layer.scaled_mm_groups[1]) == [1]
 
     def no_dequantize(*args, **kwargs):
         raise AssertionError("a weight was dequantised at the call")
@@ -299,3 +291,29 @@ def test_library_product_on_the_kda_projection_shape_on_cuda():
     again = fsm.blockwise_linear(x, q, s, groups)
     print("library writes column slices in place:", dict(fsm._SLICE_OUT))
     assert _rel(again, y) < 1e-2 and torch.equal(again[:, b], y[:, b])
+
+
+@pytest.mark.gpu
+def test_groups_written_in_place_on_cuda():
+    """The 42-layer model's fused KDA projection as it is (32 heads: q | k | v | b | f | g =
+    4096 x 3 | 32 | 4096 x 2 rows, K = 2560) at 512 rows in bf16: three groups, all on the
+    library, every column start and the row stride 16-byte aligned, so after the first call
+    the library writes each group into its columns in place; both calls within bf16 rounding
+    of w8a8 on the dequantised weight."""
+    if not ON_CUDA:
+        pytest.skip("needs CUDA")
+    pieces = [4096, 4096, 4096, 32, 4096, 4096]
+    q, s, rows = _fused_weight(pieces, 2560, seed=15)
+    x = torch.randn(512, 2560, device="cuda", dtype=torch.bfloat16)
+    groups = fsm.row_groups(pieces)
+    assert [g[1] - g[0] for g in groups] == [12288, 32, 8192]
+    first = fsm.blockwise_linear(x, q, s, groups)
+    if not all(fsm.library_status(x.device, r1 - r0, 2560, x.dtype) for r0, r1, _ in groups):
+        pytest.skip(f"the library did not take every group here: {dict(fsm._CHECKED)}")
+    slices = {n: fsm._SLICE_OUT.get(fsm._key(x.device, n, 2560, x.dtype))
+              for n in (12288, 32, 8192)}
+    again = fsm.blockwise_linear(x, q, s, groups)
+    xq, xs = per_token_group_quant_fp8(x)
+    w8a8 = group_dequantize(xq, xs) @ block_dequantize(q, s, torch.float32, rows=rows).t()
+    assert _rel(first, w8a8) < 1e-2 and _rel(again, w8a8) < 1e-2
+    assert slices == {12288: True, 32: True, 8192: True}, slices

@@ -30,9 +30,10 @@ def test_defaults_on_cuda(quantized, backend):
     assert kc.small_m_gemm == quantized  # fp8 weights: read in place by the small-M GEMM
     assert not kc.kda_norm_in_o_proj and not kc.moe_grouped_mm and kc.pdl_weight_prefetch
     assert kc.moe_align_kernel == triton_moe  # the grouped GEMM path's expert sort kernel
-    # w8a8: the MoE's grouped GEMMs on fp8 models (timed faster), not the dense GEMMs (untimed)
+    # w8a8 on fp8 models: the MoE's grouped GEMMs and the dense projections on the library's
+    # block-scaled GEMM (both timed faster), not the dense Triton GEMM (timed slower)
     assert kc.moe_fp8_activations == quantized and not kc.dense_fp8_activations
-    assert not kc.dense_scaled_mm  # the library's block-scaled GEMM: untimed
+    assert kc.dense_scaled_mm == quantized
 
 
 @pytest.mark.parametrize("quantized", [False, True])

@@ -17,17 +17,14 @@ A fused weight (``MergedColumnParallelLinear``: q | k | v | b | f | g of a KDA l
 piece its own scale grid (``quantization.fp8_utils.block_index``), so a piece that is not a
 multiple of 128 rows (KDA's ``b``: one row per head) breaks the uniform 128-row grid the
 library assumes. :func:`row_groups` cuts the weight into groups that each have one grid; each
-group is one call, written into its columns of one output (no concatenation: the library
-writes a column slice in place where it was seen to, :func:`blockwise_linear`).
-
-Which groups the library takes is a per-shape plan (:func:`weight_only_groups`): on the H100
-its block-scaled GEMM at 8192 rows was 14-35% faster than the dequantised weight on cuBLAS for
-every group of 2560 rows or more and 1.5-4x slower for narrower ones (576, 1536 and 32 rows;
-docs/performance.md, "Dense fp8 on the library"), so a group narrower than
-:data:`LIBRARY_MIN_ROWS`, or one the library cannot take (rows not a multiple of 16), runs
-weight-only on its weight dequantised once when the plan is made: on Ling-3.0-flash these are
-MLA's ``kv_a`` and head-gate rows and KDA's ``b``, 27 MB in bf16 for the 42 layers. No call
-dequantises a weight.
+group is one call on the activations quantised once, written into its columns of one output:
+in place where the library's ``out=`` was seen to honour the row stride and the columns are
+16-byte aligned (cuBLASLt refuses others: ``CUBLAS_STATUS_NOT_SUPPORTED`` on the H100), else
+copied there, never concatenated. A group the library cannot take (rows not a multiple of 16)
+runs weight-only on its weight dequantised once (:func:`weight_only_groups`), so no call
+dequantises a weight. On the H100 at 8192 rows every group of Ling-3.0-flash's dense
+projections, 32 rows to 12288, ran faster on the library this way than its weight on cuBLAS
+after a dequantisation (docs/performance.md, "Dense fp8 on the library").
 
 The library is the GPU's: whether a group runs, and whether it computes what the scales mean,
 is checked once per weight shape against the dequantised product (:func:`blockwise_linear`,
@@ -47,8 +44,7 @@ from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize
 from sgl_kernel.fp8_gemm import block_fp8_dequantize
 
 __all__ = ["RowGroup", "row_groups", "scaled_mm_operands", "scaled_mm_reference",
-           "blockwise_linear", "scaled_mm_eligible", "library_status", "weight_only_groups",
-           "LIBRARY_MIN_ROWS"]
+           "blockwise_linear", "scaled_mm_eligible", "library_status", "weight_only_groups"]
 
 logger = logging.getLogger(__name__)
 
@@ -64,11 +60,8 @@ _CHECK_ROWS = 64  # rows of the first call that the check recomputes
 # (device index, N, K, x dtype) -> whether the library wrote its product into a column slice of
 # a wider output in place (its ``out=`` honouring the row stride; checked once per shape).
 _SLICE_OUT: Dict[Tuple[int, int, int, torch.dtype], bool] = {}
-_SENTINEL_COLS = 16  # columns either side of the slice the check watches
-
-# Groups narrower than this many rows run weight-only on a once-dequantised weight (the module
-# docstring: the library lost on every narrower group timed on the H100, won on every wider one).
-LIBRARY_MIN_ROWS = 2048
+_SENTINEL_COLS = 16  # columns either side of the slice the check watches (32 bytes in bf16)
+_ALIGN_BYTES = 16  # cuBLASLt's fp8 GEMMs want the output's pointer and row stride aligned so
 
 
 def row_groups(pieces: Sequence[int], block: int = QBLOCK) -> List[RowGroup]:
@@ -119,15 +112,18 @@ def _group_weight(w: torch.Tensor, w_scale: torch.Tensor, group: RowGroup
 
 
 def weight_only_groups(w: torch.Tensor, w_scale: torch.Tensor, groups: Sequence[RowGroup],
-                       dtype: torch.dtype, min_rows: int = LIBRARY_MIN_ROWS
-                       ) -> Dict[int, torch.Tensor]:
-    """The plan of :func:`blockwise_linear`'s ``dequantized``: ``{group index: weight}`` for the
-    groups of ``groups`` that stay off the library, dequantised to ``dtype`` once: those it
-    cannot take (:func:`scaled_mm_eligible` false) and those narrower than ``min_rows`` (the
-    module docstring says why)."""
+                       dtype: torch.dtype) -> Dict[int, torch.Tensor]:
+    """``{group index: weight}``: the groups of ``groups`` that the library cannot take
+    (:func:`scaled_mm_eligible` false) dequantised to ``dtype`` once, for
+    :func:`blockwise_linear`'s ``dequantized``."""
     return {i: block_fp8_dequantize(*_group_weight(w, w_scale, g), None, dtype)
-            for i, g in enumerate(groups)
-            if not scaled_mm_eligible(g[1] - g[0], w.shape[1]) or g[1] - g[0] < min_rows}
+            for i, g in enumerate(groups) if not scaled_mm_eligible(g[1] - g[0], w.shape[1])}
+
+
+def _aligned(out: torch.Tensor) -> bool:
+    """Whether ``out``'s first element and row stride sit on the library's alignment."""
+    return (out.data_ptr() % _ALIGN_BYTES == 0
+            and out.stride(0) * out.element_size() % _ALIGN_BYTES == 0)
 
 
 def scaled_mm_operands(q: torch.Tensor, q_scale: torch.Tensor, w: torch.Tensor,
@@ -254,7 +250,7 @@ def _library_product(key: Tuple[int, int, int, torch.dtype], q: torch.Tensor,
     first call, when both checks run)."""
     operands = scaled_mm_operands(q, q_scale, w, w_scale)
     if key in _CHECKED:  # checked and passed (the caller asks only then or outside capture)
-        if dst is not None and _SLICE_OUT.get(key):
+        if dst is not None and _SLICE_OUT.get(key) and _aligned(dst):
             return mm(*operands, out_dtype=dtype, out=dst)
         out = mm(*operands, out_dtype=dtype)
         return out if dst is None else dst.copy_(out)
@@ -280,13 +276,11 @@ def blockwise_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     on ``mm`` (default ``torch._scaled_mm``; tests pass :func:`scaled_mm_reference`), each
     group's product written into its columns of one output.
 
-    A group in ``dequantized`` (:func:`weight_only_groups`, by group index: the plan of which
-    groups stay off the library, their weights dequantised once) runs as the engine's
-    weight-only path does: ``F.linear`` on x as it is with that weight. So does a group the
-    library does not take (rows not a multiple of 16, a shape whose check failed or that it
-    refused, or one not yet checked while a CUDA graph is being captured), on its weight
-    dequantised now (:func:`sgl_kernel.fp8_gemm.block_fp8_dequantize`) unless ``dequantized``
-    holds it."""
+    A group the library does not take (rows not a multiple of 16, a shape whose check failed or
+    that it refused, or one not yet checked while a CUDA graph is being captured) runs as the
+    engine's weight-only path does: x as it is times the group's weight in x's dtype, from
+    ``dequantized`` (:func:`weight_only_groups`, by group index) when it holds the group in
+    that dtype, else dequantised now (:func:`sgl_kernel.fp8_gemm.block_fp8_dequantize`)."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"blockwise_linear: expected x [M, K], w [N, K]; got "
                          f"{tuple(x.shape)}, {tuple(w.shape)}")
@@ -296,8 +290,7 @@ def blockwise_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                          f"{w.shape[0]} rows in order")
     mm = mm or _library_scaled_mm
     dequantized = dequantized or {}
-    on_library = [i not in dequantized and scaled_mm_eligible(g[1] - g[0], w.shape[1])
-                  for i, g in enumerate(groups)]
+    on_library = [scaled_mm_eligible(g[1] - g[0], w.shape[1]) for g in groups]
     if any(on_library):
         q, q_scale = per_token_group_quant_fp8(x if x.stride(1) == 1 else x.contiguous())
         q_scale = _outer_dim_major(q_scale)  # once for every group's call
@@ -315,9 +308,7 @@ def blockwise_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
             wd = dequantized.get(i)
             if wd is None or wd.dtype != x.dtype:
                 wd = block_fp8_dequantize(wg, sg, None, x.dtype)
-            out = torch.nn.functional.linear(x, wd)
-            if dst is not None:
-                dst.copy_(out)
+            out = x @ wd.t() if dst is None else torch.mm(x, wd.t(), out=dst)
         if single:
             y = out
     return y if bias is None else y + bias

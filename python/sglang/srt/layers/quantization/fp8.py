@@ -250,8 +250,8 @@ class Fp8LinearMethod(LinearMethodBase):
         the tiled GEMM, no dequantised weight (values within the activations' e4m3 rounding of
         the reference path's); with the layer's ``dense_scaled_mm``
         (``KernelChoices.dense_scaled_mm``, first if both are on) the same w8a8 numerics on
-        the library's block-scaled fp8 GEMM (``sgl_kernel.fp8_scaled_mm``) for the wide row
-        groups, and the narrow ones weight-only on their weights dequantised once. Off, the
+        the library's block-scaled fp8 GEMM (``sgl_kernel.fp8_scaled_mm``; the default on CUDA),
+        a row group it cannot take weight-only on its weight dequantised once. Off, the
         reference path: ``linear(x, dequant(weight), bias)``,
         which forms the whole weight in x's dtype in several fp32 torch passes at every call.
         The small-M kernel keeps x in its dtype either way. A ``gated_norm`` prologue above the
@@ -305,16 +305,14 @@ def set_fp8_activations(model: nn.Module, *, moe: bool, dense: bool,
 
 
 def _scaled_mm_groups(layer: nn.Module) -> Tuple[list, Dict[int, torch.Tensor]]:
-    """A block-fp8 layer's row groups for ``sgl_kernel.fp8_scaled_mm.blockwise_linear`` and its
-    plan: the groups that stay off the library (off its grid, or narrower than
-    ``fp8_scaled_mm.LIBRARY_MIN_ROWS``: MLA's ``kv_a`` and head gate, KDA's ``b``) dequantised
-    once to the layer's dtype, so that no call dequantises a weight."""
+    """A block-fp8 layer's row groups for ``sgl_kernel.fp8_scaled_mm.blockwise_linear`` and the
+    groups the library cannot take (rows not a multiple of 16) dequantised once to the layer's
+    dtype, so that no call dequantises a weight."""
     from sgl_kernel import fp8_scaled_mm
 
     groups = fp8_scaled_mm.row_groups(layer.weight_pieces)
-    return groups, fp8_scaled_mm.weight_only_groups(
-        layer.weight, layer.weight_scale_inv, groups, layer.params_dtype,
-        fp8_scaled_mm.LIBRARY_MIN_ROWS)
+    return groups, fp8_scaled_mm.weight_only_groups(layer.weight, layer.weight_scale_inv, groups,
+                                                    layer.params_dtype)
 
 
 class DequantizedExperts:
