@@ -66,6 +66,28 @@ def test_flag_reaches_the_runner_and_the_draft():
     assert not plain.tp_worker.model_runner.attn_backend.full_attn_backend.batch_invariant
 
 
+@pytest.mark.parametrize("spec", [dict(speculative_algorithm="NEXTN", speculative_num_steps=3),
+                                  dict(speculative_algorithm="DSPARK")], ids=["nextn3", "dspark"])
+def test_speculative_target_splits_keys_as_the_plain_one(spec):
+    """A speculative target's request map is wider than a plain target's (the round's position
+    headroom); with the deterministic flag both MLA backends still split a request's keys at
+    the same boundaries (from the context length), the condition for a verify row to round as
+    the plain decode of its token (on the H100 a 64-key difference in width split the bundled
+    model's keys differently and one prompt of ten left plain decoding)."""
+    kw = dict(max_total_tokens=4096, max_running_requests=2, attention_backend="triton",
+              enable_deterministic_inference=True)
+    plans = []
+    for extra in ({}, spec):
+        runner = make_scheduler(MODEL, **kw, **extra).tp_worker.model_runner
+        cap = runner.req_to_token_pool.req_to_token.shape[1]
+        mla = runner.attn_backend.full_attn_backend
+        assert mla.invariant_span == runner.context_len
+        plans.append((cap, runner.context_len, mla._split_plan(1, 4, cap, 576, runner.device)))
+    (plain_cap, plain_ctx, plain_plan), (spec_cap, spec_ctx, spec_plan) = plans
+    assert spec_cap > plain_cap and spec_ctx == plain_ctx  # the headroom, one context length
+    assert spec_plan[1] == plain_plan[1] and spec_plan[0] * spec_plan[1] >= spec_cap
+
+
 @pytest.mark.slow  # plain and NEXTN schedulers with the mat-vecs in Triton's interpreter
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                     reason="the grouped mat-vec on CPU needs Triton's interpreter")

@@ -31,10 +31,14 @@ Why this shape of kernel:
 * **Batch invariance on request** (``split_len``, :func:`mla_decode_batch_invariant_split`):
   the adaptive split length depends on the request's longest query, so the same query token's
   keys are grouped differently in a 1-token decode and in an ``N``-token verify, and its output
-  rounds differently. With a fixed split length (from the capacity only) every query row sees
-  the same key groups in the same order whatever shares the launch: keys a row cannot see
-  contribute exact zeros to its online softmax and splits past its length are never merged, so
-  its result is bit-identical at any ``N`` and batch size (``--enable-deterministic-inference``).
+  rounds differently. With a fixed split length every query row sees the same key groups in
+  the same order whatever shares the launch: keys a row cannot see contribute exact zeros to
+  its online softmax and splits past its length are never merged, so its result is
+  bit-identical at any ``N`` and batch size (``--enable-deterministic-inference``). The length
+  comes from a span the caller fixes (the context length), not from the capacity: a
+  speculative runner's request map is wider than a plain one's by its round's position
+  headroom, and a split length taken from the capacity grouped a token's keys differently in
+  the two (the H100 probe's one differing prompt: docs/performance.md).
 * **One program, all its rows, one read of each key.** A program holds ``BLOCK_H`` query rows
   (heads, possibly of several chain tokens) and scores them against a ``BLOCK_N`` block of cache
   rows with two ``tl.dot``s (the latent part, padded to a power of two, and the rope part), then
@@ -124,15 +128,25 @@ def mla_decode_num_splits(batch: int, rows: int, capacity: int, dk: int,
     return max(1, min(MAX_SPLITS, by_capacity, by_occupancy))
 
 
-def mla_decode_batch_invariant_split(capacity: int, dk: int) -> tuple:
-    """``(num_splits, split_len)`` with split boundaries fixed by the capacity alone: the
-    shortest split (a multiple of ``BLOCK_N``, at least ``SPLIT_MIN``) for which ``MAX_SPLITS``
-    splits cover ``capacity`` keys, so short sequences still spread over several programs. Pass
-    both to :func:`mla_decode_fwd` for results that do not depend on the batch shape."""
+def mla_decode_batch_invariant_split(capacity: int, dk: int, span: Optional[int] = None) -> tuple:
+    """``(num_splits, split_len)`` with split boundaries fixed by ``span`` alone (default: the
+    capacity): the shortest split (a multiple of ``BLOCK_N``, at least ``SPLIT_MIN``) for which
+    ``MAX_SPLITS - 1`` splits cover ``span`` keys, so short sequences still spread over several
+    programs, and as many splits as cover ``capacity``. Pass both to :func:`mla_decode_fwd` for
+    results that do not depend on the batch shape; runners whose capacities differ (a
+    speculative one's is ``span`` plus its position headroom) split alike when they pass the
+    same ``span``. The spare split covers a capacity up to ``span + split_len``;
+    ``ValueError`` beyond it."""
     cfg = _config(dk)
-    per_split = triton.cdiv(max(capacity, 1), MAX_SPLITS)
+    span = capacity if span is None else span
+    per_split = triton.cdiv(max(span, 1), MAX_SPLITS - 1)
     split_len = max(cfg.split_min, triton.cdiv(per_split, cfg.block_n) * cfg.block_n)
-    return triton.cdiv(max(capacity, 1), split_len), split_len
+    num_splits = triton.cdiv(max(capacity, 1), split_len)
+    if num_splits > MAX_SPLITS:
+        raise ValueError(f"mla_decode_batch_invariant_split: a capacity of {capacity} keys needs "
+                         f"{num_splits} splits of {split_len} (from a span of {span}); at most "
+                         f"{MAX_SPLITS}")
+    return num_splits, split_len
 
 
 def mla_decode_scratch_numel(batch: int, rows: int, num_splits: int, v_dim: int) -> int:
@@ -314,11 +328,8 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch
     :func:`mla_decode_scratch_numel` elements) may be preallocated so that a CUDA graph reuses
     them; the launches read no device value on the host. ``split_len`` (with ``num_splits``,
     both from :func:`mla_decode_batch_invariant_split`) fixes the split boundaries so that a
-    query row's result does not depend on the other rows or requests of the launch; with it,
-    ``N > 1`` tokens per request run as ``B * N`` requests of one token each, so that every
-    token is computed by the kernel and the program contents of a one-token decode (on the
-    H100 a 4-head verify row rounded differently from the same row decoded alone when one
-    program held several tokens' rows: docs/performance.md). Returns ``out``.
+    query row's result does not depend on the other rows or requests of the launch. Returns
+    ``out``.
     """
     _check_inputs(q, kv_buffer, req_to_token, req_pool_indices, positions, v_dim)
     b, rows, dk = q.shape
@@ -352,16 +363,6 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch
                          f"with at least {need} elements, got {scratch.dtype} "
                          f"{tuple(scratch.shape)} on {scratch.device}")
     if b == 0:
-        return out
-    if split_len is not None and n > 1:
-        heads = rows // n
-        tok_out = out.view(b * n, heads, v_dim) if out.is_contiguous() else None
-        res = mla_decode_fwd(q.reshape(b * n, heads, dk), kv_buffer, req_to_token,
-                             req_pool_indices.repeat_interleave(n), positions.reshape(b * n, 1),
-                             v_dim, scale, num_splits=num_splits, out=tok_out, scratch=scratch,
-                             split_len=split_len)
-        if tok_out is None:
-            out.copy_(res.view(b, rows, v_dim))
         return out
     flat = scratch.view(-1)
     part = flat[:b * rows * num_splits * v_dim]

@@ -494,7 +494,7 @@ class ModelRunner:
         self.attn_backend = create_attn_backend(
             attention_backend, kda_prefill_impl=kda_prefill_impl,
             linear_attn_decode_backend=linear_attn_decode_backend,
-            batch_invariant=self.enable_deterministic_inference)
+            batch_invariant=self.enable_deterministic_inference, invariant_span=self.context_len)
         self._grow_rope_tables()
         self.prefill_graphs: Optional[PrefillGraphRunner] = None  # init_prefill_graphs
         set_vars = set_env_values()

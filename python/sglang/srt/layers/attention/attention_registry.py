@@ -1,6 +1,8 @@
 """``--attention-backend`` names and the factory that builds the hybrid MLA + KDA backend."""
 from __future__ import annotations
 
+from typing import Optional
+
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
 from sglang.srt.layers.attention.torch_native_backend import (
@@ -15,7 +17,8 @@ ATTENTION_BACKENDS = ATTENTION_BACKEND_CHOICES
 
 def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto",
                         linear_attn_decode_backend: str = "auto",
-                        batch_invariant: bool = False) -> AttentionBackend:
+                        batch_invariant: bool = False,
+                        invariant_span: Optional[int] = None) -> AttentionBackend:
     """Build the attention backend called ``name`` for a hybrid KDA + MLA model.
 
     * ``"torch_native"``: plain PyTorch for both MLA and KDA, the reference. Here ``"auto"`` means
@@ -33,7 +36,9 @@ def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto",
 
     ``batch_invariant`` (``--enable-deterministic-inference``): the Triton MLA kernel splits
     the keys at fixed boundaries, so a token's attention does not depend on the launch's other
-    rows (the torch MLA path is the reference and makes no such promise).
+    rows (the torch MLA path is the reference and makes no such promise); ``invariant_span``
+    (the runner's context length) sets them, so that a plain and a speculative runner of one
+    model, whose request maps differ in width, split alike.
     """
     if linear_attn_decode_backend not in KERNEL_BACKEND_CHOICES:
         raise ValueError(f"linear_attn_decode_backend must be one of {KERNEL_BACKEND_CHOICES}, "
@@ -49,5 +54,6 @@ def create_attn_backend(name: str, *, kda_prefill_impl: str = "auto",
     if name == "triton":
         from sglang.srt.layers.attention.triton_backend import TritonMLABackend  # imports triton
 
-        return HybridLinearAttnBackend(TritonMLABackend(batch_invariant=batch_invariant), kda)
+        return HybridLinearAttnBackend(
+            TritonMLABackend(batch_invariant=batch_invariant, invariant_span=invariant_span), kda)
     return HybridLinearAttnBackend(TorchNativeMLABackend(), kda)

@@ -64,11 +64,14 @@ class TritonMLABackend(TorchNativeMLABackend):
     # The result does not depend on ForwardBatch.seq_lens_upper_bound (the kernel never gathers).
     width_independent = True
 
-    def __init__(self, batch_invariant: bool = False):
+    def __init__(self, batch_invariant: bool = False, invariant_span: Optional[int] = None):
         super().__init__()
         # Fixed split boundaries (--enable-deterministic-inference): a token's attention rounds
-        # the same in a decode, a verify and any batch (sgl_kernel.mla_decode's docstring).
+        # the same in a decode, a verify and any batch (sgl_kernel.mla_decode's docstring),
+        # set by invariant_span (the context length) rather than the request map's width, which
+        # a speculative runner widens by its round's position headroom.
         self.batch_invariant = batch_invariant
+        self.invariant_span = invariant_span
         self._graph_max_bs = 0  # 0: init_cuda_graph_state not called
         self._graph_max_tokens = 0
         self._scratch: Optional[torch.Tensor] = None
@@ -141,7 +144,7 @@ class TritonMLABackend(TorchNativeMLABackend):
         """``(num_splits, split_len)`` of a launch: the batch-invariant plan, or the adaptive
         split count (``split_len`` None: chosen on the device from each request's length)."""
         if self.batch_invariant:
-            return mla_decode_batch_invariant_split(cap, dk)
+            return mla_decode_batch_invariant_split(cap, dk, span=self.invariant_span)
         return mla_decode_num_splits(batch, rows, cap, dk, device), None
 
     # ---- CUDA graphs ------------------------------------------------------------------------
