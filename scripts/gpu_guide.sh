@@ -9,7 +9,8 @@
 #   bash scripts/gpu_call.sh "540 gpu_guide.sh LAYERS=6"
 #
 # The folder goes to CKPT (default /tmp/ling-flash-guide; 17 GB for 6 layers, as the tool
-# computes it). PROMPTS (default 4) prompts of 8192 in / 1024 out at concurrency 1.
+# computes it). PROMPTS (default 4) prompts of 8192 in / 1024 out at concurrency 1;
+# GUIDE_NEXTN=0 serves without NEXTN only.
 set -uo pipefail
 source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names, serve / stop_server
 CKPT=${CKPT:-/tmp/ling-flash-guide}
@@ -27,7 +28,9 @@ tail -4 "$OUT/guide_make.log"; echo "made in $(( $(date +%s) - start )) s"; du -
 # The guide's §4 commands, with the folder as --model-path.
 GUIDE="--model-path $CKPT --quantization fp8 --mem-fraction-static 0.93 --context-length 9216 \
 --max-running-requests 2 --cuda-graph-max-bs 1"
-for spec in "" "--speculative-algorithm NEXTN --speculative-num-steps 3"; do
+specs=("" "--speculative-algorithm NEXTN --speculative-num-steps 3")
+[ "${GUIDE_NEXTN:-1}" = 1 ] || specs=("")  # GUIDE_NEXTN=0: the plain server only
+for spec in "${specs[@]}"; do
   label=${spec:+nextn3}; label=${label:-plain}
   echo "== serve ($label): python -m sglang.launch_server $GUIDE $spec"
   # shellcheck disable=SC2086  # GUIDE and spec are lists of flags
@@ -40,7 +43,7 @@ for spec in "" "--speculative-algorithm NEXTN --speculative-num-steps 3"; do
       --random-range-ratio 1.0 --num-prompts ${PROMPTS:-4} --max-concurrency 1 --disable-tqdm \
       --output-file "$OUT/guide_served.jsonl" 2>&1 | tee "$OUT/guide_bench_$label.log" \
       | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Accept length"
-    grep -E "request slots|pools:|Prefill warm-up" "$OUT/guide_server_$label.log" | head -3
+    grep -E "request slots|pools:|Prefill warm-up|scaled_mm" "$OUT/guide_server_$label.log" | head -6
   fi
   stop_server
 done

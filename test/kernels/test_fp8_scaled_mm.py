@@ -211,6 +211,30 @@ def test_misaligned_columns_are_copied_not_written_in_place():
         assert torch.equal(first[:, cols], weight_only[:, cols])
 
 
+def test_library_calls_run_on_rows_padded_to_16():
+    """The library's calls get the quantised rows padded to a multiple of 16 (zero rows, scale
+    1) and the product keeps the caller's rows: 5 rows of x give the first 5 rows of the
+    product of a 16-row x that starts with them, with one group or two (the weight-only
+    20-row group takes x as it is)."""
+    pieces, k = [128, 20], 128
+    q, s, _ = _fused_weight(pieces, k, seed=16)
+    groups = fsm.row_groups(pieces)
+    off_grid = fsm.weight_only_groups(q, s, groups, torch.float32)
+    seen = []
+
+    def mm(*args, out_dtype, out=None):
+        seen.append(args[0].shape[0])
+        return fsm.scaled_mm_reference(*args, out_dtype, out)
+
+    x16 = torch.randn(16, k, generator=torch.Generator().manual_seed(17)).to(DEVICE)
+    full = fsm.blockwise_linear(x16, q, s, groups, mm=mm, dequantized=off_grid)
+    y = fsm.blockwise_linear(x16[:5], q, s, groups, mm=mm, dequantized=off_grid)
+    # (the same sums; fp32 matmuls of 5 and 16 rows may round apart in the last place)
+    assert set(seen) == {16} and y.shape == (5, sum(pieces)) and _rel(y, full[:5]) < 1e-6
+    y3 = fsm.blockwise_linear(x16[:5], q[:128], s[:1], [(0, 128, 0)], mm=mm)
+    assert y3.shape == (5, 128) and _rel(y3, full[:5, :128]) < 1e-6
+
+
 def test_fp8_linear_layer_with_dense_scaled_mm(monkeypatch):
     """A merged block-fp8 layer (pieces 96 | 20 | 128, K = 160, a bias) with ``small_m_gemm``
     and ``dense_scaled_mm`` (what ``KernelChoices.dense_scaled_mm`` sets) above the small-M
@@ -317,3 +341,23 @@ def test_groups_written_in_place_on_cuda():
     w8a8 = group_dequantize(xq, xs) @ block_dequantize(q, s, torch.float32, rows=rows).t()
     assert _rel(first, w8a8) < 1e-2 and _rel(again, w8a8) < 1e-2
     assert slices == {12288: True, 32: True, 8192: True}, slices
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("m", [17, 40, 100, 333, 1000])
+def test_library_takes_any_row_count_on_cuda(m):
+    """Row counts that are not a multiple of 16 (a server's warm-up and its prompts): the
+    library takes every group of the fused KDA and MLA projections (their calls run on rows
+    padded to 16) and the product is w8a8 on the dequantised weight within bf16 rounding."""
+    if not ON_CUDA:
+        pytest.skip("needs CUDA")
+    x = torch.randn(m, 2560, device="cuda", dtype=torch.bfloat16)
+    xq, xs = per_token_group_quant_fp8(x)
+    for pieces in ([4096, 4096, 4096, 32, 4096, 4096], [6144, 576, 32]):
+        q, s, rows = _fused_weight(pieces, 2560, seed=18)
+        groups = fsm.row_groups(pieces)
+        y = fsm.blockwise_linear(x, q, s, groups)
+        status = [fsm.library_status(x.device, r1 - r0, 2560, x.dtype) for r0, r1, _ in groups]
+        assert status == [True] * len(groups), (pieces, status)
+        w8a8 = group_dequantize(xq, xs) @ block_dequantize(q, s, torch.float32, rows=rows).t()
+        assert y.shape == (m, sum(pieces)) and _rel(y, w8a8) < 1e-2

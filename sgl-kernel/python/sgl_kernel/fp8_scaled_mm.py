@@ -20,9 +20,10 @@ library assumes. :func:`row_groups` cuts the weight into groups that each have o
 group is one call on the activations quantised once, written into its columns of one output:
 in place where the library's ``out=`` was seen to honour the row stride and the columns are
 16-byte aligned (cuBLASLt refuses others: ``CUBLAS_STATUS_NOT_SUPPORTED`` on the H100), else
-copied there, never concatenated. A group the library cannot take (rows not a multiple of 16)
-runs weight-only on its weight dequantised once (:func:`weight_only_groups`), so no call
-dequantises a weight. On the H100 at 8192 rows every group of Ling-3.0-flash's dense
+copied there, never concatenated; the calls run on x's quantised rows padded to a multiple of
+16 (cuBLASLt refused other row counts in a server). A group the library cannot take (rows not
+a multiple of 16) runs weight-only on its weight dequantised once (:func:`weight_only_groups`),
+so no call dequantises a weight. On the H100 at 8192 rows every group of Ling-3.0-flash's dense
 projections, 32 rows to 12288, ran faster on the library this way than its weight on cuBLAS
 after a dequantisation (docs/performance.md, "Dense fp8 on the library").
 
@@ -62,6 +63,11 @@ _CHECK_ROWS = 64  # rows of the first call that the check recomputes
 _SLICE_OUT: Dict[Tuple[int, int, int, torch.dtype], bool] = {}
 _SENTINEL_COLS = 16  # columns either side of the slice the check watches (32 bytes in bf16)
 _ALIGN_BYTES = 16  # cuBLASLt's fp8 GEMMs want the output's pointer and row stride aligned so
+# Rows of the library's calls: in a server on the H100 cuBLASLt refused every group of the
+# model at the start-up warm-up's small batches (CUBLAS_STATUS_NOT_SUPPORTED; the 256 to 8192-row
+# calls of the tests and benchmarks, all multiples of 16, ran), so x is quantised into rows
+# padded to a multiple of 16 and the extra rows of the product are dropped.
+_ROW_ALIGN = 16
 
 
 def row_groups(pieces: Sequence[int], block: int = QBLOCK) -> List[RowGroup]:
@@ -267,6 +273,22 @@ def _library_product(key: Tuple[int, int, int, torch.dtype], q: torch.Tensor,
     return out if dst is None else dst.copy_(out)
 
 
+def _quantized_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, int]:
+    """``(q, q_scale, rows)``: x quantised per row and 128-column group into ``rows`` rows (M
+    rounded up to :data:`_ROW_ALIGN`; the extra rows zero, their scales 1), the scales
+    outer-dim-major, as every group's library call takes them."""
+    m, k = x.shape
+    rows = -(-m // _ROW_ALIGN) * _ROW_ALIGN
+    q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
+    q_scale = torch.empty(rows, -(-k // QBLOCK), dtype=torch.float32, device=x.device)
+    per_token_group_quant_fp8(x if x.stride(1) == 1 else x.contiguous(), out=q[:m],
+                              out_scale=q_scale[:m])
+    if rows > m:
+        q[m:].view(torch.uint8).zero_()
+        q_scale[m:].fill_(1.0)
+    return q, _outer_dim_major(q_scale), rows
+
+
 def blockwise_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
                      groups: Sequence[RowGroup], bias: Optional[torch.Tensor] = None,
                      mm: Optional[Callable[..., torch.Tensor]] = None,
@@ -291,12 +313,13 @@ def blockwise_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
     mm = mm or _library_scaled_mm
     dequantized = dequantized or {}
     on_library = [scaled_mm_eligible(g[1] - g[0], w.shape[1]) for g in groups]
+    m = x.shape[0]
+    rows = m  # the library's calls run on rows padded to _ROW_ALIGN (module docstring)
     if any(on_library):
-        q, q_scale = per_token_group_quant_fp8(x if x.stride(1) == 1 else x.contiguous())
-        q_scale = _outer_dim_major(q_scale)  # once for every group's call
+        q, q_scale, rows = _quantized_rows(x)
     capturing = x.is_cuda and torch.cuda.is_current_stream_capturing()
     single = len(groups) == 1
-    y = None if single else torch.empty(x.shape[0], w.shape[0], dtype=x.dtype, device=x.device)
+    y = None if single else torch.empty(rows, w.shape[0], dtype=x.dtype, device=x.device)
     for i, group in enumerate(groups):
         wg, sg = _group_weight(w, w_scale, group)
         dst = None if single else y[:, group[0]:group[1]]
@@ -308,7 +331,8 @@ def blockwise_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
             wd = dequantized.get(i)
             if wd is None or wd.dtype != x.dtype:
                 wd = block_fp8_dequantize(wg, sg, None, x.dtype)
-            out = x @ wd.t() if dst is None else torch.mm(x, wd.t(), out=dst)
+            out = x @ wd.t() if dst is None else torch.mm(x, wd.t(), out=dst[:m])
         if single:
             y = out
+    y = y[:m]
     return y if bias is None else y + bias

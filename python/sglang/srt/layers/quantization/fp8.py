@@ -239,20 +239,21 @@ class Fp8LinearMethod(LinearMethodBase):
         ``linear.set_linear_backend`` only where Triton runs: CUDA, or ``TRITON_INTERPRET=1``;
         ``auto`` turns it on for fp8 models on CUDA) is the one switch for "this layer's fp8
         product runs on Triton kernels", at every row count: a decode / verify batch takes the
-        batch-invariant small-M kernel, more rows (prefill) ``sgl_kernel.fp8_gemm``'s
-        ``block_fp8_linear``: by default a one-pass Triton dequantisation and the library GEMM
-        (bit for bit this reference path's values; faster than the tiled block-fp8 GEMM at
-        every prefill size measured: docs/performance.md, the prefill section's "Dense fp8 at
-        prefill sizes"); with the layer's ``fp8_activations``
+        batch-invariant small-M kernel, more rows (prefill), by default on CUDA
+        (``KernelChoices.dense_scaled_mm``), the w8a8 product on the library's block-scaled
+        fp8 GEMM (``sgl_kernel.fp8_scaled_mm``: x quantised per token and 128-column group, a
+        row group the library cannot take weight-only on its weight dequantised once; values
+        within the activations' e4m3 rounding of the reference path's); without that choice
+        ``sgl_kernel.fp8_gemm``'s ``block_fp8_linear``: a one-pass Triton dequantisation and
+        the library GEMM (bit for bit this reference path's values; faster than the tiled
+        block-fp8 GEMM at every prefill size measured: docs/performance.md, the prefill
+        section's "Dense fp8 at prefill sizes"), or with the layer's ``fp8_activations``
         (``KernelChoices.dense_fp8_activations``, :func:`set_fp8_activations`; off by default)
         "w8a8": x quantised per token and
         128-column group to e4m3 and multiplied by the fp8 weight on the fp8 tensor cores by
         the tiled GEMM, no dequantised weight (values within the activations' e4m3 rounding of
-        the reference path's); with the layer's ``dense_scaled_mm``
-        (``KernelChoices.dense_scaled_mm``, first if both are on) the same w8a8 numerics on
-        the library's block-scaled fp8 GEMM (``sgl_kernel.fp8_scaled_mm``; the default on CUDA),
-        a row group it cannot take weight-only on its weight dequantised once. Off, the
-        reference path: ``linear(x, dequant(weight), bias)``,
+        the reference path's; ``dense_scaled_mm`` goes first when both are on). Without
+        ``small_m_gemm``, the reference path: ``linear(x, dequant(weight), bias)``,
         which forms the whole weight in x's dtype in several fp32 torch passes at every call.
         The small-M kernel keeps x in its dtype either way. A ``gated_norm`` prologue above the
         small-M range is the torch GatedRMSNorm first, as in :func:`linear`."""
