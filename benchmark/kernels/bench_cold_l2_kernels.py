@@ -103,7 +103,7 @@ def max_rel_err(got: Outputs, ref: Outputs) -> float:
 def bench_rmsnorm(env: Env) -> Iterator[Case]:
     """The layer norm fused with its residual add (hidden width) and KDA's gated output norm
     (per 128-wide head, sigmoid gate), against ``layernorm.rms_norm`` / ``gated_rms_norm``."""
-    from sgl_kernel.rmsnorm import rmsnorm
+    from sgl_kernel.rmsnorm import rmsnorm, tile_rows
     from sglang.srt.layers.layernorm import gated_rms_norm, rms_norm
 
     d = env.dims
@@ -125,6 +125,24 @@ def bench_rmsnorm(env: Env) -> Iterator[Case]:
                                                    activation="sigmoid"),),
                    lambda o=o, gate=gate: (gated_rms_norm(o, gate, w_o, d.eps, "sigmoid"),),
                    "layernorm.gated_rms_norm", 3 * nbytes(o) + nbytes(w_o))
+        if tile_rows(t * d.heads, d.head_dim) > 1:  # the same launch, one row per program
+            yield Case("rmsnorm", "gated o_norm (sigmoid), one row per program", t,
+                       lambda o=o, gate=gate: (_one_row_per_program(
+                           lambda: rmsnorm(o, w_o, d.eps, gate=gate, activation="sigmoid")),),
+                       lambda o=o, gate=gate: (gated_rms_norm(o, gate, w_o, d.eps, "sigmoid"),),
+                       "layernorm.gated_rms_norm", 3 * nbytes(o) + nbytes(w_o))
+
+
+def _one_row_per_program(fn: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``fn()`` with ``sgl_kernel.rmsnorm`` held to one row per program at any row count (the
+    launch before multi-row programs), for an A/B row."""
+    from sgl_kernel import rmsnorm as module
+
+    saved, module.TILE_MIN_ROWS = module.TILE_MIN_ROWS, 1 << 62
+    try:
+        return fn()
+    finally:
+        module.TILE_MIN_ROWS = saved
 
 
 def bench_mla_rope(env: Env) -> Iterator[Case]:

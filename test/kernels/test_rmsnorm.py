@@ -82,6 +82,42 @@ def test_rows_are_independent_of_the_batch():
     assert torch.equal(batch[3:4], alone)
 
 
+def test_many_narrow_rows_share_programs(monkeypatch):
+    """Above ``TILE_MIN_ROWS`` rows (lowered here to 8) narrow rows take several rows per
+    program (``tile_rows``: 64 rows of 24 elements, so 37 rows are one program with masked
+    rows): the norm with its residual add, and the gated norm reading its gate inside a wider
+    projection, match the torch norms; a launch of at most ``TILE_MIN_ROWS`` rows and wide rows
+    keep one row per program."""
+    from sgl_kernel import rmsnorm as module
+
+    monkeypatch.setattr(module, "TILE_MIN_ROWS", 8)
+    assert module.tile_rows(37, 24) == 64 and module.tile_rows(8, 24) == 1
+    assert module.tile_rows(10_000, 2560) == 1
+    grids = []
+    tile = module._rmsnorm_tile_kernel
+
+    class Recorder:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return tile[grid]
+
+    monkeypatch.setattr(module, "_rmsnorm_tile_kernel", Recorder())
+    x, res = _x((37, 24), torch.float32, 14), _x((37, 24), torch.float32, 15)
+    w = _x((24,), torch.float32, 16)
+    out, new_res = module.rmsnorm(x, w, 1e-6, residual=res)
+    assert grids == [(1,)] and torch.equal(new_res, x + res)
+    torch.testing.assert_close(out, rms_norm(x + res, w, 1e-6), rtol=1e-5, atol=1e-5)
+    t, h, d = 7, 3, 32  # 21 rows of KDA's output norm, the gate a slice of the projection
+    fused = _x((t, 2 * h * d + 5), torch.float32, 17)
+    z = fused[:, h * d + 5:].view(t, h, d)
+    xg, wg = _x((t, h, d), torch.float32, 18), _x((d,), torch.float32, 19)
+    ref = GatedRMSNorm(d, 1e-6, "swish").to(DEVICE)
+    ref.weight.data = wg
+    got = module.rmsnorm(xg, wg, 1e-6, gate=z, activation="swish")
+    assert grids == [(1,), (1,)]
+    torch.testing.assert_close(got, ref(xg, z), rtol=1e-5, atol=1e-5)
+
+
 def test_bad_inputs_are_rejected():
     from sgl_kernel.rmsnorm import rmsnorm
 

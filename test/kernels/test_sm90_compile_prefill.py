@@ -19,6 +19,7 @@ constexprs of its real launches:
   scales (the hardware cast's rounding, not the interpreter's fp32 rounding);
 * ``kda_prefill_conv._kda_prefill_conv_kernel``: bf16 x and taps, fp32 window pool, K = 4;
 * ``rmsnorm._rmsnorm_kernel`` (residual norm with PDL, KDA's gated norm) and
+  ``_rmsnorm_tile_kernel`` (a prefill's narrow rows, several per program), and
   ``mla_rope._mla_rope_kernel`` (absorbed and normal form), which the prefill now runs too.
 
 Skipped where the backend finds no ``ptxas``. Marked slow: each subprocess imports torch and
@@ -173,6 +174,14 @@ build("residual rmsnorm", kernel, ptrs, dict(HAS_RES=True, GATE=0, USE_PDL=True,
       {"eps": "fp32"}, num_warps=4)
 build("gated rmsnorm", kernel, ptrs, dict(HAS_RES=False, GATE=1, USE_PDL=False, BLOCK=128),
       {"eps": "fp32"}, num_warps=4)
+# A prefill's narrow rows: 16 rows of KDA's gated norm (128) and 4 of MLA's latent norm (512)
+# per program.
+from sgl_kernel.rmsnorm import _rmsnorm_tile_kernel as tile
+
+build("gated rmsnorm, 16 rows", tile, ptrs, dict(HAS_RES=False, GATE=1, ROWS=16, BLOCK=128),
+      {"eps": "fp32"}, num_warps=4)
+build("latent rmsnorm, 4 rows", tile, ptrs, dict(HAS_RES=False, GATE=0, ROWS=4, BLOCK=512),
+      {"eps": "fp32"}, num_warps=4)
 """
 
 _MLA_ROPE = _PRELUDE + r"""
@@ -191,7 +200,7 @@ for rq in (512, 128):
 # of which w8a8: the wgmma on e4m3 operands).
 CASES = {"moe_grouped_gemm": (_MOE, 11, 11, 5), "fp8_gemm": (_FP8_GEMM, 7, 6, 2),
          "fp8_act_quant": (_FP8_ACT_QUANT, 1, 0, 0), "kda_prefill_conv": (_KDA_CONV, 1, 0, 0),
-         "rmsnorm": (_RMSNORM, 2, 0, 0), "mla_rope": (_MLA_ROPE, 2, 0, 0)}
+         "rmsnorm": (_RMSNORM, 4, 0, 0), "mla_rope": (_MLA_ROPE, 2, 0, 0)}
 
 
 @pytest.mark.parametrize("module", list(CASES))

@@ -1,7 +1,7 @@
 """RMSNorm in one kernel per call: optionally fused with the residual add before it and with an
 activated gate after it (the KDA output norm).
 
-Per row (one program each)::
+Per row::
 
     h = x + residual                      (rounded to x's dtype, as the unfused add is)
     y = h * rsqrt(mean(h^2) + eps) * w     (fp32)
@@ -9,10 +9,15 @@ Per row (one program each)::
 
 The torch-native norm is six or seven kernels (cast, square, mean, add, rsqrt, two or three
 multiplies, cast), and a decode step of Ling-3.0-flash runs over a hundred norms: in a
-launch-bound batch-1 step each saved launch counts. Rows are independent, so a row rounds the same
-whatever the batch (a NEXTN verify row and the decode of the same token agree). Decode-sized
-launches use PDL (:mod:`sgl_kernel.pdl`): the weight is read before the wait. References:
-:func:`sglang.srt.layers.layernorm.rms_norm` and ``GatedRMSNorm``.
+launch-bound batch-1 step each saved launch counts. Up to :data:`TILE_MIN_ROWS` rows each row
+is one program, so a row rounds the same whatever the batch (a NEXTN verify row and the decode
+of the same token agree). Decode-sized launches use PDL (:mod:`sgl_kernel.pdl`): the weight is
+read before the wait. A prefill's narrow rows (KDA's output norm: 128 channels per head, so a
+T-token prefill has 32 T rows; MLA's 512-wide latent norm) would make that one tiny program
+per row, so launches of more rows than :data:`TILE_MIN_ROWS` with rows of at most
+``_TILE_ELEMS // 2`` elements take several rows per program (:func:`tile_rows`), the same
+arithmetic on a 2-D tile. References: :func:`sglang.srt.layers.layernorm.rms_norm` and
+``GatedRMSNorm``.
 """
 from __future__ import annotations
 
@@ -24,12 +29,17 @@ import triton.language as tl
 
 from sgl_kernel import pdl
 
-__all__ = ["rmsnorm", "GATE_ACTIVATIONS", "REFERENCE_NOTE"]
+__all__ = ["rmsnorm", "tile_rows", "GATE_ACTIVATIONS", "REFERENCE_NOTE", "TILE_MIN_ROWS"]
 
 REFERENCE_NOTE = ("reference: sglang.srt.layers.layernorm.rms_norm / gated_rms_norm (the "
                   "engine's torch norms), compared in test/kernels/test_rmsnorm.py")
 
 GATE_ACTIVATIONS = {None: 0, "sigmoid": 1, "swish": 2, "silu": 2}
+
+# Launches of more rows than this may put several rows in a program (a prefill: a decode or
+# verify launch, at most 64 tokens x 32 heads of KDA's output norm, stays one row per program).
+TILE_MIN_ROWS = 4096
+_TILE_ELEMS = 2048  # elements of a multi-row program's tile (rows x the power-of-2 row block)
 
 
 @triton.jit
@@ -63,6 +73,45 @@ def _rmsnorm_kernel(x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, res_out_ptr, D,
         else:
             y = y * (g * tl.sigmoid(g))
     tl.store(out_ptr + row * s_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _rmsnorm_tile_kernel(x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, res_out_ptr, R, D,
+                         s_x, s_res, s_gate, s_w, s_out, s_res_out, g_inner, s_gate_in, eps,
+                         HAS_RES: tl.constexpr, GATE: tl.constexpr, ROWS: tl.constexpr,
+                         BLOCK: tl.constexpr):
+    """``_rmsnorm_kernel`` on ``ROWS`` rows per program (prefill-sized launches, no PDL)."""
+    rows = (tl.program_id(0) * ROWS + tl.arange(0, ROWS)).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    col_ok = offs < D
+    mask = (rows < R)[:, None] & col_ok[None, :]
+    w = tl.load(w_ptr + offs * s_w, mask=col_ok, other=0.0).to(tl.float32)
+    x = tl.load(x_ptr + rows[:, None] * s_x + offs[None, :], mask=mask, other=0.0)
+    if HAS_RES:
+        r = tl.load(res_ptr + rows[:, None] * s_res + offs[None, :], mask=mask, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + rows[:, None] * s_res_out + offs[None, :], x, mask=mask)
+    h = x.to(tl.float32)
+    y = h * tl.rsqrt(tl.sum(h * h, axis=1) / D + eps)[:, None]
+    y = y * w[None, :]
+    if GATE != 0:
+        g_row = (rows // g_inner) * s_gate + (rows % g_inner) * s_gate_in
+        g = tl.load(gate_ptr + g_row[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
+        if GATE == 1:
+            y = y * tl.sigmoid(g)
+        else:
+            y = y * (g * tl.sigmoid(g))
+    tl.store(out_ptr + rows[:, None] * s_out + offs[None, :], y.to(out_ptr.dtype.element_ty),
+             mask=mask)
+
+
+def tile_rows(rows: int, d: int) -> int:
+    """Rows per program of a launch over ``rows`` rows of ``d`` elements: 1 up to
+    :data:`TILE_MIN_ROWS` rows (batch-invariant decode and verify) and for rows wider than
+    half a tile, else as many as fill a tile of ``_TILE_ELEMS`` elements."""
+    if rows <= TILE_MIN_ROWS:
+        return 1
+    return max(1, _TILE_ELEMS // triton.next_power_of_2(d))
 
 
 def _rows(t: torch.Tensor, d: int) -> torch.Tensor:
@@ -112,7 +161,15 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
     gate2, g_inner, s_gate, s_gate_in = (_gate_rows(gate, d) if gate is not None
                                          else (x2, 1, x2.stride(0), 0))
     rows = x2.shape[0]
-    if rows:
+    per_program = tile_rows(rows, d)
+    if rows and per_program > 1:
+        _rmsnorm_tile_kernel[(triton.cdiv(rows, per_program),)](
+            x2, res2, gate2, weight, out, res_out, rows, d,
+            x2.stride(0), res2.stride(0), s_gate, weight.stride(0), out.stride(0),
+            res_out.stride(0), g_inner, s_gate_in, float(eps), HAS_RES=residual is not None,
+            GATE=GATE_ACTIVATIONS[activation], ROWS=per_program,
+            BLOCK=triton.next_power_of_2(d))
+    elif rows:
         pdl_on = pdl.use_pdl(rows)
         _rmsnorm_kernel[(rows,)](
             x2, res2, gate2, weight, out, res_out, d,
