@@ -123,7 +123,7 @@ served)
     timeout ${BENCH_TIMEOUT:-200} python3 -m sglang.bench_serving --backend sglang --port 30710 \
       --dataset-name random-ids --random-input-len 8192 --random-output-len 1024 \
       --random-range-ratio 1.0 --num-prompts ${PROMPTS:-4} --max-concurrency 1 --disable-tqdm \
-      --output-file "$OUT/served.jsonl" 2>&1 | tee "$OUT/bench_fp8_$steps.log" \
+      --output-details --output-file "$OUT/served.jsonl" 2>&1 | tee "$OUT/bench_fp8_$steps.log" \
       | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Accept"
     grep -E "request slots|pools:|Prefill warm-up" "$OUT/server_fp8_$steps.log" | head -3
     stop_server

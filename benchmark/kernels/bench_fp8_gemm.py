@@ -49,10 +49,10 @@ from sgl_kernel.fp8_gemm import (block_fp8_dequantize, block_fp8_gemm, block_fp8
 
 # name -> (row pieces, K, layers of Ling-3.0-flash whose prefill runs it as a dense projection):
 # hidden 2560, 32 heads x 128, KDA's fused q|k|v|b|f|g and o_proj (35 KDA layers), MLA's fused
-# q | kv_a | g input projection ("mla qkv_a_g") and its output projection (7 layers), the dense MLP (the first 2
-# layers, width 6144). MLA's pieces alone and the shared expert (width 768) are timed for
-# reference with no layers: at prefill the shared expert rides the MoE's grouped GEMM
-# (layers/moe/fused_moe_triton.py), so the model's total leaves them out.
+# q | kv_a | g input projection ("mla qkv_a_g") and its output projection (7 layers), the dense
+# MLP (the first 2 layers, width 6144). MLA's pieces alone and the shared expert (width 768) are
+# timed for reference with no layers: at prefill the shared expert rides the MoE's grouped GEMM
+# (python/sglang/srt/layers/moe/fused_moe_triton.py), so the model's total leaves them out.
 FLASH_SHAPES: Dict[str, Tuple[Sequence[int], int, int]] = {
     "kda qkvbfg": ([4096, 4096, 4096, 32, 4096, 4096], 2560, 35),
     "kda o_proj": ([2560], 4096, 35),

@@ -139,6 +139,33 @@ def test_a_refusing_library_falls_back_once(caplog):
     assert any("Invalid scaling configuration." in r.message for r in caplog.records)
 
 
+def test_a_later_refusal_falls_back_without_an_error(caplog):
+    """A shape the library took at its first call but refuses at another row count (cuBLASLt's
+    heuristics can) runs weight-only from then on: the call returns the right product, no
+    exception reaches the model, one warning names the row count."""
+    q, s, _ = _fused_weight([128], 128, seed=19)
+    calls = []
+
+    def picky(*args, out_dtype, out=None):
+        calls.append(args[0].shape[0])
+        if args[0].shape[0] > 16:
+            raise RuntimeError("CUBLAS_STATUS_NOT_SUPPORTED")
+        return fsm.scaled_mm_reference(*args, out_dtype, out)
+
+    gen = torch.Generator().manual_seed(20)
+    x8 = torch.randn(8, 128, generator=gen).to(DEVICE)
+    x40 = torch.randn(40, 128, generator=gen).to(DEVICE)
+    fsm.blockwise_linear(x8, q, s, [(0, 128, 0)], mm=picky)
+    assert fsm.library_status(x8.device, 128, 128, x8.dtype) is True
+    with caplog.at_level(logging.WARNING, logger=fsm.__name__):
+        y = fsm.blockwise_linear(x40, q, s, [(0, 128, 0)], mm=picky)
+        y2 = fsm.blockwise_linear(x40, q, s, [(0, 128, 0)], mm=picky)
+    assert fsm.library_status(x40.device, 128, 128, x40.dtype) is False and calls[-1] == 48
+    assert torch.equal(y, y2)
+    assert _rel(y, torch.nn.functional.linear(x40, block_dequantize(q, s, torch.float32))) < 1e-5
+    assert sum("refused at 48 rows" in r.message for r in caplog.records) == 1
+
+
 def _contiguous_writer(calls):
     """A library whose ``out=`` writes ``[M, N]`` values from the slice's first element as if
     the slice were contiguous (what torch's CPU ``_scaled_mm`` was seen doing), over the

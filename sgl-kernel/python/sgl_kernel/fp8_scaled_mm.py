@@ -62,7 +62,7 @@ _CHECK_ROWS = 64  # rows of the first call that the check recomputes
 # a wider output in place (its ``out=`` honouring the row stride; checked once per shape).
 _SLICE_OUT: Dict[Tuple[int, int, int, torch.dtype], bool] = {}
 _SENTINEL_COLS = 16  # columns either side of the slice the check watches (32 bytes in bf16)
-_ALIGN_BYTES = 16  # cuBLASLt's fp8 GEMMs want the output's pointer and row stride aligned so
+_ALIGN_BYTES = 16  # cuBLASLt's fp8 GEMMs want the output's pointer and row stride so aligned
 # Rows of the library's calls: in a server on the H100 cuBLASLt refused every group of the
 # model at the start-up warm-up's small batches (CUBLAS_STATUS_NOT_SUPPORTED; the 256 to 8192-row
 # calls of the tests and benchmarks, all multiples of 16, ran), so x is quantised into rows
@@ -252,21 +252,23 @@ def _library_product(key: Tuple[int, int, int, torch.dtype], q: torch.Tensor,
                      dst: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
     """One group's product on the library: written into ``dst`` (a column slice of the layer's
     output) and returned, or returned as a new tensor when ``dst`` is None; None when the
-    group keeps the weight-only path (a shape the library refused or computed wrongly at its
-    first call, when both checks run)."""
+    group keeps the weight-only path: the library refused it (at any call; the shape stays off
+    it from then on, one warning) or computed it wrongly at its first call, when the checks
+    run."""
     operands = scaled_mm_operands(q, q_scale, w, w_scale)
-    if key in _CHECKED:  # checked and passed (the caller asks only then or outside capture)
-        if dst is not None and _SLICE_OUT.get(key) and _aligned(dst):
+    checked = key in _CHECKED  # and passed: the caller asks only then, or outside capture
+    try:
+        if checked and dst is not None and _SLICE_OUT.get(key) and _aligned(dst):
             return mm(*operands, out_dtype=dtype, out=dst)
         out = mm(*operands, out_dtype=dtype)
-        return out if dst is None else dst.copy_(out)
-    try:
-        out = mm(*operands, out_dtype=dtype)
     except (RuntimeError, ValueError) as exc:  # the library refuses this layout
-        logger.warning("fp8 scaled_mm: a [%d, %d] weight group is refused (%s); it keeps the "
-                       "dequantised path", w.shape[0], w.shape[1], str(exc).splitlines()[0])
+        logger.warning("fp8 scaled_mm: a [%d, %d] weight group is refused at %d rows (%s); it "
+                       "keeps the dequantised path", w.shape[0], w.shape[1], q.shape[0],
+                       str(exc).splitlines()[0])
         _CHECKED[key] = False
         return None
+    if checked:
+        return out if dst is None else dst.copy_(out)
     if not _group_uses_library(key, q, q_scale, w, w_scale, out):
         return None
     _SLICE_OUT[key] = _writes_column_slice(mm, q, q_scale, w, w_scale, out)
