@@ -42,8 +42,9 @@
 #                 without the weight prefetch, the torch MLA RoPE, KDA's output norm inside
 #                 o_proj), FP8AB_SPECS (default "0"), FP8AB_STEPS (iterations per row, 16),
 #                 FP8AB_ARGS (more graph_ab flags, e.g. "--prefill-graph-ab 1024": decode before
-#                 and after a prefill graph capture); lines with the setting's label in
-#                 $OUT/fp8ab.jsonl (about a minute per process)
+#                 and after a prefill graph capture), LAYERS (the first N layers only: an
+#                 H100 holds about 20); lines with the setting's label in $OUT/fp8ab.jsonl
+#                 (about a minute per process)
 #   STAGE=dspark_flash  DSpark at Flash width: the whole 42-layer Ling-3.0-flash in block fp8 with
 #                 the dummy draft preset ling-3.0-flash-dspark (5 layers of hidden 2560, the
 #                 published draft's shape), batch 1, context CONTEXT (default 8192), same call:
