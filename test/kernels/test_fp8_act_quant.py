@@ -73,6 +73,12 @@ def test_group_size_and_out_buffers(aq):
     ref_q, ref_s = aq.per_token_group_quant_fp8_reference(x, 32)
     assert torch.equal(s, ref_s)
     _check_close(q, ref_q)
+    # The scales outer-dim-major (stride (1, M')) and the rows the first 9 of a taller buffer,
+    # as the library's block-scaled GEMM takes them: the same values, written in place.
+    col = torch.full((3, 16), -1.0, device=DEVICE).t()
+    q2, s2 = aq.per_token_group_quant_fp8(x, 32, out=torch.empty_like(out), out_scale=col[:9])
+    assert s2.stride() == (1, 16) and torch.equal(s2, ref_s) and torch.equal(q2, q)
+    assert bool((col[9:] == -1.0).all())  # rows past the 9 untouched
 
 
 def test_rejects_bad_inputs(aq):

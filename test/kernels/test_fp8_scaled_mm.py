@@ -256,6 +256,10 @@ def test_library_calls_run_on_rows_padded_to_16():
     x16 = torch.randn(16, k, generator=torch.Generator().manual_seed(17)).to(DEVICE)
     full = fsm.blockwise_linear(x16, q, s, groups, mm=mm, dequantized=off_grid)
     y = fsm.blockwise_linear(x16[:5], q, s, groups, mm=mm, dequantized=off_grid)
+    q5, s5, rows5 = fsm._quantized_rows(x16[:5])  # scales written outer-dim-major in place
+    assert rows5 == 16 and s5.stride() == (1, 16)
+    assert fsm._outer_dim_major(s5).data_ptr() == s5.data_ptr()  # no transposing copy
+    assert bool((s5[5:] == 1).all()) and not q5[5:].view(torch.uint8).any()
     # (the same sums; fp32 matmuls of 5 and 16 rows may round apart in the last place)
     assert set(seen) == {16} and y.shape == (5, sum(pieces)) and _rel(y, full[:5]) < 1e-6
     y3 = fsm.blockwise_linear(x16[:5], q[:128], s[:1], [(0, 128, 0)], mm=mm)

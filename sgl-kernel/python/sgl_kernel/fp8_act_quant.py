@@ -66,6 +66,7 @@ def quantize_groups(x, FMAX: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M"])
 def _per_token_group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q, stride_s,
+                                  stride_sg,
                                   FMAX: tl.constexpr, GROUP: tl.constexpr,
                                   BLOCK_M: tl.constexpr, ROUND_IN_FP32: tl.constexpr):
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -78,7 +79,7 @@ def _per_token_group_quant_kernel(x_ptr, q_ptr, s_ptr, M, K, stride_x, stride_q,
     q, scale = quantize_groups(x, FMAX, ROUND_IN_FP32)
     tl.store(q_ptr + rows64[:, None] * stride_q + cols[None, :],
              q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + rows64 * stride_s + group, scale, mask=rows < M)
+    tl.store(s_ptr + rows64 * stride_s + group * stride_sg, scale, mask=rows < M)
 
 
 def _check(x: torch.Tensor, group_size: int) -> None:
@@ -99,7 +100,9 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = QBLOCK,
                               ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(q float8_e4m3fn [M, K], scale fp32 [M, ceil(K / group_size)])`` of ``x [M, K]`` by the
     module's rule, in one launch, no host sync (capturable in a CUDA graph). ``out`` /
-    ``out_scale`` receive the results when given (shapes and dtypes as returned, contiguous)."""
+    ``out_scale`` receive the results when given (shapes and dtypes as returned; ``out``
+    row-major, ``out_scale`` any strides: an outer-dim-major one, stride ``(1, M')``, is the
+    layout the library's block-scaled GEMM reads, written without a transposing copy)."""
     _check(x, group_size)
     m, k = x.shape
     groups = -(-k // group_size)
@@ -118,6 +121,7 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = QBLOCK,
     grid = (triton.cdiv(m, _BLOCK_M), groups)
     _per_token_group_quant_kernel[grid](
         x, out, out_scale, m, k, x.stride(0), out.stride(0), out_scale.stride(0),
+        out_scale.stride(1),
         FMAX=FP8_MAX, GROUP=group_size, BLOCK_M=_BLOCK_M, ROUND_IN_FP32=INTERPRETED,
         **compiler_options(4, None))
     return out, out_scale

@@ -7,7 +7,7 @@
 shapes and strides; its checks, in our words:
 
 * ``mat_a`` row-major ``[M, K]`` e4m3 with ``scale_a [M, ceil(K/128)]`` fp32 *outer-dim-major*
-  (stride ``(1, M)``: the column-major copy of the quantiser's row-major scales);
+  (stride ``(1, M)``: column-major, which the quantiser writes directly into such a buffer);
 * ``mat_b = w.t()`` (``[K, N]`` column-major, which sm_90 requires) with ``scale_b`` such that
   ``scale_b.t()`` is ``[ceil(N/128), ceil(K/128)]`` row-major: the checkpoint's
   ``weight_scale_inv`` as stored, passed transposed;
@@ -277,18 +277,18 @@ def _library_product(key: Tuple[int, int, int, torch.dtype], q: torch.Tensor,
 
 def _quantized_rows(x: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, int]:
     """``(q, q_scale, rows)``: x quantised per row and 128-column group into ``rows`` rows (M
-    rounded up to :data:`_ROW_ALIGN`; the extra rows zero, their scales 1), the scales
-    outer-dim-major, as every group's library call takes them."""
+    rounded up to :data:`_ROW_ALIGN`; the extra rows zero, their scales 1), the scales written
+    outer-dim-major by the quantiser itself, as every group's library call takes them."""
     m, k = x.shape
     rows = -(-m // _ROW_ALIGN) * _ROW_ALIGN
     q = torch.empty(rows, k, dtype=torch.float8_e4m3fn, device=x.device)
-    q_scale = torch.empty(rows, -(-k // QBLOCK), dtype=torch.float32, device=x.device)
+    q_scale = torch.empty(-(-k // QBLOCK), rows, dtype=torch.float32, device=x.device).t()
     per_token_group_quant_fp8(x if x.stride(1) == 1 else x.contiguous(), out=q[:m],
                               out_scale=q_scale[:m])
     if rows > m:
         q[m:].view(torch.uint8).zero_()
         q_scale[m:].fill_(1.0)
-    return q, _outer_dim_major(q_scale), rows
+    return q, q_scale, rows
 
 
 def blockwise_linear(x: torch.Tensor, w: torch.Tensor, w_scale: torch.Tensor,
