@@ -411,6 +411,52 @@ def test_triton_paths_read_fp8_weights(ckpts):
     assert err <= 1e-5 * ref.abs().max().item(), err
 
 
+@pytest.mark.skipif(not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="needs CUDA or TRITON_INTERPRET=1 (test/conftest.py)")
+def test_dense_scaled_mm_path_in_the_model(ckpts, monkeypatch):
+    """``KernelChoices.dense_scaled_mm`` (the CUDA default for fp8 models) through a whole fp8
+    model: a 70-token prefill (above the small-M rows, not a multiple of 16) puts every dense
+    projection on ``sgl_kernel.fp8_scaled_mm.blockwise_linear``. Where the library refuses
+    (torch's CPU ``_scaled_mm`` takes no block scales) every shape falls back to the
+    weight-only product without an error and the logits equal the reference path's bit for bit;
+    with the library's contract in plain torch in its place (``scaled_mm_reference``) every
+    eligible group runs w8a8 into its columns and the logits come out finite. (Their distance
+    to the weight-only logits says nothing here: on this random model two w8a8 paths, this one
+    and the tiled Triton GEMM's, differ from each other by 30% of the largest logit, an e4m3
+    rounding flipped by a last-bit difference early on growing through the layers; the
+    product itself is held to its reference in test/kernels/test_fp8_scaled_mm.py.)"""
+    from sgl_kernel import fp8_scaled_mm as fsm
+
+    _, fp8, _ = ckpts
+    ids = torch.randint(3, 500, (70,), generator=torch.Generator().manual_seed(2))
+    ref = _prefill_logits(_runner(fp8), ids)
+    runner = ModelRunner(ModelConfig.from_path(fp8), device="cpu", dtype=torch.float32,
+                         max_running_requests=2, max_total_tokens=128,
+                         kernel_choices=KernelChoices(small_m_gemm=True, dense_scaled_mm=True))
+    layers = [m for m in runner.model.modules() if getattr(m, "dense_scaled_mm", False)]
+    assert layers and all(m.scaled_mm_groups is not None for m in layers)
+    shapes = {(r1 - r0, m.weight.shape[1]) for m in layers for r0, r1, _ in m.scaled_mm_groups[0]}
+    eligible = {sh for sh in shapes if fsm.scaled_mm_eligible(*sh)}
+    assert eligible
+
+    def rel(a: torch.Tensor) -> float:
+        return (a - ref).abs().max().item() / ref.abs().max().item()
+
+    for library in ("cpu torch", "the contract in plain torch"):
+        monkeypatch.setattr(fsm, "_CHECKED", {})
+        monkeypatch.setattr(fsm, "_SLICE_OUT", {})
+        if library != "cpu torch":
+            monkeypatch.setattr(fsm, "_library_scaled_mm", fsm.scaled_mm_reference)
+        got = _prefill_logits(runner, ids)
+        taken = {fsm.library_status(torch.device("cpu"), n, k, torch.float32)
+                 for n, k in eligible}
+        if taken == {False}:  # refused everywhere: the weight-only product
+            assert rel(got) == 0.0, library
+        else:
+            assert taken == {True} and rel(got) > 0 and bool(got.isfinite().all()), library
+        assert library == "cpu torch" or taken == {True}
+
+
 def test_draft_quantization_follows_its_flag(ckpts):
     """NEXTN's MTP layer: the target's quantization by default, and
     ``--speculative-draft-model-quantization unquant`` keeps it in the model dtype (the remedy
