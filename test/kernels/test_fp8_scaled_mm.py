@@ -44,6 +44,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
 
+def _cuda_projection(pieces, m: int, seed: int):
+    """``(q, s, rows, x, groups)``: a fused weight of ``pieces`` (K = 2560, the model's hidden
+    width) with ``m`` rows of bf16 activations on CUDA and the weight's row groups."""
+    q, s, rows = _fused_weight(pieces, 2560, seed=seed)
+    x = torch.randn(m, 2560, device="cuda", dtype=torch.bfloat16)
+    return q, s, rows, x, fsm.row_groups(pieces)
+
+
+def _w8a8(x: torch.Tensor, q, s, rows) -> torch.Tensor:
+    """fp32 ``x @ dequant(w).T`` with x quantised per row and 128-column group (w8a8)."""
+    xq, xs = per_token_group_quant_fp8(x)
+    return group_dequantize(xq, xs) @ block_dequantize(q, s, torch.float32, rows=rows).t()
+
+
 def test_row_groups_follow_the_scale_grids():
     # KDA's q | k | v | b | f | g: b (one row per head) breaks the grid, f starts a new one.
     assert fsm.row_groups([2560, 2560, 2560, 20, 2560, 2560]) == [
@@ -323,14 +337,10 @@ def test_library_product_on_the_kda_projection_shape_on_cuda():
     if not ON_CUDA:
         pytest.skip("needs CUDA")
     pieces = [2560, 2560, 2560, 20, 2560, 2560]
-    q, s, rows = _fused_weight(pieces, 2560, seed=7)
-    x = torch.randn(256, 2560, device="cuda", dtype=torch.bfloat16)
-    groups = fsm.row_groups(pieces)
+    q, s, rows, x, groups = _cuda_projection(pieces, 256, seed=7)
     y = fsm.blockwise_linear(x, q, s, groups)
-    w = block_dequantize(q, s, torch.float32, rows=rows)
-    xq, xs = per_token_group_quant_fp8(x)
-    w8a8 = group_dequantize(xq, xs) @ w.t()
-    weight_only = x.float() @ w.t()
+    w8a8 = _w8a8(x, q, s, rows)
+    weight_only = x.float() @ block_dequantize(q, s, torch.float32, rows=rows).t()
     b = slice(7680, 7700)
     lib = torch.cat([torch.arange(0, 7680), torch.arange(7700, sum(pieces))]).cuda()
     assert [fsm.library_status(x.device, r1 - r0, 2560, x.dtype) for r0, r1, _ in groups] \
@@ -357,10 +367,7 @@ def test_groups_written_in_place_on_cuda():
     of w8a8 on the dequantised weight."""
     if not ON_CUDA:
         pytest.skip("needs CUDA")
-    pieces = [4096, 4096, 4096, 32, 4096, 4096]
-    q, s, rows = _fused_weight(pieces, 2560, seed=15)
-    x = torch.randn(512, 2560, device="cuda", dtype=torch.bfloat16)
-    groups = fsm.row_groups(pieces)
+    q, s, rows, x, groups = _cuda_projection([4096, 4096, 4096, 32, 4096, 4096], 512, seed=15)
     assert [g[1] - g[0] for g in groups] == [12288, 32, 8192]
     first = fsm.blockwise_linear(x, q, s, groups)
     if not all(fsm.library_status(x.device, r1 - r0, 2560, x.dtype) for r0, r1, _ in groups):
@@ -368,8 +375,7 @@ def test_groups_written_in_place_on_cuda():
     slices = {n: fsm._SLICE_OUT.get(fsm._key(x.device, n, 2560, x.dtype))
               for n in (12288, 32, 8192)}
     again = fsm.blockwise_linear(x, q, s, groups)
-    xq, xs = per_token_group_quant_fp8(x)
-    w8a8 = group_dequantize(xq, xs) @ block_dequantize(q, s, torch.float32, rows=rows).t()
+    w8a8 = _w8a8(x, q, s, rows)
     assert _rel(first, w8a8) < 1e-2 and _rel(again, w8a8) < 1e-2
     assert slices == {12288: True, 32: True, 8192: True}, slices
 
@@ -382,13 +388,9 @@ def test_library_takes_any_row_count_on_cuda(m):
     padded to 16) and the product is w8a8 on the dequantised weight within bf16 rounding."""
     if not ON_CUDA:
         pytest.skip("needs CUDA")
-    x = torch.randn(m, 2560, device="cuda", dtype=torch.bfloat16)
-    xq, xs = per_token_group_quant_fp8(x)
     for pieces in ([4096, 4096, 4096, 32, 4096, 4096], [6144, 576, 32]):
-        q, s, rows = _fused_weight(pieces, 2560, seed=18)
-        groups = fsm.row_groups(pieces)
+        q, s, rows, x, groups = _cuda_projection(pieces, m, seed=18)
         y = fsm.blockwise_linear(x, q, s, groups)
         status = [fsm.library_status(x.device, r1 - r0, 2560, x.dtype) for r0, r1, _ in groups]
         assert status == [True] * len(groups), (pieces, status)
-        w8a8 = group_dequantize(xq, xs) @ block_dequantize(q, s, torch.float32, rows=rows).t()
-        assert y.shape == (m, sum(pieces)) and _rel(y, w8a8) < 1e-2
+        assert y.shape == (m, sum(pieces)) and _rel(y, _w8a8(x, q, s, rows)) < 1e-2

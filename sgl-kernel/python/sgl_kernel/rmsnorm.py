@@ -43,6 +43,14 @@ _TILE_ELEMS = 2048  # elements of a multi-row program's tile (rows x the power-o
 
 
 @triton.jit
+def _times_gate(y, g, GATE: tl.constexpr):
+    """``y * act(g)`` (fp32): ``GATE`` 1 sigmoid, 2 swish (SiLU)."""
+    if GATE == 1:
+        return y * tl.sigmoid(g)
+    return y * (g * tl.sigmoid(g))
+
+
+@triton.jit
 def _rmsnorm_kernel(x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, res_out_ptr, D,
                     s_x, s_res, s_gate, s_w, s_out, s_res_out, g_inner, s_gate_in, eps,
                     HAS_RES: tl.constexpr, GATE: tl.constexpr, USE_PDL: tl.constexpr,
@@ -68,16 +76,13 @@ def _rmsnorm_kernel(x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, res_out_ptr, D,
         # a token inside a wider fused projection output, read where they lie.
         g_row = (row // g_inner) * s_gate + (row % g_inner) * s_gate_in
         g = tl.load(gate_ptr + g_row + offs, mask=mask, other=0.0).to(tl.float32)
-        if GATE == 1:
-            y = y * tl.sigmoid(g)
-        else:
-            y = y * (g * tl.sigmoid(g))
+        y = _times_gate(y, g, GATE)
     tl.store(out_ptr + row * s_out + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _rmsnorm_tile_kernel(x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, res_out_ptr, R, D,
-                         s_x, s_res, s_gate, s_w, s_out, s_res_out, g_inner, s_gate_in, eps,
+def _rmsnorm_tile_kernel(x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, res_out_ptr, D,
+                         s_x, s_res, s_gate, s_w, s_out, s_res_out, g_inner, s_gate_in, eps, R,
                          HAS_RES: tl.constexpr, GATE: tl.constexpr, ROWS: tl.constexpr,
                          BLOCK: tl.constexpr):
     """``_rmsnorm_kernel`` on ``ROWS`` rows per program (prefill-sized launches, no PDL)."""
@@ -97,10 +102,7 @@ def _rmsnorm_tile_kernel(x_ptr, res_ptr, gate_ptr, w_ptr, out_ptr, res_out_ptr, 
     if GATE != 0:
         g_row = (rows // g_inner) * s_gate + (rows % g_inner) * s_gate_in
         g = tl.load(gate_ptr + g_row[:, None] + offs[None, :], mask=mask, other=0.0).to(tl.float32)
-        if GATE == 1:
-            y = y * tl.sigmoid(g)
-        else:
-            y = y * (g * tl.sigmoid(g))
+        y = _times_gate(y, g, GATE)
     tl.store(out_ptr + rows[:, None] * s_out + offs[None, :], y.to(out_ptr.dtype.element_ty),
              mask=mask)
 
@@ -162,21 +164,16 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
                                          else (x2, 1, x2.stride(0), 0))
     rows = x2.shape[0]
     per_program = tile_rows(rows, d)
+    args = (x2, res2, gate2, weight, out, res_out, d, x2.stride(0), res2.stride(0), s_gate,
+            weight.stride(0), out.stride(0), res_out.stride(0), g_inner, s_gate_in, float(eps))
+    consts = dict(HAS_RES=residual is not None, GATE=GATE_ACTIVATIONS[activation],
+                  BLOCK=triton.next_power_of_2(d))
     if rows and per_program > 1:
-        _rmsnorm_tile_kernel[(triton.cdiv(rows, per_program),)](
-            x2, res2, gate2, weight, out, res_out, rows, d,
-            x2.stride(0), res2.stride(0), s_gate, weight.stride(0), out.stride(0),
-            res_out.stride(0), g_inner, s_gate_in, float(eps), HAS_RES=residual is not None,
-            GATE=GATE_ACTIVATIONS[activation], ROWS=per_program,
-            BLOCK=triton.next_power_of_2(d))
+        _rmsnorm_tile_kernel[(triton.cdiv(rows, per_program),)](*args, rows, ROWS=per_program,
+                                                                **consts)
     elif rows:
         pdl_on = pdl.use_pdl(rows)
-        _rmsnorm_kernel[(rows,)](
-            x2, res2, gate2, weight, out, res_out, d,
-            x2.stride(0), res2.stride(0), s_gate, weight.stride(0), out.stride(0),
-            res_out.stride(0), g_inner, s_gate_in, float(eps), HAS_RES=residual is not None,
-            GATE=GATE_ACTIVATIONS[activation], USE_PDL=pdl_on, BLOCK=triton.next_power_of_2(d),
-            **pdl.launch_options(pdl_on))
+        _rmsnorm_kernel[(rows,)](*args, USE_PDL=pdl_on, **consts, **pdl.launch_options(pdl_on))
     if residual is None:
         return out.view(x.shape)
     return out.view(x.shape), res_out.view(x.shape)
