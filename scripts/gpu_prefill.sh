@@ -10,6 +10,8 @@
 #                   KDA prefill conv's tile sweep (CONVSWEEP=0 skips it; SWEEP=0 the MoE's) and
 #                   the dense fp8 GEMM benchmark (FP8BENCH=0 skips it; FP8BENCH_ARGS: its flags,
 #                   e.g. "--no-sweep")
+#   STAGE=cold      benchmark/kernels/bench_cold_l2_kernels.py on COLD_KERNELS (default the
+#                   RMSNorm and the KDA prefill conv) at 1024 / 8192 rows, then the conv's sweep
 #   STAGE=prefill12 bench_one_batch prefill of 1024 and 8192 tokens on the 12-layer dummy
 #                   Ling-3.0-flash in bf16, defaults vs the torch MoE (the per-expert loop), and
 #                   the prefill census of both at 1024 / 8192 tokens ($OUT/prefill_census.jsonl)
@@ -76,6 +78,12 @@ census() {
   grep -E "^\||^prefill of" "$OUT/census_${label// /_}.log" | sed "s/^/$label: /"
 }
 
+# The KDA prefill conv's tile sweep (CONV_ARGS: its flags, e.g. a narrower grid).
+conv_sweep() {
+  # shellcheck disable=SC2086  # CONV_ARGS is a list of words
+  timeout ${CONV_TIMEOUT:-150} python3 benchmark/kernels/tune_kda_prefill_conv.py ${CONV_ARGS:-} \
+    > "$OUT/kda_prefill_conv_sweep.log" 2>&1; grep "^|" "$OUT/kda_prefill_conv_sweep.log" | tail -8
+}
 
 case "${STAGE:-kernels}" in
 kernels)
@@ -91,10 +99,17 @@ kernels)
       > "$OUT/moe_sweep_$dt.log" 2>&1; grep "^|" "$OUT/moe_sweep_$dt.log" | tail -20
   done
   [ "${SWEEP:-1}" = 1 ] && cp sgl-kernel/python/sgl_kernel/configs/moe_grouped_gemm.json "$OUT/"
-  [ "${CONVSWEEP:-1}" = 1 ] && { timeout 150 python3 benchmark/kernels/tune_kda_prefill_conv.py \
-    > "$OUT/kda_prefill_conv_sweep.log" 2>&1; grep "^|" "$OUT/kda_prefill_conv_sweep.log" | tail -4; }
+  [ "${CONVSWEEP:-1}" = 1 ] && conv_sweep
   [ "${FP8BENCH:-1}" = 1 ] && { timeout 120 python3 benchmark/kernels/bench_fp8_gemm.py ${FP8BENCH_ARGS:-} \
     > "$OUT/fp8_gemm.log" 2>&1; grep -E "^\||^library" "$OUT/fp8_gemm.log" | tail -25; }
+  ;;
+cold)  # cold-L2 rows of the prefill's small kernels against their references, then the conv sweep
+  # shellcheck disable=SC2086  # COLD_KERNELS / COLD_ARGS are lists of words
+  timeout ${COLD_TIMEOUT:-90} python3 benchmark/kernels/bench_cold_l2_kernels.py \
+    --kernels ${COLD_KERNELS:-rmsnorm kda_prefill_conv} --prefill-rows 1024 8192 \
+    --out "$OUT/cold_l2.jsonl" ${COLD_ARGS:-} > "$OUT/cold_l2.log" 2>&1
+  grep "^|" "$OUT/cold_l2.log"
+  [ "${CONVSWEEP:-1}" = 1 ] && conv_sweep
   ;;
 prefill12)  # ONE_BATCH=0: the census alone (its unprofiled wall time is the prefill time)
   [ "${ONE_BATCH:-1}" = 1 ] && one_batch flash12-new $FLASH12

@@ -374,6 +374,40 @@ def bench_kda_prefill_conv(env: Env) -> Iterator[Case]:
                    lambda x=x, p=pools[0]: (kda_prefill_conv(x, weight, p[1]), p), reference,
                    "kda_ops.causal_conv1d + window copy",
                    2 * nbytes(x) + nbytes(weight) + 2 * c * (kw - 1) * pool.element_size())
+        # The q plane as the fla prefill runs it: the heads' L2 norm in the conv's launch,
+        # against the plain conv followed by the separate norm launch fla would make.
+        cq = d.heads * d.head_dim
+        xq, wq, l2 = x[:, :cq], weight[:cq], _l2norm_launch(env.device)
+
+        yield Case("kda_prefill_conv", "q plane + heads' L2 norm", t,
+                   lambda xq=xq, p=pools[0]: (kda_prefill_conv(
+                       xq, wq, p[0][:cq], l2norm_head_dim=d.head_dim),),
+                   lambda xq=xq, p=pools[1]: (l2(kda_prefill_conv(xq, wq, p[0][:cq]),
+                                                 d.head_dim),),
+                   f"kda_prefill_conv + {l2.__doc__}",
+                   2 * nbytes(xq) + nbytes(wq) + 2 * cq * (kw - 1) * pool.element_size())
+
+
+def _l2norm_launch(device: str) -> Callable[[torch.Tensor, int], torch.Tensor]:
+    """The per-head L2 norm fla's ``chunk_kda`` launches when asked to normalise q / k itself
+    (``fla.modules.norm.l2norm.l2norm_fwd``; ``kda_ops.l2norm`` on the CPU or where fla is
+    not installed)."""
+    try:
+        if device == "cpu":  # fla's kernels need a GPU driver at import
+            raise ImportError("fla needs CUDA")
+        from fla.modules.norm.l2norm import l2norm_fwd
+    except ImportError:
+        from sglang.srt.layers.attention.kda_ops import l2norm
+
+        def torch_norm(y: torch.Tensor, head_dim: int) -> torch.Tensor:
+            """kda_ops.l2norm"""
+            return l2norm(y.view(y.shape[0], -1, head_dim)).view_as(y)
+        return torch_norm
+
+    def fla_norm(y: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """fla's l2norm_fwd"""
+        return l2norm_fwd(y.view(y.shape[0], -1, head_dim))[0].view_as(y)
+    return fla_norm
 
 
 def _expert_loop(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor],

@@ -3,7 +3,8 @@ Ling-3.0-flash KDA layer's prefill: the short conv + SiLU over the ``[q | k | v]
 the fused projection output (3 x 32 heads x 128 = 12288 channels, width 4), one request.
 
     python benchmark/kernels/tune_kda_prefill_conv.py [--tokens 1024 8192] \\
-        [--block-t 16 32 64 128] [--block-c 64 128 256 512] [--num-warps 2 4 8] [--iters 20]
+        [--block-t 16 32 64 128] [--block-c 64 128 256 512] [--num-warps 2 4 8] [--iters 20] \\
+        [--l2norm-head-dim 128]
 
 Why: the 42-layer fp8 prefill census on the H200 (docs/performance.md, "Prefill census")
 spent 39.3 ms of an 8192-token prefill in this kernel, 1.1 ms per layer, about ten times what
@@ -39,22 +40,33 @@ def main() -> None:
                    help="width of the fused projection output the channels are a view of")
     p.add_argument("--conv-width", type=int, default=4)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--l2norm-head-dim", type=int, default=None,
+                   help="sweep the launch that also L2-normalises each head of this many "
+                        "channels (the q and k planes of the fla prefill: 128)")
     args = p.parse_args()
     if args.row_width < args.channels:
         p.error(f"--row-width {args.row_width} must hold --channels {args.channels}")
     dev, dtype = kernel_bench_device("tune_kda_prefill_conv")
     flush = flush_buffer(dev)
     c, kw = args.channels, args.conv_width
-    def tile(bt: int, bc: int, warps: int) -> Tuple[int, int, int]:
-        """A tile as the kernel launches it (powers of two, at least K-1 tokens tall)."""
-        return triton.next_power_of_2(max(bt, kw - 1)), triton.next_power_of_2(bc), warps
+    norm_d = args.l2norm_head_dim
 
-    default = tile(conv_module._BLOCK_T, min(conv_module._BLOCK_C, c), conv_module._NUM_WARPS)
+    def tile(bt: int, bc: int, warps: int) -> Tuple[int, int, int]:
+        """A tile as the kernel launches it (powers of two, at least K-1 tokens tall, whole
+        heads when they are normalised)."""
+        return (triton.next_power_of_2(max(bt, kw - 1)),
+                max(triton.next_power_of_2(bc), norm_d or 1), warps)
+
+    if norm_d:
+        default = tile(conv_module._BLOCK_T, norm_d, conv_module._NORM_WARPS)
+    else:
+        default = tile(conv_module._BLOCK_T, min(conv_module._BLOCK_C, c), conv_module._NUM_WARPS)
     configs = sorted({tile(bt, bc, w) for w in args.num_warps for bt in args.block_t
                       for bc in args.block_c} | {default})
     name = torch.cuda.get_device_name() if dev == "cuda" else "CPU (Triton interpreter)"
     print(f"{name}: KDA prefill conv, {c} channels (views of rows of {args.row_width}), width "
-          f"{kw}, {dtype}, cold L2, {args.iters} iters; default tile T/C/warps "
+          f"{kw}, {dtype}, heads' L2 norm {norm_d or 'off'}, cold L2, {args.iters} iters; "
+          f"default tile T/C/warps "
           f"{default[0]}/{default[1]}/{default[2]}")
     gen = torch.Generator().manual_seed(0)
     weight = (0.5 * torch.randn(c, kw, generator=gen)).to(dev, dtype)
@@ -63,12 +75,16 @@ def main() -> None:
         x = torch.randn(t, args.row_width, generator=gen).to(dev, dtype)[:, :c]
         window0 = torch.randn(c, kw - 1, generator=gen).to(dev, dtype)
         ref_y, ref_window = causal_conv1d(x, weight, window0.clone())
+        if norm_d:  # fla's formula per head on the rounded conv output
+            heads = ref_y.float().view(t, -1, norm_d)
+            ref_y = (heads / torch.sqrt((heads * heads).sum(-1, keepdim=True) + 1e-6)
+                     ).view_as(ref_y).to(dtype)
         moved = (2 * t * c + 2 * c * (kw - 1)) * x.element_size() + weight.numel() * 4
 
         def run(bt: int, bc: int, warps: int) -> Tuple[torch.Tensor, torch.Tensor]:
             window = window0.clone()
             y = conv_module.kda_prefill_conv(x, weight, window, block_t=bt, block_c=bc,
-                                             num_warps=warps)
+                                             num_warps=warps, l2norm_head_dim=norm_d)
             return y, window
 
         first = run(*default)
@@ -89,7 +105,7 @@ def main() -> None:
                 # The window is overwritten in place: reset so each call convolves alike.
                 window.copy_(window0)
                 conv_module.kda_prefill_conv(x, weight, window, block_t=bt, block_c=bc,
-                                             num_warps=warps)
+                                             num_warps=warps, l2norm_head_dim=norm_d)
 
             rows.append((cold_time_us(call, args.iters, flush), bt, bc, warps, same))
         rows.sort()

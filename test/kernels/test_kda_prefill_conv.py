@@ -98,6 +98,35 @@ def test_window_rounds_through_x_dtype(t):
     _check(x, weight, pool)
 
 
+def _heads_l2norm(y: torch.Tensor, d: int) -> torch.Tensor:
+    """fla's l2norm per ``d``-wide head of the rounded conv output, in fp32, rounded once."""
+    x = y.float().view(y.shape[0], -1, d)
+    return (x * (1 / torch.sqrt((x * x).sum(-1, keepdim=True) + 1e-6))).view_as(y).to(y.dtype)
+
+
+@pytest.mark.parametrize("t", [1, 3, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("head_dim,block_c", [(16, None), (32, 16)])
+def test_heads_l2norm(t, dtype, head_dim, block_c):
+    """``l2norm_head_dim``: each head of the output (body and head rows) is the reference
+    conv's output normalised by fla's formula; a channel block narrower than a head is widened
+    to one. The window is the plain conv's."""
+    from sgl_kernel.kda_prefill_conv import kda_prefill_conv
+
+    x, weight, pool = _inputs(t, 64, dtype, dtype, seed=40 + t)
+    y_ref, pool_ref = _reference(x, weight, pool)
+    got_pool = pool.clone()
+    y = kda_prefill_conv(x, weight, got_pool[SLOT], block_c=block_c, l2norm_head_dim=head_dim)
+    want = _heads_l2norm(y_ref, head_dim)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+    else:  # an fp16 rounding of the conv may move the norm by an ulp
+        torch.testing.assert_close(y.float(), want.float(), rtol=2 ** -9, atol=2 ** -12)
+    norms = y.float().view(t, -1, head_dim).norm(dim=-1)
+    torch.testing.assert_close(norms, torch.ones_like(norms), rtol=2e-3, atol=2e-3)
+    assert torch.equal(got_pool, pool_ref)
+
+
 def test_out_and_empty():
     from sgl_kernel.kda_prefill_conv import kda_prefill_conv
 
@@ -125,6 +154,9 @@ def test_bad_inputs_are_rejected():
     with pytest.raises(ValueError):
         kda_prefill_conv(x, weight, pool[SLOT], out=torch.empty(4, 48, dtype=torch.float16,
                                                                 device=DEVICE))
+    for head_dim in (12, 32):  # not a power of two; does not divide 48 channels
+        with pytest.raises(ValueError, match="l2norm_head_dim"):
+            kda_prefill_conv(x, weight, pool[SLOT], l2norm_head_dim=head_dim)
 
 
 @pytest.mark.gpu
@@ -140,6 +172,13 @@ def test_bf16_model_width_on_cuda():
     torch.testing.assert_close(y.float(), y_ref.float(), rtol=2 ** -7, atol=1e-6)
     assert (y != y_ref).float().mean().item() < 0.01
     assert torch.equal(got_pool, pool_ref)
+    # With the q / k heads' L2 norm as the fla prefill runs it: within a bf16 rounding of the
+    # reference conv's output normalised by fla's formula.
+    q = x[:, :4096]
+    yq = kda_prefill_conv(q, weight[:4096], pool[SLOT][:4096].clone(), l2norm_head_dim=128)
+    want = _heads_l2norm(y_ref[:, :4096], 128)
+    torch.testing.assert_close(yq.float(), want.float(), rtol=2 ** -7, atol=1e-6)
+    assert (yq != want).float().mean().item() < 0.01
 
 
 @pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter-mode choice; CUDA always uses it")

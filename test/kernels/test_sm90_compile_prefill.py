@@ -17,7 +17,8 @@ constexprs of its real launches:
   and its one-pass ``_dequantize_kernel``;
 * ``fp8_act_quant._per_token_group_quant_kernel``: bf16 activations to e4m3 and fp32 group
   scales (the hardware cast's rounding, not the interpreter's fp32 rounding);
-* ``kda_prefill_conv._kda_prefill_conv_kernel``: bf16 x and taps, fp32 window pool, K = 4;
+* ``kda_prefill_conv._kda_prefill_conv_kernel``: bf16 x and taps, fp32 window pool, K = 4,
+  plain and with the heads' L2 norm (one or two heads per block);
 * ``rmsnorm._rmsnorm_kernel`` (residual norm with PDL, KDA's gated norm) and
   ``_rmsnorm_tile_kernel`` (a prefill's narrow rows, several per program), and
   ``mla_rope._mla_rope_kernel`` (absorbed and normal form), which the prefill now runs too.
@@ -155,13 +156,18 @@ build("per-token-group quant", kernel, dict(x_ptr="*bf16", q_ptr="*fp8e4nv", s_p
 _KDA_CONV = _PRELUDE + r"""
 from sgl_kernel.kda_prefill_conv import _kda_prefill_conv_kernel as kernel
 
-from sgl_kernel.kda_prefill_conv import _NUM_WARPS
+from sgl_kernel.kda_prefill_conv import _BLOCK_T, _BLOCK_C, _NORM_WARPS, _NUM_WARPS
 
-out = build("kda prefill conv", kernel, dict(x_ptr="*bf16", w_ptr="*bf16", win_ptr="*fp32",
-            y_ptr="*bf16"), dict(KW=4, BLOCK_T=32, BLOCK_C=256, BLOCK_W=4, PRECISE_EXP=True),
-            num_warps=_NUM_WARPS, enable_fp_fusion=False)
-# The default tile spills nothing (the window's loads in every tile once spilled 1.5 KB a thread).
-assert spill_bytes(out) == 0
+# The default tiles: plain (the v plane), each 128-wide head L2-normalised in its own block
+# (the q and k planes), and two heads per block (the reshaped reduction).
+for norm_d, block_c, warps in ((0, _BLOCK_C, _NUM_WARPS), (128, 128, _NORM_WARPS),
+                               (128, 256, _NUM_WARPS)):
+    out = build(f"kda prefill conv, norm {norm_d}, {block_c} channels", kernel,
+                dict(x_ptr="*bf16", w_ptr="*bf16", win_ptr="*fp32", y_ptr="*bf16"),
+                dict(KW=4, BLOCK_T=_BLOCK_T, BLOCK_C=block_c, BLOCK_W=4, PRECISE_EXP=True,
+                     NORM_D=norm_d), {"eps": "fp32"}, num_warps=warps, enable_fp_fusion=False)
+    # No tile spills (the window's loads in every tile once spilled 1.5 KB a thread).
+    assert spill_bytes(out) == 0, (norm_d, block_c)
 """
 
 _RMSNORM = _PRELUDE + r"""
@@ -199,7 +205,7 @@ for rq in (512, 128):
 # module -> (script, variants compiled, of which GEMMs: Hopper's wgmma expected in their PTX,
 # of which w8a8: the wgmma on e4m3 operands).
 CASES = {"moe_grouped_gemm": (_MOE, 11, 11, 5), "fp8_gemm": (_FP8_GEMM, 7, 6, 2),
-         "fp8_act_quant": (_FP8_ACT_QUANT, 1, 0, 0), "kda_prefill_conv": (_KDA_CONV, 1, 0, 0),
+         "fp8_act_quant": (_FP8_ACT_QUANT, 1, 0, 0), "kda_prefill_conv": (_KDA_CONV, 3, 0, 0),
          "rmsnorm": (_RMSNORM, 4, 0, 0), "mla_rope": (_MLA_ROPE, 2, 0, 0)}
 
 

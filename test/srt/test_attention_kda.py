@@ -514,8 +514,9 @@ def test_raw_gate_inputs_and_qkv_views_equal_the_formed_gate(decode_backend):
                     reason="needs CUDA or TRITON_INTERPRET=1 (test/conftest.py)")
 def test_conv_qkv_planes_equal_the_one_launch_conv():
     """The fla prefill's conv as three launches (q, k, v planes, each contiguous) gives the
-    values and new windows of the one launch over ``[T, 3C]``, for two requests of a batch
-    whose rows are views of a wider projection output."""
+    values (q and k then L2-normalised per head) and new windows of the one launch over
+    ``[T, 3C]``, for two requests of a batch whose rows are views of a wider projection
+    output."""
     from types import SimpleNamespace
 
     from sgl_kernel.kda_prefill_conv import kda_prefill_conv
@@ -525,7 +526,9 @@ def test_conv_qkv_planes_equal_the_one_launch_conv():
     c, kw, t = 32, 4, 23
     proj = torch.randn(t, 3 * c + 10, generator=gen).to(dev)  # q | k | v | other columns
     mixed = proj[:, :3 * c]
-    layer = SimpleNamespace(conv_weight=torch.randn(3 * c, kw, generator=gen).to(dev))
+    head_dim = 16
+    layer = SimpleNamespace(conv_weight=torch.randn(3 * c, kw, generator=gen).to(dev),
+                            head_dim=head_dim)
     pool = torch.randn(3, 3 * c, kw - 1, generator=gen).to(dev)
     reqs = [(2, 0, 2), (0, 2, t - 2)]  # (slot, start, tokens): one shorter than the window
     want_pool = pool.clone()
@@ -535,5 +538,10 @@ def test_conv_qkv_planes_equal_the_one_launch_conv():
                          out=want[start:start + n])
     planes = TorchNativeKDABackend._conv_qkv_planes(kda_prefill_conv, mixed, layer, pool, reqs)
     assert planes.shape == (3, t, c) and planes.is_contiguous()
-    assert torch.equal(planes.transpose(0, 1).reshape(t, 3 * c), want)
+    want = want.view(t, 3, c).transpose(0, 1)
+    assert torch.equal(planes[2], want[2])
+    # q and k: each head L2-normalised in the launch (fla's formula), for fla without its own.
+    heads = want[:2].reshape(2, t, c // head_dim, head_dim)
+    normed = heads * (1 / torch.sqrt((heads * heads).sum(-1, keepdim=True) + 1e-6))
+    torch.testing.assert_close(planes[:2], normed.view(2, t, c), rtol=1e-5, atol=1e-6)
     assert torch.equal(pool, want_pool)

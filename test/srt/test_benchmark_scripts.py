@@ -223,7 +223,16 @@ def test_kda_prefill_conv_sweep_times_the_default_and_checks_bits():
     assert rows and rows[-1][3] == "True", stdout
     timed = rows[-1][4]
     # the default (its channel block narrowed to the interpreter's) and the sweep's tile
-    assert "32/64/8" in timed and "8/16/4" in timed, stdout
+    assert "16/64/8" in timed and "8/16/4" in timed, stdout
+    # With the heads' L2 norm: the default is one head per block over 4 warps, and a tile of
+    # two heads per block is checked against it too.
+    stdout = _run("kernels/tune_kda_prefill_conv.py", "--tokens", "40", "--block-t", "8",
+                  "--block-c", "32", "--num-warps", "4", "--channels", "48", "--row-width", "80",
+                  "--iters", "1", "--l2norm-head-dim", "16", TRITON_INTERPRET="1")
+    assert "heads' L2 norm 16" in stdout, stdout
+    rows = re.findall(r"^\| 40 \| (\d+)/(\d+)/(\d+) [\d.]+ µs .*\| [\d.]+ µs \([\d.]+x\) \| "
+                      r"(True|False) \| (.*) \|$", stdout, re.MULTILINE)
+    assert rows and "16/16/4" in rows[-1][4] and "8/32/4" in rows[-1][4], stdout
 
 
 @pytest.mark.slow  # the GEMMs in Triton's interpreter

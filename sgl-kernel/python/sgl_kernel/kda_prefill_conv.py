@@ -28,6 +28,13 @@ block 0) took the kernel to 255 registers with 1.5 KB of spills per thread at th
 tile, compiled for sm_90 (``ptxas -v``), where the bytes alone need a tenth of the time the
 census measured (docs/performance.md, "Prefill census").
 
+Heads' L2 norm (``l2norm_head_dim``). KDA's q and k go into the chunked recurrence L2-normalised
+per head; fla's ``chunk_kda`` can do that itself (``use_qk_l2norm_in_kernel``), as one more
+launch per operand that reads and writes the whole plane again. Here it happens on the tile
+before the store: each head's values are rounded to the output dtype (the conv's output as it
+would be stored), then scaled by ``1 / sqrt(sum(x^2) + eps)`` in fp32, fla's formula, and
+rounded once more. A channel block then spans whole heads.
+
 Window ordering (no second launch). Token blocks are at least ``K-1`` tokens tall, so only the
 programs of token block 0 read the window, each for its own channel block. That program also
 writes the new window for its channels: it first loads the ``K-1`` new entries (from ``x`` or,
@@ -52,12 +59,15 @@ REFERENCE_NOTE = ("reference: sglang.srt.layers.attention.kda_ops.causal_conv1d 
                   "prefill conv, summed in the same tap order), compared in "
                   "test/kernels/test_kda_prefill_conv.py")
 
-# Tiles: on the GPU 32 tokens x 256 channels over 8 warps (98 registers, no spills compiled for
-# sm_90; 4 warps took all 255); the interpreter pays per program and per op, and tests run small
-# widths there. benchmark/kernels/tune_kda_prefill_conv.py times the alternatives.
-_BLOCK_T = 32
+# Tiles: on the GPU 16 tokens x 256 channels over 8 warps, the fastest of
+# benchmark/kernels/tune_kda_prefill_conv.py's sweep on a 4096-channel plane (docs/performance.md,
+# "KDA prefill conv"); with the heads' L2 norm one head per block (a row reduction instead of
+# a reshaped tile's) over 4 warps. The interpreter pays per program and per op, and tests run
+# small widths there.
+_BLOCK_T = 16
 _BLOCK_C = 64 if INTERPRETED else 256
 _NUM_WARPS = 8
+_NORM_WARPS = 4
 
 
 # T only bounds masks: one compiled variant for every prefill length (no T == 1 or T % 16 ones).
@@ -72,11 +82,26 @@ def _conv_silu(acc, PRECISE_EXP: tl.constexpr):
 
 
 # T only bounds masks: one compiled variant for every prefill length (no T == 1 or T % 16 ones).
+@triton.jit
+def _heads_l2norm(y, eps, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, NORM_D: tl.constexpr,
+                  OUT_DT: tl.constexpr):
+    """Each ``NORM_D``-wide head of the tile's rows scaled to unit L2 norm, as fla's
+    ``l2norm_fwd`` does it to the rounded conv output: ``x * (1 / sqrt(sum(x^2) + eps))`` in
+    fp32 on ``x`` rounded to the output dtype (the block's channels are whole heads)."""
+    x = y.to(OUT_DT).to(tl.float32)
+    if BLOCK_C == NORM_D:  # one head per block: a row reduction, no layout change
+        return x * (1 / tl.sqrt(tl.sum(x * x, axis=1) + eps))[:, None]
+    x = tl.reshape(x, [ROWS, BLOCK_C // NORM_D, NORM_D])
+    rstd = 1 / tl.sqrt(tl.sum(x * x, axis=2) + eps)
+    return tl.reshape(x * rstd[:, :, None], [ROWS, BLOCK_C])
+
+
 @triton.jit(do_not_specialize=["T"])
-def _kda_prefill_conv_kernel(x_ptr, w_ptr, win_ptr, y_ptr, T, C,
+def _kda_prefill_conv_kernel(x_ptr, w_ptr, win_ptr, y_ptr, T, C, eps,
                              s_xt, s_wc, s_wk, s_vc, s_vk, s_yt,
                              KW: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr,
-                             BLOCK_W: tl.constexpr, PRECISE_EXP: tl.constexpr):
+                             BLOCK_W: tl.constexpr, PRECISE_EXP: tl.constexpr,
+                             NORM_D: tl.constexpr):
     pid_t = tl.program_id(0)
     rows = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)  # output tokens of this block
     ch = tl.program_id(1) * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -92,6 +117,8 @@ def _kda_prefill_conv_kernel(x_ptr, w_ptr, win_ptr, y_ptr, T, C,
         tap = tl.load(w_ptr + ch * s_wc + j * s_wk, mask=cmask, other=0.0).to(tl.float32)
         acc += xv.to(tl.float32) * tap[None, :]
     y = _conv_silu(acc, PRECISE_EXP)
+    if NORM_D > 0:
+        y = _heads_l2norm(y, eps, BLOCK_T, BLOCK_C, NORM_D, y_ptr.dtype.element_ty)
     tl.store(y_ptr + rows.to(tl.int64)[:, None] * s_yt + ch[None, :],
              y.to(y_ptr.dtype.element_ty),
              mask=(rmask & (rows >= KW - 1))[:, None] & cmask[None, :])
@@ -112,6 +139,8 @@ def _kda_prefill_conv_kernel(x_ptr, w_ptr, win_ptr, y_ptr, T, C,
                 htap = tl.load(w_ptr + ch * s_wc + j * s_wk, mask=cmask, other=0.0).to(tl.float32)
                 acc_h += tl.where(from_x, hxv.to(tl.float32), hwv.to(tl.float32)) * htap[None, :]
             y_h = _conv_silu(acc_h, PRECISE_EXP)
+            if NORM_D > 0:
+                y_h = _heads_l2norm(y_h, eps, BLOCK_W, BLOCK_C, NORM_D, y_ptr.dtype.element_ty)
             tl.store(y_ptr + i.to(tl.int64)[:, None] * s_yt + ch[None, :],
                      y_h.to(y_ptr.dtype.element_ty), mask=hmask[:, None] & cmask[None, :])
             # The new window: entry i takes u[T + i].
@@ -133,8 +162,9 @@ def _kda_prefill_conv_kernel(x_ptr, w_ptr, win_ptr, y_ptr, T, C,
 
 def kda_prefill_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor,
                      out: Optional[torch.Tensor] = None, block_t: Optional[int] = None,
-                     block_c: Optional[int] = None,
-                     num_warps: Optional[int] = None) -> torch.Tensor:
+                     block_c: Optional[int] = None, num_warps: Optional[int] = None,
+                     l2norm_head_dim: Optional[int] = None,
+                     l2norm_eps: float = 1e-6) -> torch.Tensor:
     """Causal depthwise conv + SiLU of one request's ``T`` new tokens, in one launch.
 
     ``x [T, Cx]`` (rows may be strided, the last dim must be contiguous: e.g. a column block of
@@ -145,7 +175,9 @@ def kda_prefill_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor
     into ``out`` when given (same shape and dtype, last dim contiguous). ``T == 0`` launches
     nothing and leaves the window as it is. ``block_t`` / ``block_c`` / ``num_warps`` override
     the tile (rounded up to powers of two; ``block_t`` to at least ``K-1``) and the warps, for
-    ``benchmark/kernels/tune_kda_prefill_conv.py``. No host synchronisation.
+    ``benchmark/kernels/tune_kda_prefill_conv.py``. ``l2norm_head_dim`` (a power of two
+    dividing ``Cx``): every head of that many channels of ``y`` is L2-normalised before the
+    store (module docstring, "Heads' L2 norm"). No host synchronisation.
     """
     if x.dim() != 2 or x.stride(1) != 1:
         raise ValueError(f"kda_prefill_conv: x must be [T, Cx] with a contiguous last dim, got "
@@ -164,14 +196,21 @@ def kda_prefill_conv(x: torch.Tensor, weight: torch.Tensor, window: torch.Tensor
                          f"last dim, got {tuple(out.shape)} {out.dtype}")
     if not (x.device == weight.device == window.device == out.device):
         raise ValueError("kda_prefill_conv: x, weight, window and out must share a device")
+    norm_d = l2norm_head_dim or 0
+    if norm_d and (norm_d & (norm_d - 1) or c % norm_d):
+        raise ValueError(f"kda_prefill_conv: l2norm_head_dim must be a power of two dividing "
+                         f"{c} channels, got {l2norm_head_dim}")
     if t == 0 or c == 0:
         return out
     bt = triton.next_power_of_2(max(block_t or _BLOCK_T, kw - 1, 1))
-    bc = triton.next_power_of_2(block_c or min(_BLOCK_C, c))
+    # A channel block holds whole heads when they are normalised (by default exactly one).
+    bc = max(triton.next_power_of_2(block_c or (norm_d or min(_BLOCK_C, c))), norm_d)
+    warps = num_warps or (_NORM_WARPS if norm_d and not INTERPRETED else _NUM_WARPS)
     grid = (triton.cdiv(t, bt), triton.cdiv(c, bc))
     _kda_prefill_conv_kernel[grid](
-        x, weight, window, out, t, c, x.stride(0), weight.stride(0), weight.stride(1),
+        x, weight, window, out, t, c, l2norm_eps, x.stride(0), weight.stride(0), weight.stride(1),
         window.stride(0), window.stride(1), out.stride(0), KW=kw, BLOCK_T=bt, BLOCK_C=bc,
         BLOCK_W=triton.next_power_of_2(max(kw - 1, 1)), PRECISE_EXP=not INTERPRETED,
-        **NO_FP_FUSION, **compiler_options(num_warps or _NUM_WARPS, None))
+        NORM_D=norm_d,
+        **NO_FP_FUSION, **compiler_options(warps, None))
     return out

@@ -209,7 +209,8 @@ class TorchNativeKDABackend(AttentionBackend):
         if conv is not None and self._use_fla(mixed):
             y3 = self._conv_qkv_planes(conv, mixed, layer, conv_pool, reqs)
             return self._extend_fla(y3, g, beta, gate, layer,
-                                    self._fla_varlen(lay, reqs, y3.device), ssm_pool)
+                                    self._fla_varlen(lay, reqs, y3.device), ssm_pool,
+                                    qk_normalized=True)
         # Short convolution per request (it needs that request's window), state written back.
         y = torch.empty_like(mixed)
         for slot, start, n in reqs:
@@ -270,7 +271,8 @@ class TorchNativeKDABackend(AttentionBackend):
                 g = g.masked_fill(pad_rows[:, None, None], 0.0)
                 beta = beta.masked_fill(pad_rows[:, None], 0.0)
             varlen = self._forward_varlen(pad, lambda: fla_kda.fla_varlen_captured(t, pad.slot))
-            return self._extend_fla(y, g, beta, gate, layer, varlen, ssm_pool)
+            return self._extend_fla(y, g, beta, gate, layer, varlen, ssm_pool,
+                                    qk_normalized=True)
         qn, kn, vn = self._split_heads(y, layer)
         gf, bf = self._gate(g, beta, gate, layer)
         gf = gf.masked_fill(pad_rows[:, None, None], 0.0)
@@ -298,7 +300,9 @@ class TorchNativeKDABackend(AttentionBackend):
         each writing its own contiguous plane of ``y [3, T, C]``: the planes are the
         contiguous q, k and v that fla's ``chunk_kda`` takes, where one launch over ``[T, 3C]``
         left three strided views that ``chunk_kda_varlen`` copied. Same taps, same order, same
-        windows (each block's channels of the request's pool slot), so the same values."""
+        windows (each block's channels of the request's pool slot), so the same values; the q
+        and k launches also L2-normalise each head (fla's formula), which spares fla a launch
+        per plane that reads and writes it again (``_extend_fla(qk_normalized=True)``)."""
         t, c = mixed.shape[0], mixed.shape[1] // 3
         y = mixed.new_empty(3, t, c)
         for slot, start, n in reqs:
@@ -306,7 +310,7 @@ class TorchNativeKDABackend(AttentionBackend):
             for i in range(3):
                 cols = slice(i * c, (i + 1) * c)
                 conv(mixed[rows, cols], layer.conv_weight[cols], conv_pool[slot][cols],
-                     out=y[i, rows])
+                     out=y[i, rows], l2norm_head_dim=layer.head_dim if i < 2 else None)
         return y
 
     def _fla_varlen(self, lay: ExtendLayout, reqs, device: torch.device) -> fla_kda.FlaVarlen:
@@ -327,10 +331,11 @@ class TorchNativeKDABackend(AttentionBackend):
 
     @staticmethod
     def _extend_fla(y, g, beta, gate: Optional[KDAGate], layer, varlen: "fla_kda.FlaVarlen",
-                    ssm_pool) -> torch.Tensor:
+                    ssm_pool, qk_normalized: bool = False) -> torch.Tensor:
         """All requests in one varlen ``chunk_kda`` call on the conv output as it is, ``y [T,
-        3C]`` or the planes ``[3, T, C]`` (:meth:`_conv_qkv_planes`: q, k, v contiguous): fla
-        L2-normalises q and k and, given the raw gate inputs (:class:`KDAGate`), forms the
+        3C]`` or the planes ``[3, T, C]`` (:meth:`_conv_qkv_planes`: q, k, v contiguous, q and
+        k L2-normalised there: ``qk_normalized``): fla L2-normalises q and k unless
+        ``qk_normalized`` and, given the raw gate inputs (:class:`KDAGate`), forms the
         decay and beta inside its kernels, so no fp32 copy of q, k, g or beta is written. The
         requests' rows are consecutive (each starts where the previous one ends), so fla's
         output ``[T, H, D]`` is the layer's as it is (no copy). One request reads and writes its
@@ -357,7 +362,7 @@ class TorchNativeKDABackend(AttentionBackend):
         o, final = fla_kda.chunk_kda_varlen(
             qkv[:, 0], qkv[:, 1], qkv[:, 2], g, beta, layer.scale, state, varlen.lens,
             cu_seqlens=varlen.cu_seqlens, cu_seqlens_cpu=varlen.cu_seqlens_cpu,
-            l2norm_in_kernel=True, gate_params=params, captured=varlen.captured)
+            l2norm_in_kernel=not qk_normalized, gate_params=params, captured=varlen.captured)
         if len(varlen.host_slots) == 1:
             state.copy_(final)
         else:
