@@ -24,6 +24,10 @@
 #                   SERVED_ARGS adds server flags (SERVED_ARGS="--prefill-cuda-graph-tokens 8192")
 #   STAGE=conc      12-layer bf16 server (default flags; CONC_ARGS adds server flags), random-ids
 #                   1024 / 128 at concurrency CONCS (default "1 4 16 64"); $OUT/conc.jsonl
+#   STAGE=served_trace two fp8 servers (LAYERS applies), without and with TRACE_ARGS (default
+#                   --prefill-cuda-graph-tokens 1024): the unprofiled TPOT of 8192-token prompts,
+#                   then one request torch-profiled, both traces summarised per decode step by
+#                   benchmark/batch1/server_trace.py (graph launch cadence, blocking calls)
 #   STAGE=prefill_gates  the gpu-marked tests of the prefill path's kernels and glue (KDA fla
 #                   prefill, MLA RoPE assembly, norms, grouped MoE GEMM, dense fp8 GEMM and its
 #                   scaled_mm form, activation quantisation, prefill CUDA graphs, the gated
@@ -143,6 +147,25 @@ served)
     grep -E "request slots|pools:|Prefill warm-up" "$OUT/server_fp8_$steps.log" | head -3
     stop_server
   done
+  ;;
+served_trace)  # the decode loop of two servers, without and with TRACE_ARGS, torch-profiled
+  n=0
+  for args in "" "${TRACE_ARGS:---prefill-cuda-graph-tokens 1024}"; do
+    n=$((n + 1)); export SGLANG_TORCH_PROFILER_DIR="$OUT/trace$n"; mkdir -p "$SGLANG_TORCH_PROFILER_DIR"
+    echo "== server $n: ${args:-defaults}"
+    # shellcheck disable=SC2086  # args is a list of words
+    serve 30713 "$OUT/server_trace$n.log" $FLASH42 --cuda-graph-max-bs 4 $args || continue
+    for prof in "" --profile; do  # unprofiled first (also the warm-up), then one profiled request
+      timeout 150 python3 -m sglang.bench_serving --backend sglang --port 30713 \
+        --dataset-name random-ids --random-input-len 8192 --random-output-len ${TRACE_LEN:-64} \
+        --random-range-ratio 1.0 --num-prompts $([ -z "$prof" ] && echo 2 || echo 1) \
+        --max-concurrency 1 --disable-tqdm $prof 2>&1 | grep -E "Mean TPOT|Median TPOT|Mean TTFT"
+    done
+    stop_server
+  done
+  python3 benchmark/batch1/server_trace.py "$OUT"/trace1/*.json.gz "$OUT"/trace2/*.json.gz \
+    --labels defaults "${TRACE_ARGS:---prefill-cuda-graph-tokens 1024}" \
+    --result-filename "$OUT/server_trace.jsonl"
   ;;
 conc)
   echo "== 12-layer bf16"

@@ -27,8 +27,10 @@ rest of what is allocated: graph pools and activations, free), once after the ru
 
 ``--prefill-graph-ab TOKENS...`` then asks whether capturing one-request prefill graphs
 (``--prefill-cuda-graph-tokens TOKENS``) slows the decode that follows: the graph + overlap
-iteration before the capture, with the graphs held, and after they are released, in this
-process on this request (rows ``prefill_graphs``: ``none`` / ``captured`` / ``released``).
+iteration before the capture, with the graphs held, with the decode graphs captured again
+after them (as a server captures its decode graphs at first use), and after they are released,
+in this process on this request (rows ``prefill_graphs``: ``none`` / ``captured`` / ``decode
+graphs captured after them`` / ``released``).
 """
 from __future__ import annotations
 
@@ -241,6 +243,12 @@ def _prefill_graph_ab(sched: Scheduler, tokens: List[int], steps: int) -> List[D
     held = sum(r.memory_bytes or 0 for r in captured) / 2**30
     point("captured", capture_s=time.perf_counter() - t0, prefill_graph_gib=held,
           buckets=[b for r in captured for b in r.buckets])
+    # A server captures its decode graphs at first use, i.e. after its prefill graphs: drop
+    # the decode graphs so that the next steps capture them again with the prefill graphs held.
+    decode_graphs = sched.round_worker.graph_runner
+    if decode_graphs is not None:
+        decode_graphs.graphs.clear()
+        point("decode graphs captured after them")
     for runner, _ in sched.round_worker.prefill_graph_plan():
         runner.prefill_graphs = None
     del captured
@@ -289,7 +297,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     if runner is None:
         configs = [c for c in configs if c[0] == "eager"]
     rows = len(configs) + 2 + (args.seam_ab * 8 if runner is not None else 0) \
-        + (3 if args.prefill_graph_ab and runner is not None else 0)
+        + (4 if args.prefill_graph_ab and runner is not None else 0)
     budget = (args.steps + 3) * rows * sched.round_worker.round_tokens + 64
     start_request(sched, args.prompt_len, budget, server_args.random_seed or 0)
     results = []

@@ -294,3 +294,53 @@ def test_ablation_summary_groups_seeds_by_loss(tmp_path):
     assert rows["0.1/0.9/0.5"][1:7] == ["7", "2", "1.750", "0.071", "1.700", "1.800"]
     assert rows["0.1/0.9/0.5"][7:] == ["0.600,", "0.200"]
     assert rows["1.0/0.0/0.0"][2:5] == ["1", "1.750", "0.000"]
+
+
+def test_server_trace_counts_the_waits_between_graph_launches(tmp_path):
+    """benchmark/batch1/server_trace.py on a synthetic trace of 5 graph launches 2 ms apart,
+    with one cudaStreamSynchronize of 300 µs and one cudaMemcpyAsync between each pair and
+    1.5 ms of kernels per step (two, overlapping in the first trace): per step one blocking call
+    (the async copy is not one), the launch interval, the GPU's busy time and the graphs' inner
+    shape; a second trace without the syncs (and without the overlap) shows none."""
+    import gzip
+
+    def trace(with_sync: bool) -> Path:
+        ev = []
+        for i in range(5):
+            t = 1000.0 + 2000.0 * i
+            ev.append(dict(ph="X", cat="cuda_runtime", name="cudaGraphLaunch", ts=t, dur=20,
+                           args={"correlation": i}))
+            # two kernels of the graph: overlapping by 10 µs (PDL) or 10 µs apart
+            second = t + 50 + 700 + (-10 if with_sync else 10)
+            ev.append(dict(ph="X", cat="kernel", name="k", ts=t + 50, dur=700,
+                           args={"correlation": i}))
+            ev.append(dict(ph="X", cat="kernel", name="k2", ts=second, dur=800,
+                           args={"correlation": i}))
+            ev.append(dict(ph="X", cat="cuda_runtime", name="cudaMemcpyAsync", ts=t + 100,
+                           dur=5))
+            if with_sync:
+                ev.append(dict(ph="X", cat="cuda_runtime", name="cudaStreamSynchronize",
+                               ts=t + 200, dur=300))
+        ev.append(dict(ph="i", name="marker", ts=0))  # not a complete event: ignored
+        path = tmp_path / f"t{int(with_sync)}.json.gz"
+        with gzip.open(path, "wt") as f:
+            json.dump({"traceEvents": ev}, f)
+        return path
+
+    out = tmp_path / "rows.jsonl"
+    stdout = _run("batch1/server_trace.py", str(trace(True)), str(trace(False)), "--labels",
+                  "synced", "plain", "--result-filename", str(out))
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    synced, plain = rows
+    assert synced["steps"] == 5 and synced["launch_interval_ms"] == pytest.approx(2.0)
+    assert synced["gpu_busy_ms_per_step"] == pytest.approx(1.5)
+    assert synced["blocking"] == {"cudaStreamSynchronize": {"per_step": 1.0, "mean_us": 300.0}}
+    assert plain["blocking"] == {}
+    assert synced["runtime_us_per_step"] == pytest.approx(20 + 5 + 300)
+    assert "cudaStreamSynchronize 1.00/step x 300.0 µs" in stdout and "| plain | 5 |" in stdout
+    # Inside the graphs: the overlapping pair and the gap, the span, the idle between graphs.
+    assert (synced["overlapping_pairs"], synced["inner_gaps_us"]) == (1, -10)
+    assert (plain["overlapping_pairs"], plain["inner_gaps_us"]) == (0, 10)
+    assert synced["graph_span_us"] == 1490 and plain["graph_span_us"] == 1510
+    assert plain["idle_between_us"] == pytest.approx(2000 - 1510)
+    assert plain["launch_lead_us"] == pytest.approx(50 + 1510 - 2000)
