@@ -28,7 +28,8 @@ rest of what is allocated: graph pools and activations, free), once after the ru
 ``--prefill-graph-ab TOKENS...`` then asks whether capturing one-request prefill graphs
 (``--prefill-cuda-graph-tokens TOKENS``) slows the decode that follows: the graph + overlap
 iteration before the capture, with the graphs held, with the decode graphs captured again
-after them (as a server captures its decode graphs at first use), and after they are released,
+after them (as a server captures the graphs it first needs while serving), and after they are
+released,
 in this process on this request (rows ``prefill_graphs``: ``none`` / ``captured`` / ``decode
 graphs captured after them`` / ``released``).
 """
@@ -243,8 +244,9 @@ def _prefill_graph_ab(sched: Scheduler, tokens: List[int], steps: int) -> List[D
     held = sum(r.memory_bytes or 0 for r in captured) / 2**30
     point("captured", capture_s=time.perf_counter() - t0, prefill_graph_gib=held,
           buckets=[b for r in captured for b in r.buckets])
-    # A server captures its decode graphs at first use, i.e. after its prefill graphs: drop
-    # the decode graphs so that the next steps capture them again with the prefill graphs held.
+    # Decode graphs captured with the prefill graphs held (as a server captures a sampled
+    # request's graph, or any graph of a width-dependent backend, at first use): drop them so
+    # that the next steps capture them again.
     decode_graphs = sched.round_worker.graph_runner
     if decode_graphs is not None:
         decode_graphs.graphs.clear()
