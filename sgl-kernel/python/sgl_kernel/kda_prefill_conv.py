@@ -61,16 +61,15 @@ REFERENCE_NOTE = ("reference: sglang.srt.layers.attention.kda_ops.causal_conv1d 
 
 # Tiles: on the GPU 16 tokens x 256 channels over 8 warps, the fastest of
 # benchmark/kernels/tune_kda_prefill_conv.py's sweep on a 4096-channel plane (docs/performance.md,
-# "KDA prefill conv"); with the heads' L2 norm one head per block (a row reduction instead of
-# a reshaped tile's) over 4 warps. The interpreter pays per program and per op, and tests run
-# small widths there.
+# "KDA's q / k L2 norm inside the prefill conv"); with the heads' L2 norm, one head per block (a
+# row reduction instead of a reshaped tile's) over 4 warps. The interpreter pays per program and
+# per op, and tests run small widths there.
 _BLOCK_T = 16
 _BLOCK_C = 64 if INTERPRETED else 256
 _NUM_WARPS = 8
 _NORM_WARPS = 4
 
 
-# T only bounds masks: one compiled variant for every prefill length (no T == 1 or T % 16 ones).
 @triton.jit
 def _conv_silu(acc, PRECISE_EXP: tl.constexpr):
     """SiLU as torch writes it: ``x / (1 + exp(-x))``, the division rounded to nearest."""
@@ -81,7 +80,6 @@ def _conv_silu(acc, PRECISE_EXP: tl.constexpr):
     return tl.div_rn(acc, 1.0 + e)
 
 
-# T only bounds masks: one compiled variant for every prefill length (no T == 1 or T % 16 ones).
 @triton.jit
 def _heads_l2norm(y, eps, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, NORM_D: tl.constexpr,
                   OUT_DT: tl.constexpr):
@@ -96,6 +94,7 @@ def _heads_l2norm(y, eps, ROWS: tl.constexpr, BLOCK_C: tl.constexpr, NORM_D: tl.
     return tl.reshape(x * rstd[:, :, None], [ROWS, BLOCK_C])
 
 
+# T only bounds masks: one compiled variant for every prefill length (no T == 1 or T % 16 ones).
 @triton.jit(do_not_specialize=["T"])
 def _kda_prefill_conv_kernel(x_ptr, w_ptr, win_ptr, y_ptr, T, C, eps,
                              s_xt, s_wc, s_wk, s_vc, s_vk, s_yt,
