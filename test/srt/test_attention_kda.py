@@ -455,6 +455,70 @@ needs_interp = pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1",
                                   reason="needs TRITON_INTERPRET=1 (test/conftest.py sets it on CPU)")
 
 
+@needs_interp
+def test_fla_prefill_path_normalises_q_k_once_on_cpu(monkeypatch):
+    """The fla prefill path's wiring on the CPU, with fla's ``chunk_kda`` replaced by the torch
+    chunked recurrence (which L2-normalises q / k only when asked to): the conv launches of the
+    q and k planes normalise each head, so the backend asks fla not to
+    (``l2norm_in_kernel=False``), and with the raw gate inputs two requests of one batch (one
+    behind a prefix) give the torch prefill's outputs and states."""
+    from sglang.srt.layers.attention.kda_ops import KDAGate
+
+    calls = []
+
+    def torch_chunk_kda(q, k, v, g, beta, scale, initial_state, seq_lens, *, cu_seqlens=None,
+                        cu_seqlens_cpu=None, l2norm_in_kernel=False, gate_params=None,
+                        captured=False):
+        calls.append(l2norm_in_kernel)
+        t, h, d = q.shape
+        q, k = q.float(), k.float()
+        if l2norm_in_kernel:
+            q, k = l2norm(q), l2norm(k)
+        if gate_params is not None:  # fla forms the gate from its raw inputs
+            gate = KDAGate(g.reshape(t, h * d), beta, *gate_params)
+            g, beta = gate.decay(h, d), gate.beta()
+        bounds = cu_seqlens_cpu.tolist()
+        outs, finals = [], []
+        for i, (a, b) in enumerate(zip(bounds, bounds[1:])):
+            o, final = kda_chunked(q[a:b], k[a:b], v[a:b].float(), g[a:b].float(),
+                                   beta[a:b].float(), scale, initial_state=initial_state[i])
+            outs.append(o)
+            finals.append(final)
+        return torch.cat(outs).to(v.dtype), torch.stack(finals)
+
+    monkeypatch.setattr(fla_kda, "chunk_kda_varlen", torch_chunk_kda)
+    gen = torch.Generator().manual_seed(12)
+    t, d = 123, 16
+    c = H * d
+    q, k, v, f = (torch.randn(t, c, generator=gen) for _ in range(4))
+    b = torch.randn(t, H, generator=gen)
+    a_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(c, generator=gen)
+    results = []
+    for impl in ("torch", "auto"):
+        backend = TorchNativeKDABackend(impl, recurrent_impl="triton")
+        if impl == "auto":  # fla's path on the CPU (the conv kernel runs in the interpreter)
+            monkeypatch.setattr(backend, "_use_fla", lambda x: True)
+        h = Harness(backend=backend, head_dim=d)
+        slots = [h.new_request(), h.new_request()]
+        outs = []
+        for batch_slots, prefix, pieces in (([slots[1]], [0], [slice(0, 20)]),
+                                            (slots, [0, 20], [slice(20, 90), slice(90, 123)])):
+            rows_ = torch.cat([torch.arange(p.start, p.stop) for p in pieces])
+            n = rows_.numel()
+            fb = ForwardBatch.for_extend(torch.zeros(n, dtype=torch.int64), batch_slots, prefix,
+                                         [p.stop - p.start for p in pieces],
+                                         torch.arange(1, n + 1), req_to_token_pool=h.req_pool,
+                                         kda_state_pool=h.state_pool)
+            fb.attn_backend = h.backend
+            h.backend.init_forward_metadata(fb)
+            gate = KDAGate(f[rows_], b[rows_], a_log, dt_bias, -5.0)
+            outs.append(h.layer(q[rows_], k[rows_], v[rows_], None, None, fb, gate=gate))
+        results.append((torch.cat(outs), *(x for s in slots for x in h.states(s))))
+    assert calls == [False, False]  # once per extend, q / k normalised by the conv launch
+    for got, ref in zip(results[1], results[0]):
+        assert rel_err(got, ref) < 1e-5
+
+
 @pytest.mark.parametrize("decode_backend", ["torch_native", pytest.param("triton", marks=needs_interp)])
 def test_raw_gate_inputs_and_qkv_views_equal_the_formed_gate(decode_backend):
     """The model's call: q, k, v as column views of one projection output (no concatenation
