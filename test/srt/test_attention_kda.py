@@ -410,6 +410,39 @@ def test_fla_prefill_second_layer_does_not_sync_on_cuda():
 
 
 @pytest.mark.gpu
+def raw_gate_inputs(seed: int, d: int, t: int = 123):
+    """q, k, v, f ``[T, H*d]``, b ``[T, H]`` and the gate parameters of a raw-gate KDA call."""
+    gen = torch.Generator().manual_seed(seed)
+    c = H * d
+    q, k, v, f = (torch.randn(t, c, generator=gen) for _ in range(4))
+    b = torch.randn(t, H, generator=gen)
+    return q, k, v, f, b, torch.randn(H, generator=gen) * 0.5, torch.randn(c, generator=gen)
+
+
+def extend_two_requests_with_raw_gate(h: "Harness", inputs):
+    """Two requests of 123 rows of ``inputs`` (:func:`raw_gate_inputs`) on ``h``: the second
+    first extends 20 tokens alone, then 33 more beside the first's 70, the gate given as its
+    raw inputs (``KDAGate``). Returns the outputs of both extends and the two slots."""
+    from sglang.srt.layers.attention.kda_ops import KDAGate
+
+    q, k, v, f, b, a_log, dt_bias = (x.to(h.device) for x in inputs)
+    slots = [h.new_request(), h.new_request()]
+    outs = []
+    for batch_slots, prefix, pieces in (([slots[1]], [0], [slice(0, 20)]),
+                                        (slots, [0, 20], [slice(20, 90), slice(90, 123)])):
+        rows_ = torch.cat([torch.arange(p.start, p.stop) for p in pieces]).to(h.device)
+        n = rows_.numel()
+        fb = ForwardBatch.for_extend(torch.zeros(n, dtype=torch.int64, device=h.device),
+                                     batch_slots, prefix, [p.stop - p.start for p in pieces],
+                                     torch.arange(1, n + 1), req_to_token_pool=h.req_pool,
+                                     kda_state_pool=h.state_pool)
+        fb.attn_backend = h.backend
+        h.backend.init_forward_metadata(fb)
+        gate = KDAGate(f[rows_], b[rows_], a_log, dt_bias, -5.0)
+        outs.append(h.layer(q[rows_], k[rows_], v[rows_], None, None, fb, gate=gate))
+    return torch.cat(outs), slots
+
+
 def test_backend_fla_prefill_forms_the_raw_gate_in_kernel_on_cuda():
     """The model's call on the fla path: raw gate inputs (KDAGate) and unnormalised q / k go to
     fla, which forms the decay, beta and the L2 norm inside its kernels; two requests of one
@@ -417,35 +450,12 @@ def test_backend_fla_prefill_forms_the_raw_gate_in_kernel_on_cuda():
     for the in-kernel gate takes no head narrower than 16 (a tensor-core product's K)."""
     if not fla_kda.is_available():
         pytest.skip("fla-core not installed")
-    from sglang.srt.layers.attention.kda_ops import KDAGate
-
-    gen = torch.Generator().manual_seed(11)
-    lens = [70, 33]
-    t, d = sum(lens) + 20, 32
-    c = H * d
-    q, k, v, f = (torch.randn(t, c, generator=gen) for _ in range(4))
-    b = torch.randn(t, H, generator=gen)
-    a_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(c, generator=gen)
+    inputs = raw_gate_inputs(seed=11, d=32)
     results = []
     for impl in ("torch", "fla"):
-        h = Harness(backend=TorchNativeKDABackend(impl), device="cuda", head_dim=d)
-        slots = [h.new_request(), h.new_request()]
-        outs = []
-        # The second request first extends 20 tokens alone, then 33 more beside the first's 70.
-        for batch_slots, prefix, pieces in (([slots[1]], [0], [slice(0, 20)]),
-                                            (slots, [0, 20], [slice(20, 90), slice(90, 123)])):
-            rows_ = torch.cat([torch.arange(p.start, p.stop) for p in pieces])
-            n = rows_.numel()
-            fb = ForwardBatch.for_extend(torch.zeros(n, dtype=torch.int64, device="cuda"),
-                                         batch_slots, prefix, [p.stop - p.start for p in pieces],
-                                         torch.arange(1, n + 1), req_to_token_pool=h.req_pool,
-                                         kda_state_pool=h.state_pool)
-            fb.attn_backend = h.backend
-            h.backend.init_forward_metadata(fb)
-            dev = [x[rows_].cuda() for x in (q, k, v, f, b)]
-            gate = KDAGate(dev[3], dev[4], a_log.cuda(), dt_bias.cuda(), -5.0)
-            outs.append(h.layer(dev[0], dev[1], dev[2], None, None, fb, gate=gate))
-        results.append((torch.cat(outs), *(h.states(s)[1] for s in slots)))
+        h = Harness(backend=TorchNativeKDABackend(impl), device="cuda", head_dim=32)
+        out, slots = extend_two_requests_with_raw_gate(h, inputs)
+        results.append((out, *(h.states(s)[1] for s in slots)))
     for got, ref in zip(results[1], results[0]):
         assert rel_err(got, ref) < FLA_TOL
 
@@ -487,33 +497,15 @@ def test_fla_prefill_path_normalises_q_k_once_on_cpu(monkeypatch):
         return torch.cat(outs).to(v.dtype), torch.stack(finals)
 
     monkeypatch.setattr(fla_kda, "chunk_kda_varlen", torch_chunk_kda)
-    gen = torch.Generator().manual_seed(12)
-    t, d = 123, 16
-    c = H * d
-    q, k, v, f = (torch.randn(t, c, generator=gen) for _ in range(4))
-    b = torch.randn(t, H, generator=gen)
-    a_log, dt_bias = torch.randn(H, generator=gen) * 0.5, torch.randn(c, generator=gen)
+    inputs = raw_gate_inputs(seed=12, d=16)
     results = []
     for impl in ("torch", "auto"):
         backend = TorchNativeKDABackend(impl, recurrent_impl="triton")
         if impl == "auto":  # fla's path on the CPU (the conv kernel runs in the interpreter)
             monkeypatch.setattr(backend, "_use_fla", lambda x: True)
-        h = Harness(backend=backend, head_dim=d)
-        slots = [h.new_request(), h.new_request()]
-        outs = []
-        for batch_slots, prefix, pieces in (([slots[1]], [0], [slice(0, 20)]),
-                                            (slots, [0, 20], [slice(20, 90), slice(90, 123)])):
-            rows_ = torch.cat([torch.arange(p.start, p.stop) for p in pieces])
-            n = rows_.numel()
-            fb = ForwardBatch.for_extend(torch.zeros(n, dtype=torch.int64), batch_slots, prefix,
-                                         [p.stop - p.start for p in pieces],
-                                         torch.arange(1, n + 1), req_to_token_pool=h.req_pool,
-                                         kda_state_pool=h.state_pool)
-            fb.attn_backend = h.backend
-            h.backend.init_forward_metadata(fb)
-            gate = KDAGate(f[rows_], b[rows_], a_log, dt_bias, -5.0)
-            outs.append(h.layer(q[rows_], k[rows_], v[rows_], None, None, fb, gate=gate))
-        results.append((torch.cat(outs), *(x for s in slots for x in h.states(s))))
+        h = Harness(backend=backend, head_dim=16)
+        out, slots = extend_two_requests_with_raw_gate(h, inputs)
+        results.append((out, *(x for s in slots for x in h.states(s))))
     assert calls == [False, False]  # once per extend, q / k normalised by the conv launch
     for got, ref in zip(results[1], results[0]):
         assert rel_err(got, ref) < 1e-5
