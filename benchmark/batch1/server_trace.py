@@ -29,6 +29,7 @@ from typing import Any, Dict, List, Optional, Sequence
 _WAITS = ("Synchronize", "cudaMemcpy", "cuMemcpy", "cudaFree", "cuMemFree", "cudaMalloc",
           "cuMemAlloc", "cudaHostAlloc", "cudaMallocHost")
 _ASYNC = ("cudaMemcpyAsync", "cuMemcpyAsync", "cudaMemcpyPeerAsync")
+_GRAPH_LAUNCHES = ("cudaGraphLaunch", "cuGraphLaunch")  # one per replayed graph (decode step)
 
 
 def load_events(path: str) -> List[Dict[str, Any]]:
@@ -52,7 +53,7 @@ def summarize(events: Sequence[Dict[str, Any]], label: str = "") -> Dict[str, An
     mean µs per call) and ``runtime_us_per_step`` (every runtime call's time per step)."""
     runtime = sorted((e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")),
                      key=lambda e: e["ts"])
-    launches = [e["ts"] for e in runtime if e["name"] in ("cudaGraphLaunch", "cuGraphLaunch")]
+    launches = [e["ts"] for e in runtime if e["name"] in _GRAPH_LAUNCHES]
     out: Dict[str, Any] = {"label": label, "steps": len(launches)}
     if len(launches) < 3:
         return out
@@ -95,7 +96,7 @@ def graph_shape(runtime: Sequence[Dict[str, Any]],
     graphs = []  # (host launch start, kernels in start order)
     for e in runtime:
         corr = (e.get("args") or {}).get("correlation")
-        if e["name"] in ("cudaGraphLaunch", "cuGraphLaunch") and by_corr.get(corr):
+        if e["name"] in _GRAPH_LAUNCHES and by_corr.get(corr):
             graphs.append((e["ts"], sorted(by_corr[corr], key=lambda k: k["ts"])))
     if len(graphs) < 2:
         return {}
