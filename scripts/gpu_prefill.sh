@@ -21,7 +21,9 @@
 #   STAGE=served    the seed's workload (random-ids 8192 in / 1024 out, concurrency 1, PROMPTS
 #                   prompts, default 4) against the fp8 42-layer server without speculation and
 #                   with NEXTN (SPECS, default "0 3"); one JSON line per run in $OUT/served.jsonl;
-#                   SERVED_ARGS adds server flags (SERVED_ARGS="--prefill-cuda-graph-tokens 8192")
+#                   SERVED_ARGS adds server flags (SERVED_ARGS="--prefill-cuda-graph-tokens 8192");
+#                   SERVED_VARIANTS, comma-separated flag lists, runs one server per list in turn
+#                   (SERVED_VARIANTS=",--mem-fraction-static 0.85": defaults, then that flag)
 #   STAGE=conc      12-layer bf16 server (default flags; CONC_ARGS adds server flags), random-ids
 #                   1024 / 128 at concurrency CONCS (default "1 4 16 64"); $OUT/conc.jsonl
 #   STAGE=served_trace two fp8 servers (LAYERS applies), without and with TRACE_ARGS (default
@@ -133,12 +135,15 @@ prefill42)
   census flash42fp8-new $FLASH42 --max-running-requests 2 --disable-cuda-graph
   ;;
 served)
+  IFS=, read -ra variants <<< "${SERVED_VARIANTS:-${SERVED_ARGS:-}}"
+  [ ${#variants[@]} = 0 ] && variants=("")
+  for variant in "${variants[@]}"; do
   for steps in ${SPECS:-0 3}; do
     spec=""; [ "$steps" != 0 ] && spec="--speculative-algorithm NEXTN --speculative-num-steps $steps"
-    echo "== fp8 42 layers, spec=$steps"
-    # shellcheck disable=SC2086  # SERVED_ARGS is a list of words
+    echo "== fp8 42 layers, spec=$steps${variant:+, $variant}"
+    # shellcheck disable=SC2086  # a variant is a list of words
     serve 30710 "$OUT/server_fp8_$steps.log" $FLASH42 --cuda-graph-max-bs 4 $spec \
-      ${SERVED_ARGS:-} || continue
+      $variant || continue
     timeout ${BENCH_TIMEOUT:-200} python3 -m sglang.bench_serving --backend sglang --port 30710 \
       --dataset-name random-ids --random-input-len 8192 --random-output-len 1024 \
       --random-range-ratio 1.0 --num-prompts ${PROMPTS:-4} --max-concurrency 1 --disable-tqdm \
@@ -146,6 +151,7 @@ served)
       | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Accept"
     grep -E "request slots|pools:|Prefill warm-up" "$OUT/server_fp8_$steps.log" | head -3
     stop_server
+  done
   done
   ;;
 served_trace)  # the decode loop of two servers, without and with TRACE_ARGS, torch-profiled

@@ -27,11 +27,17 @@ rest of what is allocated: graph pools and activations, free), once after the ru
 
 ``--prefill-graph-ab TOKENS...`` then asks whether capturing one-request prefill graphs
 (``--prefill-cuda-graph-tokens TOKENS``) slows the decode that follows: the graph + overlap
-iteration before the capture, with the graphs held, with the decode graphs captured again
-after them (as a server captures the graphs it first needs while serving), and after they are
-released,
-in this process on this request (rows ``prefill_graphs``: ``none`` / ``captured`` / ``decode
-graphs captured after them`` / ``released``).
+iteration before the capture, with the graphs held, after one replay of each (as a server
+replays them for its short prompts), on a new request of the same length prefilled eagerly
+after them, with the decode graphs captured again (as a server captures the graphs it first
+needs while serving), and after they are released (rows ``prefill_graphs``: ``none`` /
+``captured`` / ``after a prefill graph replay`` / ``a new request prefilled eagerly after
+them`` / ``decode graphs captured after them`` / ``released``; each with the
+back-to-back replay time of the decode graph at that point, ``point_replay_ms``).
+
+``--full-memory-ab KEEP_MIB`` asks the same of a nearly full GPU: the graph + overlap iteration
+with the free device memory as it is, with all but ``KEEP_MIB`` MiB of it held by one tensor,
+and after it is given back (rows ``device_memory``).
 """
 from __future__ import annotations
 
@@ -225,7 +231,8 @@ def _seam_ab(sched: Scheduler, steps: int, repeats: int) -> List[Dict[str, Any]]
              "iter_ms_runs": v, **counts[name]} for name, v in times.items()]
 
 
-def _prefill_graph_ab(sched: Scheduler, tokens: List[int], steps: int) -> List[Dict[str, Any]]:
+def _prefill_graph_ab(sched: Scheduler, tokens: List[int], steps: int,
+                      prompt_len: int) -> List[Dict[str, Any]]:
     """Graph + overlap iterations before capturing prefill graphs of ``tokens``, with them held,
     and after releasing them (the allocator's cache emptied): does the capture, not a replay,
     change the decode's speed?"""
@@ -234,7 +241,8 @@ def _prefill_graph_ab(sched: Scheduler, tokens: List[int], steps: int) -> List[D
 
     def point(name: str, **extra: Any) -> None:
         res = _time_steps(sched, steps)
-        res.update(mode="graph", overlap=True, prefill_graphs=name, **extra)
+        res.update(mode="graph", overlap=True, prefill_graphs=name,
+                   point_replay_ms=_replay_ms(sched, 50), **extra)
         rows.append(res)
 
     point("none")
@@ -244,11 +252,29 @@ def _prefill_graph_ab(sched: Scheduler, tokens: List[int], steps: int) -> List[D
     held = sum(r.memory_bytes or 0 for r in captured) / 2**30
     point("captured", capture_s=time.perf_counter() - t0, prefill_graph_gib=held,
           buckets=[b for r in captured for b in r.buckets])
+    # A server replays them for its short prompts (its own warm-up request among them) before
+    # the decode steps it serves; the capture above does not. Replayed as captured: one request
+    # in the padding slot, so the live request's state is untouched.
+    for runner in captured:
+        for graph in runner.graphs.values():
+            graph.graph.replay()
+    _sync()
+    point("after a prefill graph replay")
+    # A server prefills the prompts its graphs do not hold eagerly, after the capture; the
+    # request timed so far was prefilled before it. A new request of the same length:
+    sched.abort_request(AbortReq(abort_all=True))
+    start_request(sched, prompt_len, (steps + 3) * 3 * sched.round_worker.round_tokens + 64,
+                  rid="ab-after-capture")
+    point("a new request prefilled eagerly after them")
     # Decode graphs captured with the prefill graphs held (as a server captures a sampled
     # request's graph, or any graph of a width-dependent backend, at first use): drop them so
     # that the next steps capture them again.
     decode_graphs = sched.round_worker.graph_runner
     if decode_graphs is not None:
+        # A fresh pool: the old one is freed with the last graph that used it, and capturing
+        # into a freed pool trips an allocator assertion.
+        if torch.cuda.is_available():
+            decode_graphs._pool = torch.cuda.graph_pool_handle()
         decode_graphs.graphs.clear()
         point("decode graphs captured after them")
     for runner, _ in sched.round_worker.prefill_graph_plan():
@@ -258,6 +284,32 @@ def _prefill_graph_ab(sched: Scheduler, tokens: List[int], steps: int) -> List[D
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
     point("released")
+    return rows
+
+
+def _full_memory_ab(sched: Scheduler, keep_mib: int, steps: int) -> List[Dict[str, Any]]:
+    """Graph + overlap iterations with the device's free memory as it is, with all but
+    ``keep_mib`` MiB of it taken by one tensor, and after giving it back: does a nearly full
+    GPU (a server at a high ``--mem-fraction-static`` after a long eager prefill grew the
+    allocator's cache) slow the replayed decode graphs?"""
+    rows: List[Dict[str, Any]] = []
+    sched.enable_overlap = True
+
+    def point(name: str) -> None:
+        res = _time_steps(sched, steps)
+        res.update(mode="graph", overlap=True, device_memory=name,
+                   free_mib=torch.cuda.mem_get_info()[0] / 2**20,
+                   point_replay_ms=_replay_ms(sched, 50))
+        rows.append(res)
+
+    point("as is")
+    torch.cuda.empty_cache()
+    take = torch.cuda.mem_get_info()[0] - (keep_mib << 20)
+    filler = torch.empty(max(take, 0), dtype=torch.uint8, device="cuda") if take > 0 else None
+    point(f"filled to {keep_mib} MiB free")
+    del filler
+    torch.cuda.empty_cache()
+    point("given back")
     return rows
 
 
@@ -289,6 +341,9 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     parser.add_argument("--prefill-graph-ab", type=int, nargs="+", default=None, metavar="TOKENS",
                         help="Also time graph + overlap before capturing prefill graphs of TOKENS, "
                              "with them held and after releasing them (module docstring).")
+    parser.add_argument("--full-memory-ab", type=int, default=None, metavar="KEEP_MIB",
+                        help="Also time graph + overlap with all but KEEP_MIB MiB of the free "
+                             "device memory taken, against before and after (module docstring).")
     add_kernel_choices_arg(parser)
     args = parser.parse_args(argv)
     server_args = ServerArgs.from_cli_args(args)
@@ -299,7 +354,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     if runner is None:
         configs = [c for c in configs if c[0] == "eager"]
     rows = len(configs) + 2 + (args.seam_ab * 8 if runner is not None else 0) \
-        + (4 if args.prefill_graph_ab and runner is not None else 0)
+        + (6 if args.prefill_graph_ab and runner is not None else 0) \
+        + (3 if args.full_memory_ab is not None and runner is not None else 0)
     budget = (args.steps + 3) * rows * sched.round_worker.round_tokens + 64
     start_request(sched, args.prompt_len, budget, server_args.random_seed or 0)
     results = []
@@ -314,7 +370,9 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     if args.seam_ab and runner is not None:
         results += _seam_ab(sched, args.steps, args.seam_ab)
     if args.prefill_graph_ab and runner is not None:
-        results += _prefill_graph_ab(sched, args.prefill_graph_ab, args.steps)
+        results += _prefill_graph_ab(sched, args.prefill_graph_ab, args.steps, args.prompt_len)
+    if args.full_memory_ab is not None and runner is not None and torch.cuda.is_available():
+        results += _full_memory_ab(sched, args.full_memory_ab, args.steps)
     extra: Dict[str, Any] = {"replay_ms": _replay_ms(sched, args.replays),
                              "memory": _memory_report(sched),
                              "kernel_choices": sched.tp_worker.model_runner.kernel_choices
@@ -330,9 +388,12 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     for r in results:
         r.update(label=label, prompt_len=args.prompt_len, steps=args.steps, **extra)
         name = r.get("seam") or r["mode"] + (" +overlap" if r["overlap"] else "") + (
-            f" pg:{r['prefill_graphs']}" if "prefill_graphs" in r else "")
+            f" pg:{r['prefill_graphs']}" if "prefill_graphs" in r else "") + (
+            f" mem:{r['device_memory']}" if "device_memory" in r else "")
         if "tokens" in r:
-            print(f"{name:<28}{r['iter_ms']:>9.3f}{r['tokens'] / (args.steps + 3):>10.2f}")
+            replay = (f"  replay {r['point_replay_ms']:.3f}" if r.get("point_replay_ms")
+                      else "")
+            print(f"{name:<28}{r['iter_ms']:>9.3f}{r['tokens'] / (args.steps + 3):>10.2f}{replay}")
         else:
             print(f"{name:<28}{r['iter_ms']:>9.3f}  runs {[round(x, 3) for x in r['iter_ms_runs']]}"
                   f" replays {r['replays']} glue {r['glue_replays']} failed {r['failed']}")
