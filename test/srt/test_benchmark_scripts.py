@@ -310,7 +310,7 @@ def test_server_trace_counts_the_waits_between_graph_launches(tmp_path):
             t = 1000.0 + 2000.0 * i
             ev.append(dict(ph="X", cat="cuda_runtime", name="cudaGraphLaunch", ts=t, dur=20,
                            args={"correlation": i}))
-            # two kernels of the graph: overlapping by 10 µs (PDL) or 10 µs apart
+            # two kernels of the graph: overlapping by 10 µs or 10 µs apart
             second = t + 50 + 700 + (-10 if with_sync else 10)
             ev.append(dict(ph="X", cat="kernel", name="k", ts=t + 50, dur=700,
                            args={"correlation": i}))
@@ -341,6 +341,7 @@ def test_server_trace_counts_the_waits_between_graph_launches(tmp_path):
     # Inside the graphs: the overlapping pair and the gap, the span, the idle between graphs.
     assert (synced["overlapping_pairs"], synced["inner_gaps_us"]) == (1, -10)
     assert (plain["overlapping_pairs"], plain["inner_gaps_us"]) == (0, 10)
+    assert (synced["kernel_gap_median_us"], plain["kernel_gap_median_us"]) == (-10, 10)
     assert synced["graph_span_us"] == 1490 and plain["graph_span_us"] == 1510
     assert plain["idle_between_us"] == pytest.approx(2000 - 1510)
     assert plain["launch_lead_us"] == pytest.approx(50 + 1510 - 2000)
