@@ -233,9 +233,10 @@ def _seam_ab(sched: Scheduler, steps: int, repeats: int) -> List[Dict[str, Any]]
 
 def _prefill_graph_ab(sched: Scheduler, tokens: List[int], steps: int,
                       prompt_len: int) -> List[Dict[str, Any]]:
-    """Graph + overlap iterations before capturing prefill graphs of ``tokens``, with them held,
-    and after releasing them (the allocator's cache emptied): does the capture, not a replay,
-    change the decode's speed?"""
+    """Graph + overlap iterations before capturing prefill graphs of ``tokens`` and after each
+    thing a server does with them (module docstring: held, replayed once, a new request of
+    ``prompt_len`` tokens prefilled after them, the decode graphs captured again, released):
+    which of them, if any, changes the decode's speed?"""
     rows: List[Dict[str, Any]] = []
     sched.enable_overlap = True
 
