@@ -14,7 +14,7 @@ the node count: launch latency plus a near-empty kernel). A row whose µs per no
 the first row's, and stays risen in the rows after it, names the trigger.
 
 Events: a second chain of 4x the nodes captured into a pool of its own, then replayed once (a
-prefill graph: more kernels, captured after the decode graph); a graph of device memsets and
+prefill graph: more kernels, captured after the decode graph), then one of 16x; a graph of device memsets and
 copies replayed (the nodes a captured forward holds besides kernels); a large cuBLAS GEMM run
 eagerly and one replayed from a graph (kernels with a large shared-memory carve-out);
 ``torch.cuda.empty_cache()`` followed by a 2 GiB allocation (what a prefill capture does before
@@ -107,6 +107,9 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
     row(f"a chain of {4 * args.nodes} nodes captured in its own pool")
     big.replay()
     row("... and replayed once")
+    huge = _capture(lambda: _chain(x, 16 * args.nodes), pool=torch.cuda.graph_pool_handle())
+    huge.replay()
+    row(f"a chain of {16 * args.nodes} nodes captured and replayed")
     buf = torch.zeros(1 << 24, device="cuda")
     other = torch.empty_like(buf)
 
