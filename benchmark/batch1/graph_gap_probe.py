@@ -11,7 +11,9 @@ Triton launches (one program each, each reading what the one before wrote, as a 
 graph's kernels do), then goes through the events below in order and after each one times
 ``--replays`` back-to-back replays of the chain, reported as µs per node (the replay time over
 the node count: launch latency plus a near-empty kernel). A row whose µs per node rises over
-the first row's, and stays risen in the rows after it, names the trigger.
+the first row's, and stays risen in the rows after it, names the trigger. Each row is timed
+twice: the replays alone, and each followed by what a server's decode loop adds (a side
+stream copying the step's output to pinned host memory after waiting for the main stream).
 
 Events: a second chain of 4x the nodes captured into a pool of its own, then replayed once (a
 prefill graph: more kernels, captured after the decode graph), then one of 16x; a graph of device memsets and
@@ -55,16 +57,37 @@ def _capture(fn: Callable[[], None], pool: object = None) -> "torch.cuda.CUDAGra
     return graph
 
 
-def _us_per_node(graph: "torch.cuda.CUDAGraph", nodes: int, replays: int) -> float:
-    for _ in range(5):
+class _Relay:
+    """What a server's decode loop adds after each replay: a side stream waits for the main one
+    and copies the step's output to pinned host memory (``sglang.srt.rounds.relay``)."""
+
+    def __init__(self, src: torch.Tensor):
+        self.stream = torch.cuda.Stream()
+        self.src = src
+        self.host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+
+    def __call__(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self.host.copy_(self.src, non_blocking=True)
+
+
+def _us_per_node(graph: "torch.cuda.CUDAGraph", nodes: int, replays: int,
+                 after: Optional[Callable[[], None]] = None) -> float:
+    """Back-to-back replays of ``graph`` (``after`` called after each), µs per node."""
+    def replay() -> None:
         graph.replay()
+        if after is not None:
+            after()
+    for _ in range(5):
+        replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
-        graph.replay()
+        replay()
     end.record()
-    end.synchronize()
+    torch.cuda.synchronize()
     return start.elapsed_time(end) * 1e3 / (replays * nodes)
 
 
@@ -96,11 +119,14 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
     chain = _capture(lambda: _chain(x, args.nodes))  # the "decode graph", in the default pool
     rows: List[Dict[str, object]] = []
 
+    relay = _Relay(x)
+
     def row(event: str) -> None:
         us = _us_per_node(chain, args.nodes, args.replays)
-        rows.append({"event": event, "us_per_node": us, "nodes": args.nodes,
-                     "gpu": torch.cuda.get_device_name()})
-        print(f"{event:<58}{us:8.3f} us/node", flush=True)
+        relayed = _us_per_node(chain, args.nodes, args.replays, after=relay)
+        rows.append({"event": event, "us_per_node": us, "us_per_node_relayed": relayed,
+                     "nodes": args.nodes, "gpu": torch.cuda.get_device_name()})
+        print(f"{event:<58}{us:8.3f} us/node{relayed:8.3f} with the relay's copy", flush=True)
 
     row("the chain alone")
     big = _capture(lambda: _chain(x, 4 * args.nodes), pool=torch.cuda.graph_pool_handle())
