@@ -263,8 +263,9 @@ def _prefill_graph_ab(sched: Scheduler, tokens: List[int], steps: int,
     point("after a prefill graph replay")
     # A server prefills the prompts its graphs do not hold eagerly, after the capture; the
     # request timed so far was prefilled before it. A new request of the same length:
+    # Its budget covers the points left here and --full-memory-ab's three after them.
     sched.abort_request(AbortReq(abort_all=True))
-    start_request(sched, prompt_len, (steps + 3) * 3 * sched.round_worker.round_tokens + 64,
+    start_request(sched, prompt_len, (steps + 3) * 6 * sched.round_worker.round_tokens + 64,
                   rid="ab-after-capture")
     point("a new request prefilled eagerly after them")
     # Decode graphs captured with the prefill graphs held (as a server captures a sampled
