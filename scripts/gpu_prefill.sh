@@ -32,7 +32,7 @@
 #                   benchmark/batch1/server_trace.py (graph launch cadence, blocking calls)
 #   STAGE=gap_probe benchmark/batch1/graph_gap_probe.py: a chain graph's µs per node before and
 #                   after each start-up event (second graph, copies, cuBLAS, empty_cache, fla),
-#                   no model; $OUT/gap_probe.jsonl (seconds)
+#                   no model; $OUT/gap_probe.jsonl (about a minute; give the stage 90 s)
 #   STAGE=prefill_gates  the gpu-marked tests of the prefill path's kernels and glue (KDA fla
 #                   prefill, MLA RoPE assembly, norms, grouped MoE GEMM, dense fp8 GEMM and its
 #                   scaled_mm form, activation quantisation, prefill CUDA graphs, the gated
@@ -158,7 +158,7 @@ served)
   done
   ;;
 gap_probe)
-  timeout 120 python3 benchmark/batch1/graph_gap_probe.py --result-filename "$OUT/gap_probe.jsonl"
+  timeout 80 python3 benchmark/batch1/graph_gap_probe.py --result-filename "$OUT/gap_probe.jsonl"
   ;;
 served_trace)  # the decode loop of two servers, without and with TRACE_ARGS, torch-profiled
   n=0
