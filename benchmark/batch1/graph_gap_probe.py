@@ -16,7 +16,9 @@ twice: the replays alone, and each followed by what a server's decode loop adds 
 stream copying the step's output to pinned host memory after waiting for the main stream).
 
 Events: a second chain of 4x the nodes captured into a pool of its own, then replayed once (a
-prefill graph: more kernels, captured after the decode graph), then one of 16x; a graph of device memsets and
+prefill graph: more kernels, captured after the decode graph), then one of 16x; a graph of
+one memset, then one of one device copy (each followed by an eager launch and a sync, which
+may undo what it did); a graph of device memsets and
 copies replayed (the nodes a captured forward holds besides kernels); a large cuBLAS GEMM run
 eagerly and one replayed from a graph (kernels with a large shared-memory carve-out);
 ``torch.cuda.empty_cache()`` followed by a 2 GiB allocation (what a prefill capture does before
@@ -138,6 +140,16 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
     row(f"a chain of {16 * args.nodes} nodes captured and replayed")
     buf = torch.zeros(1 << 24, device="cuda")
     other = torch.empty_like(buf)
+    _capture(lambda: buf.zero_()).replay()
+    row("a graph of one memset replayed")
+    _chain(x, 1)
+    torch.cuda.synchronize()
+    row("one eager launch of the chain's kernel, a device sync")
+    _capture(lambda: other.copy_(buf)).replay()
+    row("a graph of one device-to-device copy replayed")
+    _chain(x, 1)
+    torch.cuda.synchronize()
+    row("one eager launch of the chain's kernel, a device sync")
 
     def copies() -> None:
         buf.zero_()
