@@ -140,19 +140,21 @@ prefill42)
 served)
   IFS=, read -ra variants <<< "${SERVED_VARIANTS:-${SERVED_ARGS:-}}"
   [ ${#variants[@]} = 0 ] && variants=("")
+  v=0
   for variant in "${variants[@]}"; do
+  v=$((v + 1)); tag=$([ ${#variants[@]} -gt 1 ] && echo "_v$v")  # one log per server
   for steps in ${SPECS:-0 3}; do
     spec=""; [ "$steps" != 0 ] && spec="--speculative-algorithm NEXTN --speculative-num-steps $steps"
     echo "== fp8 42 layers, spec=$steps${variant:+, $variant}"
     # shellcheck disable=SC2086  # a variant is a list of words
-    serve 30710 "$OUT/server_fp8_$steps.log" $FLASH42 --cuda-graph-max-bs 4 $spec \
+    serve 30710 "$OUT/server_fp8_$steps$tag.log" $FLASH42 --cuda-graph-max-bs 4 $spec \
       $variant || continue
     timeout ${BENCH_TIMEOUT:-200} python3 -m sglang.bench_serving --backend sglang --port 30710 \
       --dataset-name random-ids --random-input-len 8192 --random-output-len 1024 \
       --random-range-ratio 1.0 --num-prompts ${PROMPTS:-4} --max-concurrency 1 --disable-tqdm \
-      --output-details --output-file "$OUT/served.jsonl" 2>&1 | tee "$OUT/bench_fp8_$steps.log" \
+      --output-details --output-file "$OUT/served.jsonl" 2>&1 | tee "$OUT/bench_fp8_$steps$tag.log" \
       | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Accept"
-    grep -E "request slots|pools:|Prefill warm-up" "$OUT/server_fp8_$steps.log" | head -3
+    grep -E "request slots|pools:|Prefill warm-up" "$OUT/server_fp8_$steps$tag.log" | head -3
     stop_server
   done
   done

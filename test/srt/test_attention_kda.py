@@ -409,7 +409,6 @@ def test_fla_prefill_second_layer_does_not_sync_on_cuda():
     assert torch.equal(first, second)  # same weights, same inputs, fresh states in both pools
 
 
-@pytest.mark.gpu
 def raw_gate_inputs(seed: int, d: int, t: int = 123):
     """q, k, v, f ``[T, H*d]``, b ``[T, H]`` and the gate parameters of a raw-gate KDA call."""
     gen = torch.Generator().manual_seed(seed)
@@ -443,6 +442,7 @@ def extend_two_requests_with_raw_gate(h: "Harness", inputs):
     return torch.cat(outs), slots
 
 
+@pytest.mark.gpu
 def test_backend_fla_prefill_forms_the_raw_gate_in_kernel_on_cuda():
     """The model's call on the fla path: raw gate inputs (KDAGate) and unnormalised q / k go to
     fla, which forms the decay, beta and the L2 norm inside its kernels; two requests of one
@@ -597,7 +597,6 @@ def test_conv_qkv_planes_equal_the_one_launch_conv():
     want = want.view(t, 3, c).transpose(0, 1)
     assert torch.equal(planes[2], want[2])
     # q and k: each head L2-normalised in the launch (fla's formula), for fla without its own.
-    heads = want[:2].reshape(2, t, c // head_dim, head_dim)
-    normed = heads * (1 / torch.sqrt((heads * heads).sum(-1, keepdim=True) + 1e-6))
-    torch.testing.assert_close(planes[:2], normed.view(2, t, c), rtol=1e-5, atol=1e-6)
+    normed = l2norm(want[:2].reshape(2, t, c // head_dim, head_dim)).view(2, t, c)
+    torch.testing.assert_close(planes[:2], normed, rtol=1e-5, atol=1e-6)
     assert torch.equal(pool, want_pool)
