@@ -38,9 +38,15 @@ if [ -f .triton_cache.tgz ]; then
   mkdir -p "$TRITON_DIR" && tar xzf .triton_cache.tgz -C "$TRITON_DIR" \
     && echo "unpacked $(ls "$TRITON_DIR" | wc -l) Triton cache entries"
 fi
+# The GPU's clocks, power and throttle reasons once a second for the whole call (a near-empty
+# kernel's launch-to-launch time follows the SM clock; read it beside any gap or TPOT change).
+SMI_FIELDS=timestamp,clocks.sm,clocks.mem,pstate,power.draw,temperature.gpu,utilization.gpu
+SMI_FIELDS=$SMI_FIELDS,clocks_throttle_reasons.active
+nvidia-smi --query-gpu=$SMI_FIELDS --format=csv -l 1 > "$SCRATCH/nvidia_smi.csv" 2>&1 &
+smi_pid=$!
 for stage in "$@"; do
   read -r limit script vars <<< "$stage"
-  echo "== $script $vars (limit ${limit}s)"
+  echo "== $script $vars (limit ${limit}s) at $(date -u +%H:%M:%S)"
   # GNU timeout signals its whole process group, so pytest and benchmarks stop with the stage;
   # servers started with setsid (the stage scripts' serve) escape it: pkill below.
   # shellcheck disable=SC2086  # vars is a list of VAR=value words
@@ -49,6 +55,7 @@ for stage in "$@"; do
   [ $rc = 137 ] && echo "== stopped at ${limit}s"
   pkill -9 -f "sglang.launch_serve[r]" 2>/dev/null
 done
+kill "$smi_pid" 2>/dev/null
 tar czf "$RESULTS/logs.tgz" -C "$SCRATCH" . && echo "packed $(ls "$SCRATCH" | wc -l) files into logs.tgz"
 if [ "${TRITON_CACHE_OUT:-0}" = 1 ] && [ -d "$TRITON_DIR" ]; then
   tar czf /tmp/triton_cache.tgz -C "$TRITON_DIR" .

@@ -33,6 +33,11 @@
 #   STAGE=gap_probe benchmark/batch1/graph_gap_probe.py: a chain graph's µs per node before and
 #                   after each start-up event (second graph, copies, cuBLAS, empty_cache, fla),
 #                   no model; $OUT/gap_probe.jsonl (about a minute; give the stage 90 s)
+#   STAGE=gap_events the probe's single events (GAP_EVENTS, default all), one fresh process each,
+#                   with their graphs' DOT files and node kinds (under 10 s each)
+#   STAGE=graph_nodes benchmark/batch1/graph_node_kinds.py: the node kinds of every graph an fp8
+#                   server captures (LAYERS applies; NODES_ARGS, default --prefill-cuda-graph-tokens
+#                   1024), DOT files in $OUT/dots_engine, $OUT/graph_nodes.jsonl
 #   STAGE=prefill_gates  the gpu-marked tests of the prefill path's kernels and glue (KDA fla
 #                   prefill, MLA RoPE assembly, norms, grouped MoE GEMM, dense fp8 GEMM and its
 #                   scaled_mm form, activation quantisation, prefill CUDA graphs, the gated
@@ -161,6 +166,20 @@ served)
   ;;
 gap_probe)
   timeout 80 python3 benchmark/batch1/graph_gap_probe.py --result-filename "$OUT/gap_probe.jsonl"
+  ;;
+gap_events)  # one event per process, its graphs dumped
+  for ev in ${GAP_EVENTS:-zero_eager zero_captured zero_graph fill0_graph fill1_graph triton_zero_graph copy_graph}; do
+    timeout 40 python3 benchmark/batch1/graph_gap_probe.py --event "$ev" --dump-dir "$OUT/dots_$ev" \
+      --result-filename "$OUT/gap_probe.jsonl"
+  done
+  ;;
+graph_nodes)  # node kinds of an fp8 server's graphs (LAYERS applies), NODES_ARGS: more flags
+  # shellcheck disable=SC2086  # flag lists
+  timeout ${NODES_TIMEOUT:-150} python3 benchmark/batch1/graph_node_kinds.py $FLASH42 \
+    --cuda-graph-max-bs 4 ${NODES_ARGS:---prefill-cuda-graph-tokens 1024} \
+    --dump-dir "$OUT/dots_engine" --result-filename "$OUT/graph_nodes.jsonl" \
+    > "$OUT/graph_nodes.log" 2>&1
+  grep -E "^graph|^    " "$OUT/graph_nodes.log" | head -60; tail -3 "$OUT/graph_nodes.log"
   ;;
 served_trace)  # the decode loop of two servers, without and with TRACE_ARGS, torch-profiled
   n=0

@@ -17,9 +17,9 @@ stream copying the step's output to pinned host memory after waiting for the mai
 
 Events: a second chain of 4x the nodes captured into a pool of its own, then replayed once (a
 prefill graph: more kernels, captured after the decode graph), then one of 16x; a graph of
-one memset, then one of one device copy (each followed by an eager launch and a sync, which
-may undo what it did); a graph of device memsets and
-copies replayed (the nodes a captured forward holds besides kernels); a large cuBLAS GEMM run
+one torch ``zero_`` over 64 MiB (a fill kernel of 16K blocks), then one of one device copy
+(each followed by an eager launch and a sync, which may undo what it did); a graph of fills
+and device copies replayed (the work a captured forward holds besides its kernels); a large cuBLAS GEMM run
 eagerly and one replayed from a graph (kernels with a large shared-memory carve-out);
 ``torch.cuda.empty_cache()`` followed by a 2 GiB allocation (what a prefill capture does before
 a long eager prefill); fla-core's ``chunk_kda`` over 1024 tokens, eagerly and then from a
@@ -29,6 +29,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
+import subprocess
 import sys
 import time
 from typing import Callable, Dict, List, Optional
@@ -49,64 +52,75 @@ def _chain(x: torch.Tensor, nodes: int) -> None:
         _bump_kernel[(1,)](x)
 
 
-def _capture(fn: Callable[[], None], pool: object = None) -> "torch.cuda.CUDAGraph":
-    fn()  # warm-up outside the capture (Triton compiles, cuBLAS picks its kernel)
+_HELD: List[object] = []  # graphs an event keeps alive without replaying them
+_DUMPS: List[str] = []  # DOT files of the graphs captured with a dump folder set (--dump-dir)
+
+
+def _capture(fn: Callable[[], None], pool: object = None, warm: bool = True,
+             dump: Optional[str] = None) -> "torch.cuda.CUDAGraph":
+    if warm:
+        fn()  # warm-up outside the capture (Triton compiles, cuBLAS picks its kernel)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
+    if dump:
+        graph.enable_debug_mode()  # keeps the graph's nodes for debug_dump after instantiation
     with torch.cuda.graph(graph, pool=pool):
         fn()
     torch.cuda.synchronize()
+    if dump:
+        graph.debug_dump(dump)
+        _DUMPS.append(dump)
     return graph
 
 
-class _Relay:
-    """What a server's decode loop adds after each replay: a side stream waits for the main one
-    and copies the step's output to pinned host memory (``sglang.srt.rounds.relay``)."""
-
-    def __init__(self, src: torch.Tensor):
-        self.stream = torch.cuda.Stream()
-        self.src = src
-        self.host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
-
-    def __call__(self) -> None:
-        self.stream.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(self.stream):
-            self.host.copy_(self.src, non_blocking=True)
+_NODE_KINDS = ("KERNEL", "MEMSET", "MEMCPY", "HOST", "EMPTY", "WAIT_EVENT", "EVENT_RECORD",
+               "MEM_ALLOC", "MEM_FREE", "BATCH_MEM_OP", "CONDITIONAL")
 
 
-def _us_per_node(graph: "torch.cuda.CUDAGraph", nodes: int, replays: int,
-                 after: Optional[Callable[[], None]] = None) -> float:
-    """Back-to-back replays of ``graph`` (``after`` called after each), µs per node."""
-    def replay() -> None:
-        graph.replay()
-        if after is not None:
-            after()
-    for _ in range(5):
-        replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * nodes)
+def node_kinds(dot_text: str) -> Dict[str, int]:
+    """Node count per CUDA graph node type in a ``cudaGraphDebugDotPrint`` DOT text: the first
+    node type name in each node statement's label (``other`` when none is, with the first such
+    label kept under ``other_label`` to read)."""
+    counts: Dict[str, int] = {}
+    kinds = "|".join(_NODE_KINDS)
+    for m in re.finditer(r'label="((?:[^"\\]|\\.)*)"', dot_text, flags=re.S):
+        found = re.search(rf"\b({kinds})\b", m.group(1))
+        kind = found.group(1) if found else "other"
+        counts[kind] = counts.get(kind, 0) + 1
+        if kind == "other" and "other_label" not in counts:
+            counts["other_label"] = m.group(1)[:200]  # type: ignore[assignment]
+    return counts
 
 
-def _fla_kda(tokens: int) -> Optional[Callable[[], None]]:
-    """One chunk_kda forward over ``tokens`` tokens of 32 heads x 128 (None without fla)."""
-    try:
-        from fla.ops.kda import chunk_kda
-    except ImportError:
-        return None
-    h, d, dev = 32, 128, "cuda"
-    q, k, v = (torch.randn(1, tokens, h, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
-    g = -torch.rand(1, tokens, h, d, device=dev, dtype=torch.float32)
-    beta = torch.rand(1, tokens, h, device=dev, dtype=torch.float32)
+@triton.jit
+def _zero_kernel(x_ptr, n, BLOCK: tl.constexpr):
+    # Zeros written by a kernel, not by a memset node.
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(x_ptr + offs, tl.zeros([BLOCK], dtype=tl.float32), mask=offs < n)
 
-    def run() -> None:
-        chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
-    return run
+
+def _single_events(buf: torch.Tensor, other: torch.Tensor, dump: Optional[str]
+                   ) -> Dict[str, Callable[[], None]]:
+    """``--event`` choices: one thing a process does, each run in a fresh process so that its
+    effect on the chain is its own (``dump``: a folder for the DOT files of its graphs)."""
+    def path(name: str) -> Optional[str]:
+        return os.path.join(dump, f"{name}.dot") if dump else None
+
+    def triton_zero() -> None:
+        _zero_kernel[(triton.cdiv(buf.numel(), 1024),)](buf, buf.numel(), BLOCK=1024)
+    return {
+        "zero_eager": lambda: (buf.zero_(), torch.cuda.synchronize()),
+        "zero_graph": lambda: _capture(buf.zero_, warm=False, dump=path("zero")).replay(),
+        "zero_captured": lambda: _HELD.append(_capture(buf.zero_, warm=False,
+                                                         dump=path("zero_held"))),
+        "fill0_graph": lambda: _capture(lambda: buf.fill_(0.0), warm=False,
+                                        dump=path("fill0")).replay(),
+        "fill1_graph": lambda: _capture(lambda: buf.fill_(1.0), warm=False,
+                                        dump=path("fill1")).replay(),
+        "triton_zero_graph": lambda: _capture(triton_zero, dump=path("triton_zero")).replay(),
+        "copy_graph": lambda: _capture(lambda: other.copy_(buf), warm=False,
+                                       dump=path("copy")).replay(),
+    }
 
 
 def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
@@ -114,6 +128,13 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
     ap.add_argument("--nodes", type=int, default=300, help="launches in the timed chain graph")
     ap.add_argument("--replays", type=int, default=200, help="back-to-back replays per row")
     ap.add_argument("--result-filename", default=None, help="append one JSON line per row")
+    ap.add_argument("--event", default=None,
+                    help="only this event after the first row (zero_eager, zero_graph, "
+                         "zero_captured, fill0_graph, fill1_graph, triton_zero_graph, "
+                         "copy_graph), then the chain again twice")
+    ap.add_argument("--dump-dir", default=None,
+                    help="with --event: write its graphs' DOT files here and print their node "
+                         "kinds")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         raise SystemExit("graph_gap_probe.py needs a CUDA device")
@@ -126,11 +147,31 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
     def row(event: str) -> None:
         us = _us_per_node(chain, args.nodes, args.replays)
         relayed = _us_per_node(chain, args.nodes, args.replays, after=relay)
+        clocks = _clocks()  # right after the timed replays, before anything else runs
         rows.append({"event": event, "us_per_node": us, "us_per_node_relayed": relayed,
-                     "nodes": args.nodes, "gpu": torch.cuda.get_device_name()})
-        print(f"{event:<58}{us:8.3f} us/node{relayed:8.3f} with the relay's copy", flush=True)
+                     "nodes": args.nodes, "gpu": torch.cuda.get_device_name(), **clocks})
+        smi = " ".join(f"{k.split('.')[-1]}={v}" for k, v in clocks.items())
+        print(f"{event:<58}{us:8.3f} us/node{relayed:8.3f} with the relay's copy  {smi}",
+              flush=True)
 
     row("the chain alone")
+    if args.event:
+        buf = torch.zeros(1 << 24, device="cuda")
+        events = _single_events(buf, torch.empty_like(buf), args.dump_dir)
+        if args.event not in events:
+            raise SystemExit(f"--event {args.event!r}: choose one of {sorted(events)}")
+        if args.dump_dir:
+            os.makedirs(args.dump_dir, exist_ok=True)
+        events[args.event]()
+        torch.cuda.synchronize()
+        row(f"after {args.event}")
+        time.sleep(0.5)
+        row(f"after {args.event}, 0.5 s later")
+        for dot in _DUMPS:
+            with open(dot) as f:
+                print(f"{os.path.basename(dot)}: node kinds {node_kinds(f.read())}")
+        _write(rows, args.result_filename)
+        return rows
     big = _capture(lambda: _chain(x, 4 * args.nodes), pool=torch.cuda.graph_pool_handle())
     row(f"a chain of {4 * args.nodes} nodes captured in its own pool")
     big.replay()
@@ -141,7 +182,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
     buf = torch.zeros(1 << 24, device="cuda")
     other = torch.empty_like(buf)
     _capture(lambda: buf.zero_()).replay()
-    row("a graph of one memset replayed")
+    row("a graph of one torch zero_ (a fill kernel) replayed")
     _chain(x, 1)
     torch.cuda.synchronize()
     row("one eager launch of the chain's kernel, a device sync")
@@ -156,7 +197,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
         other.copy_(buf)
         buf[: 1 << 10].copy_(other[: 1 << 10])
     _capture(copies).replay()
-    row("a graph of memsets and device copies replayed")
+    row("a graph of zero_ fills and device copies replayed")
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     torch.mm(a, b)
@@ -184,11 +225,15 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
     torch.cuda.synchronize()
     time.sleep(0.5)
     row("the chain alone, at the end")
-    if args.result_filename:
-        with open(args.result_filename, "a") as f:
+    _write(rows, args.result_filename)
+    return rows
+
+
+def _write(rows: List[Dict[str, object]], path: Optional[str]) -> None:
+    if path:
+        with open(path, "a") as f:
             for r in rows:
                 f.write(json.dumps(r) + "\n")
-    return rows
 
 
 if __name__ == "__main__":
