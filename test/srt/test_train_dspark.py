@@ -33,7 +33,8 @@ from sglang.train.dspark_blocks import (anchor_range, blocks_at, forward_blocks,
                                         sample_blocks, teacher_forced_outputs)
 from sglang.train.dspark_data import (FeatureSequence, SamplingSetting, draw_prompts,
                                       parse_sampling_settings)
-from sglang.train.dspark_eval import _walk, evaluate_draft, expected_calibration_error
+from sglang.train.dspark_eval import (_round_anchors, _walk, draft_sequence, evaluate_draft,
+                                      expected_calibration_error)
 from sglang.train.dspark_losses import (LossWeights, acceptance_loss, acceptance_probability,
                                         confidence_bce, decayed_cross_entropy, dspark_loss,
                                         expected_accept_length, l1_distance, position_weights,
@@ -301,6 +302,8 @@ def test_ece_and_walk_by_hand():
     # 5 but only 3 tokens remain -> commits 3: 6 tokens in 2 rounds.
     assert _walk(torch.tensor([2, 0, 0, 5, 0, 0]), 6) == (6, 2)
     assert _walk(torch.zeros(4, dtype=torch.long), 4) == (4, 4)
+    assert _round_anchors(torch.tensor([2, 0, 0, 5, 0, 0]), 6) == [0, 3]
+    assert _round_anchors(torch.tensor([0, 1, 0, 0]), 4) == [0, 1, 3]
 
 
 def test_serving_eval_matches_teacher_forced_count_on_greedy_data(draft_and_shared, tmp_path):
@@ -327,6 +330,12 @@ def test_serving_eval_matches_teacher_forced_count_on_greedy_data(draft_and_shar
     assert ev["anchors"] == t - 1 - p
     assert ev["accept_length_all_anchors"] == pytest.approx(tf["accept_length"], abs=1e-6)
     assert 1.0 <= ev["accept_length"] <= ref.config.gamma + 1
+    # The rounds' anchors are a subset of the anchors; the first one always starts a round.
+    accepted = draft_sequence(model, seq, head)[0]
+    starts = _round_anchors(accepted, accepted.numel())
+    assert ev["verify_rounds"] == len(starts) and starts[0] == 0
+    assert ev["round_anchor_slot1_accept"] == pytest.approx(
+        float((accepted[starts] > 0).float().mean()))
     assert len(ev["ece"]) == ref.config.gamma and 0 <= ev["mean_ece"] <= 1
 
 

@@ -17,6 +17,8 @@ accepted count ``a(p)`` of a round anchored at ``p`` does not depend on earlier 
   reported as committed tokens per verify round (what ``avg_spec_accept_length`` counts);
 * ``accept_length_all_anchors``: ``1 + a(p)`` averaged over every anchor;
 * ``slot_accept``: per slot, the fraction of anchors whose first ``k + 1`` drafts were accepted;
+* ``round_anchor_slot1_accept``: slot 1's acceptance over the anchors the walk's rounds start
+  at only (those right after a rejected draft or a full block);
 * ``ece`` per slot: expected calibration error (20 equal-width bins) of the predicted prefix
   survival ``prod_{i<=k} sigmoid(conf_i)`` against the observed prefix acceptance, and its mean.
 
@@ -143,15 +145,21 @@ def expected_calibration_error(predicted: torch.Tensor, observed: torch.Tensor,
 def _walk(accepted: torch.Tensor, num_anchors: int) -> Tuple[int, int]:
     """(committed tokens, rounds) of a greedy decode along one sequence whose anchor ``i``
     (0-based from the first generated token) accepts ``accepted[i]`` drafts."""
-    committed = rounds = 0
-    i = 0
+    committed = 0
+    visited = _round_anchors(accepted, num_anchors)
+    for i in visited:
+        committed += min(1 + int(accepted[i]), num_anchors - i)  # tokens left after anchor i
+    return committed, len(visited)
+
+
+def _round_anchors(accepted: torch.Tensor, num_anchors: int) -> List[int]:
+    """The anchors the greedy decode of :func:`_walk` starts its rounds at: the first generated
+    token, then each round's bonus token."""
+    visited, i = [], 0
     while i < num_anchors:
-        step = 1 + int(accepted[i])
-        step = min(step, num_anchors - i)  # tokens left after this anchor
-        committed += step
-        rounds += 1
-        i += step
-    return committed, rounds
+        visited.append(i)
+        i += 1 + int(accepted[i])
+    return visited
 
 
 @torch.no_grad()
@@ -163,10 +171,12 @@ def evaluate_draft(model: Any, seqs: Sequence[FeatureSequence], head: torch.Tens
     all_acc: List[torch.Tensor] = []
     all_surv: List[torch.Tensor] = []
     all_valid: List[torch.Tensor] = []
+    round_acc: List[torch.Tensor] = []
     for seq in seqs:
         acc, surv, valid = draft_sequence(model, seq, head)
         c, r = _walk(acc, acc.numel())
         committed, rounds = committed + c, rounds + r
+        round_acc.append(acc[_round_anchors(acc, acc.numel())])
         all_acc.append(acc)
         all_valid.append(valid)
         if surv.numel():
@@ -185,6 +195,10 @@ def evaluate_draft(model: Any, seqs: Sequence[FeatureSequence], head: torch.Tens
         "accept_length_all_anchors": float(1 + acc.float().mean()) if acc.numel() else
         float("nan"),
         "slot_accept": slot_accept,
+        # Slot 1 at the anchors the rounds start at (after a rejection, or a full block):
+        # against slot_accept[0] it says whether those anchors are harder to draft from.
+        "round_anchor_slot1_accept": float((torch.cat(round_acc) > 0).float().mean())
+        if round_acc and sum(x.numel() for x in round_acc) else float("nan"),
     }
     if all_surv:
         surv = torch.cat(all_surv)

@@ -102,7 +102,9 @@ def write_readme(path: Path, log: Dict[str, Any]) -> None:
         f"tokens per verify round ({ev['verify_rounds']} rounds, gamma {ev['gamma']}); averaged "
         f"over every anchor {ev['accept_length_all_anchors']:.3f}.",
         "",
-        f"Prefix acceptance per slot: {_fmt(ev['slot_accept'])}.",
+        f"Prefix acceptance per slot: {_fmt(ev['slot_accept'])}"
+        + (f"; slot 1 at the anchors the rounds start at: {ev['round_anchor_slot1_accept']:.3f}"
+           if "round_anchor_slot1_accept" in ev else "") + ".",
     ]
     if "ece" in ev:
         lines += ["", f"Confidence calibration (ECE of the predicted prefix survival, 20 bins) "
