@@ -170,7 +170,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
         for dot in _DUMPS:
             with open(dot) as f:
                 print(f"{os.path.basename(dot)}: node kinds {node_kinds(f.read())}")
-        _write(rows, args.result_filename)
+        append_jsonl(rows, args.result_filename)
         return rows
     big = _capture(lambda: _chain(x, 4 * args.nodes), pool=torch.cuda.graph_pool_handle())
     row(f"a chain of {4 * args.nodes} nodes captured in its own pool")
@@ -225,11 +225,12 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
     torch.cuda.synchronize()
     time.sleep(0.5)
     row("the chain alone, at the end")
-    _write(rows, args.result_filename)
+    append_jsonl(rows, args.result_filename)
     return rows
 
 
-def _write(rows: List[Dict[str, object]], path: Optional[str]) -> None:
+def append_jsonl(rows: List[Dict[str, object]], path: Optional[str]) -> None:
+    """Append one JSON line per row to ``path`` (nothing without one)."""
     if path:
         with open(path, "a") as f:
             for r in rows:

@@ -16,7 +16,6 @@ memset and copy nodes (their sizes; the DOT files name the kernels around them).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import sys
@@ -24,7 +23,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from graph_gap_probe import node_kinds
+from graph_gap_probe import append_jsonl, node_kinds
 from sglang.srt.layers.kernel_choices import add_kernel_choices_arg, kernel_choices_from_args
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.server_args import ServerArgs
@@ -80,10 +79,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
         print(f"graph {i:3d}: {kinds}", flush=True)
         for label in row["memset_labels"] + row["memcpy_labels"]:
             print(f"    {label}")
-    if args.result_filename:
-        with open(args.result_filename, "a") as f:
-            for row in rows:
-                f.write(json.dumps(row) + "\n")
+    append_jsonl(rows, args.result_filename)
     return rows
 
 

@@ -345,3 +345,28 @@ def test_server_trace_counts_the_waits_between_graph_launches(tmp_path):
     assert synced["graph_span_us"] == 1490 and plain["graph_span_us"] == 1510
     assert plain["idle_between_us"] == pytest.approx(2000 - 1510)
     assert plain["launch_lead_us"] == pytest.approx(50 + 1510 - 2000)
+
+
+def test_graph_node_kinds_reads_a_debug_dump():
+    """graph_gap_probe.node_kinds on a DOT text shaped as ``cudaGraphDebugDotPrint`` writes it:
+    one count per node type named first in a node's label (escaped quotes inside a label do
+    not end it), ``other`` for a label that names none, with that label kept to read."""
+    sys.path.insert(0, str(ROOT / "benchmark" / "batch1"))
+    try:
+        from graph_gap_probe import node_kinds
+    finally:
+        sys.path.pop(0)
+    dot = "\n".join([
+        'digraph dot {',
+        '"graph_0_node_0"[style="solid" shape="record" label="{KERNEL\\n| {ID | 0 | '
+        'void at::native::vectorized_elementwise_kernel<4, \\"fill\\">}}"];',
+        '"graph_0_node_1"[style="solid" shape="record" label="{MEMSET\\n| {dst | 0x7f}}"];',
+        '"graph_0_node_2"[style="solid" shape="record" label="{KERNEL\\n| {ID | 2}}"];',
+        '"graph_0_node_3"[style="solid" shape="record" label="{MEMCPY\\n| {kind | D2D}}"];',
+        '"graph_0_node_4"[label="7\\n_Z3fooPf"];',
+        '"graph_0_node_0" -> "graph_0_node_1";',
+        '}'])
+    kinds = node_kinds(dot)
+    assert {k: v for k, v in kinds.items() if k != "other_label"} == {
+        "KERNEL": 2, "MEMSET": 1, "MEMCPY": 1, "other": 1}
+    assert kinds["other_label"] == "7\\n_Z3fooPf"
