@@ -168,7 +168,8 @@ gap_probe)
   timeout 80 python3 benchmark/batch1/graph_gap_probe.py --result-filename "$OUT/gap_probe.jsonl"
   ;;
 gap_events)  # one event per process, its graphs dumped
-  for ev in ${GAP_EVENTS:-zero_eager zero_captured zero_graph fill0_graph fill1_graph triton_zero_graph copy_graph}; do
+  for ev in ${GAP_EVENTS:-zero_eager zero_captured zero_graph small_zero_graph \
+      zero_graph_side_stream fill1_graph triton_zero_graph copy_graph}; do
     timeout 40 python3 benchmark/batch1/graph_gap_probe.py --event "$ev" --dump-dir "$OUT/dots_$ev" \
       --result-filename "$OUT/gap_probe.jsonl"
   done

@@ -19,11 +19,24 @@ Events: a second chain of 4x the nodes captured into a pool of its own, then rep
 prefill graph: more kernels, captured after the decode graph), then one of 16x; a graph of
 one torch ``zero_`` over 64 MiB (a fill kernel of 16K blocks), then one of one device copy
 (each followed by an eager launch and a sync, which may undo what it did); a graph of fills
-and device copies replayed (the work a captured forward holds besides its kernels); a large cuBLAS GEMM run
-eagerly and one replayed from a graph (kernels with a large shared-memory carve-out);
+and device copies replayed (the work a captured forward holds besides its kernels); a large
+cuBLAS GEMM run eagerly and one replayed from a graph (kernels with a large shared-memory carve-out);
 ``torch.cuda.empty_cache()`` followed by a 2 GiB allocation (what a prefill capture does before
 a long eager prefill); fla-core's ``chunk_kda`` over 1024 tokens, eagerly and then from a
 graph, when fla is installed (the prefill's KDA kernels). CUDA only.
+
+``--event NAME`` runs one event instead of the sequence, in a fresh process, so its effect is
+its own: torch's ``zero_`` (on CUDA a fill kernel, not a memset node) eagerly, or in a graph
+replayed (``zero_graph``; over one element: ``small_zero_graph``; on a side stream:
+``zero_graph_side_stream``) or only captured (``zero_captured``), ``fill_(0)`` / ``fill_(1)`` /
+a Triton kernel writing the same zeros / a device copy in a graph replayed. After its two rows
+the chain is also timed on a new stream (is the state the stream's or the process's?).
+``--dump-dir`` writes the event's graphs as DOT files (``CUDAGraph.debug_dump``) and prints
+their node kinds.
+
+Each row also carries the GPU's SM and memory clocks, performance state, power, temperature and
+active throttle reasons read right after its replays (``nvidia-smi``): a launch-to-launch time
+that moves with the SM clock is a clock change, not a state of the process.
 """
 from __future__ import annotations
 
@@ -92,6 +105,84 @@ def node_kinds(dot_text: str) -> Dict[str, int]:
     return counts
 
 
+class _Relay:
+    """What a server's decode loop adds after each replay: a side stream waits for the main one
+    and copies the step's output to pinned host memory (``sglang.srt.rounds.relay``)."""
+
+    def __init__(self, src: torch.Tensor):
+        self.stream = torch.cuda.Stream()
+        self.src = src
+        self.host = torch.empty(src.shape, dtype=src.dtype, pin_memory=True)
+
+    def __call__(self) -> None:
+        self.stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(self.stream):
+            self.host.copy_(self.src, non_blocking=True)
+
+
+_SMI_FIELDS = ("clocks.sm", "clocks.mem", "pstate", "power.draw", "temperature.gpu",
+               "clocks_throttle_reasons.active")
+
+
+def _clocks() -> Dict[str, str]:
+    """The GPU's clocks, performance state, power and throttle reasons from ``nvidia-smi``
+    (empty where it is missing): a near-empty kernel's launch-to-launch time follows the SM
+    clock, so a row that moves with these is a clock change, not a graph state."""
+    index = str(torch.cuda.current_device())
+    for fields in (_SMI_FIELDS, _SMI_FIELDS[:3]):  # older drivers lack some fields
+        try:
+            out = subprocess.run(["nvidia-smi", "-i", index, "--format=csv,noheader,nounits",
+                                  "--query-gpu=" + ",".join(fields)],
+                                 capture_output=True, text=True, timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            return {}
+        if out.returncode == 0 and out.stdout.strip():
+            values = [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")]
+            return dict(zip(fields, values))
+    return {}
+
+
+def _us_per_node(graph: "torch.cuda.CUDAGraph", nodes: int, replays: int,
+                 after: Optional[Callable[[], None]] = None,
+                 stream: Optional["torch.cuda.Stream"] = None) -> float:
+    """Back-to-back replays of ``graph`` (``after`` called after each) on ``stream`` (default:
+    the current one), µs per node."""
+    if stream is not None:
+        with torch.cuda.stream(stream):
+            return _us_per_node(graph, nodes, replays, after)
+
+    def replay() -> None:
+        graph.replay()
+        if after is not None:
+            after()
+    for _ in range(5):
+        replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * nodes)
+
+
+def _fla_kda(tokens: int) -> Optional[Callable[[], None]]:
+    """One chunk_kda forward over ``tokens`` tokens of 32 heads x 128 (None without fla)."""
+    try:
+        from fla.ops.kda import chunk_kda
+    except ImportError:
+        return None
+    h, d, dev = 32, 128, "cuda"
+    q, k, v = (torch.randn(1, tokens, h, d, device=dev, dtype=torch.bfloat16) for _ in range(3))
+    g = -torch.rand(1, tokens, h, d, device=dev, dtype=torch.float32)
+    beta = torch.rand(1, tokens, h, device=dev, dtype=torch.float32)
+
+    def run() -> None:
+        chunk_kda(q, k, v, g, beta, output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return run
+
+
 @triton.jit
 def _zero_kernel(x_ptr, n, BLOCK: tl.constexpr):
     # Zeros written by a kernel, not by a memset node.
@@ -108,9 +199,20 @@ def _single_events(buf: torch.Tensor, other: torch.Tensor, dump: Optional[str]
 
     def triton_zero() -> None:
         _zero_kernel[(triton.cdiv(buf.numel(), 1024),)](buf, buf.numel(), BLOCK=1024)
+
+    def on_side_stream(graph: "torch.cuda.CUDAGraph") -> None:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            graph.replay()
+        torch.cuda.current_stream().wait_stream(side)
     return {
         "zero_eager": lambda: (buf.zero_(), torch.cuda.synchronize()),
         "zero_graph": lambda: _capture(buf.zero_, warm=False, dump=path("zero")).replay(),
+        "small_zero_graph": lambda: _capture(buf[:1].zero_, warm=False,
+                                             dump=path("small_zero")).replay(),
+        "zero_graph_side_stream": lambda: on_side_stream(_capture(buf.zero_, warm=False,
+                                                                  dump=path("zero_side"))),
         "zero_captured": lambda: _HELD.append(_capture(buf.zero_, warm=False,
                                                          dump=path("zero_held"))),
         "fill0_graph": lambda: _capture(lambda: buf.fill_(0.0), warm=False,
@@ -130,8 +232,9 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
     ap.add_argument("--result-filename", default=None, help="append one JSON line per row")
     ap.add_argument("--event", default=None,
                     help="only this event after the first row (zero_eager, zero_graph, "
-                         "zero_captured, fill0_graph, fill1_graph, triton_zero_graph, "
-                         "copy_graph), then the chain again twice")
+                         "small_zero_graph, zero_graph_side_stream, zero_captured, "
+                         "fill0_graph, fill1_graph, triton_zero_graph, copy_graph), then the "
+                         "chain again twice and once on a new stream")
     ap.add_argument("--dump-dir", default=None,
                     help="with --event: write its graphs' DOT files here and print their node "
                          "kinds")
@@ -156,7 +259,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
 
     row("the chain alone")
     if args.event:
-        buf = torch.zeros(1 << 24, device="cuda")
+        buf = torch.empty(1 << 24, device="cuda")  # no fill kernel before the event
         events = _single_events(buf, torch.empty_like(buf), args.dump_dir)
         if args.event not in events:
             raise SystemExit(f"--event {args.event!r}: choose one of {sorted(events)}")
@@ -167,6 +270,12 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
         row(f"after {args.event}")
         time.sleep(0.5)
         row(f"after {args.event}, 0.5 s later")
+        fresh = torch.cuda.Stream()  # is the state the stream's or the process's?
+        us = _us_per_node(chain, args.nodes, args.replays, stream=fresh)
+        rows.append({"event": f"after {args.event}, the chain on a new stream",
+                     "us_per_node": us, "nodes": args.nodes,
+                     "gpu": torch.cuda.get_device_name()})
+        print(f"{'... the chain replayed on a new stream':<58}{us:8.3f} us/node", flush=True)
         for dot in _DUMPS:
             with open(dot) as f:
                 print(f"{os.path.basename(dot)}: node kinds {node_kinds(f.read())}")
