@@ -28,8 +28,8 @@ graph, when fla is installed (the prefill's KDA kernels). CUDA only.
 ``--event NAME`` runs one event instead of the sequence, in a fresh process, so its effect is
 its own: torch's ``zero_`` (on CUDA a fill kernel, not a memset node) eagerly, or in a graph
 replayed (``zero_graph``; over one element: ``small_zero_graph``; on a side stream:
-``zero_graph_side_stream``) or only captured (``zero_captured``), ``fill_(0)`` / ``fill_(1)`` /
-a Triton kernel writing the same zeros / a device copy in a graph replayed. After its two rows
+``zero_graph_side_stream``) or only captured (``zero_captured``), ``fill_(1)`` / a Triton
+kernel writing the same zeros / a device copy in a graph replayed. After its two rows
 the chain is also timed on a new stream (is the state the stream's or the process's?).
 ``--dump-dir`` writes the event's graphs as DOT files (``CUDAGraph.debug_dump``) and prints
 their node kinds.
@@ -47,7 +47,7 @@ import re
 import subprocess
 import sys
 import time
-from typing import Callable, Dict, List, Optional
+from typing import Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import triton
@@ -90,18 +90,24 @@ _NODE_KINDS = ("KERNEL", "MEMSET", "MEMCPY", "HOST", "EMPTY", "WAIT_EVENT", "EVE
                "MEM_ALLOC", "MEM_FREE", "BATCH_MEM_OP", "CONDITIONAL")
 
 
-def node_kinds(dot_text: str) -> Dict[str, int]:
-    """Node count per CUDA graph node type in a ``cudaGraphDebugDotPrint`` DOT text: the first
-    node type name in each node statement's label (``other`` when none is, with the first such
-    label kept under ``other_label`` to read)."""
-    counts: Dict[str, int] = {}
+def labelled_nodes(dot_text: str) -> Iterator[Tuple[str, str]]:
+    """``(node type, label)`` of each node statement in a ``cudaGraphDebugDotPrint`` DOT text:
+    the first node type name in the label (``other`` when none is); escaped quotes inside a
+    label do not end it."""
     kinds = "|".join(_NODE_KINDS)
     for m in re.finditer(r'label="((?:[^"\\]|\\.)*)"', dot_text, flags=re.S):
         found = re.search(rf"\b({kinds})\b", m.group(1))
-        kind = found.group(1) if found else "other"
+        yield (found.group(1) if found else "other"), m.group(1)
+
+
+def node_kinds(dot_text: str) -> Dict[str, int]:
+    """Node count per node type (:func:`labelled_nodes`), with the first ``other`` label kept
+    under ``other_label`` to read."""
+    counts: Dict[str, int] = {}
+    for kind, label in labelled_nodes(dot_text):
         counts[kind] = counts.get(kind, 0) + 1
         if kind == "other" and "other_label" not in counts:
-            counts["other_label"] = m.group(1)[:200]  # type: ignore[assignment]
+            counts["other_label"] = label[:200]  # type: ignore[assignment]
     return counts
 
 
@@ -215,8 +221,6 @@ def _single_events(buf: torch.Tensor, other: torch.Tensor, dump: Optional[str]
                                                                   dump=path("zero_side"))),
         "zero_captured": lambda: _HELD.append(_capture(buf.zero_, warm=False,
                                                          dump=path("zero_held"))),
-        "fill0_graph": lambda: _capture(lambda: buf.fill_(0.0), warm=False,
-                                        dump=path("fill0")).replay(),
         "fill1_graph": lambda: _capture(lambda: buf.fill_(1.0), warm=False,
                                         dump=path("fill1")).replay(),
         "triton_zero_graph": lambda: _capture(triton_zero, dump=path("triton_zero")).replay(),
@@ -233,7 +237,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
     ap.add_argument("--event", default=None,
                     help="only this event after the first row (zero_eager, zero_graph, "
                          "small_zero_graph, zero_graph_side_stream, zero_captured, "
-                         "fill0_graph, fill1_graph, triton_zero_graph, copy_graph), then the "
+                         "fill1_graph, triton_zero_graph, copy_graph), then the "
                          "chain again twice and once on a new stream")
     ap.add_argument("--dump-dir", default=None,
                     help="with --event: write its graphs' DOT files here and print their node "
@@ -247,9 +251,9 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
 
     relay = _Relay(x)
 
-    def row(event: str) -> None:
-        us = _us_per_node(chain, args.nodes, args.replays)
-        relayed = _us_per_node(chain, args.nodes, args.replays, after=relay)
+    def row(event: str, stream: Optional["torch.cuda.Stream"] = None) -> None:
+        us = _us_per_node(chain, args.nodes, args.replays, stream=stream)
+        relayed = _us_per_node(chain, args.nodes, args.replays, after=relay, stream=stream)
         clocks = _clocks()  # right after the timed replays, before anything else runs
         rows.append({"event": event, "us_per_node": us, "us_per_node_relayed": relayed,
                      "nodes": args.nodes, "gpu": torch.cuda.get_device_name(), **clocks})
@@ -270,12 +274,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
         row(f"after {args.event}")
         time.sleep(0.5)
         row(f"after {args.event}, 0.5 s later")
-        fresh = torch.cuda.Stream()  # is the state the stream's or the process's?
-        us = _us_per_node(chain, args.nodes, args.replays, stream=fresh)
-        rows.append({"event": f"after {args.event}, the chain on a new stream",
-                     "us_per_node": us, "nodes": args.nodes,
-                     "gpu": torch.cuda.get_device_name()})
-        print(f"{'... the chain replayed on a new stream':<58}{us:8.3f} us/node", flush=True)
+        # Is the state the stream's or the process's?
+        row(f"after {args.event}, the chain on a new stream", stream=torch.cuda.Stream())
         for dot in _DUMPS:
             with open(dot) as f:
                 print(f"{os.path.basename(dot)}: node kinds {node_kinds(f.read())}")

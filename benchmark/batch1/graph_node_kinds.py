@@ -16,14 +16,14 @@ memset and copy nodes (their sizes; the DOT files name the kernels around them).
 from __future__ import annotations
 
 import argparse
+import itertools
 import os
-import re
 import sys
 from typing import Any, Dict, List, Optional
 
 import torch
 
-from graph_gap_probe import append_jsonl, node_kinds
+from graph_gap_probe import append_jsonl, labelled_nodes, node_kinds
 from sglang.srt.layers.kernel_choices import add_kernel_choices_arg, kernel_choices_from_args
 from sglang.srt.managers.scheduler import Scheduler
 from sglang.srt.server_args import ServerArgs
@@ -42,13 +42,8 @@ def _debug_graph_class(made: List[Any]) -> type:
 
 def _labels(dot_text: str, kind: str, limit: int = 3) -> List[str]:
     """The first ``limit`` labels of ``kind`` nodes, shortened."""
-    out = []
-    for m in re.finditer(r'label="((?:[^"\\]|\\.)*)"', dot_text, flags=re.S):
-        if re.search(rf"\b{kind}\b", m.group(1)):
-            out.append(" ".join(m.group(1).split())[:240])
-            if len(out) == limit:
-                break
-    return out
+    found = (" ".join(label.split())[:240] for k, label in labelled_nodes(dot_text) if k == kind)
+    return list(itertools.islice(found, limit))
 
 
 def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
