@@ -434,6 +434,39 @@ def test_launch_config_table_lookup(mgg, tmp_path, monkeypatch):
     assert (small.block_m, small.block_n, small.block_k) == (16, 64, 64)
 
 
+def test_table_device_falls_back_to_the_same_model(mgg, tmp_path, caplog):
+    """A GPU missing from the table takes the tiles of its model's entry (same first two
+    words), one warning per GPU name; another model, or a one-word name, takes none."""
+    import json
+    import logging
+
+    names = ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
+    assert mgg.table_device(names, "NVIDIA H100 80GB HBM3") == "NVIDIA H100 80GB HBM3"
+    assert mgg.table_device(names, "NVIDIA H100 PCIe") == "NVIDIA H100 80GB HBM3"
+    assert mgg.table_device(names, "NVIDIA H200 NVL") == "NVIDIA H200"
+    assert mgg.table_device(names, "NVIDIA GH200 480GB") is None
+    assert mgg.table_device(names, "NVIDIA") is None and mgg.table_device([], "NVIDIA H200") is None
+    key = mgg.config_key(512, 1536, 2560, False)
+    entry = {"1024": {"block_m": 32, "block_n": 64, "block_k": 64, "group_m": 4,
+                      "num_warps": 4, "num_stages": 3}}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"NVIDIA H100 80GB HBM3": {key: entry}}))
+    mgg.load_config_table.cache_clear()
+    mgg._note_table_device.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=mgg.__name__):
+        for _ in range(3):
+            assert mgg.table_entry(512, 1536, 2560, False, "NVIDIA H100 PCIe", str(path)) == entry
+            assert mgg.table_entry(512, 1536, 2560, False, "NVIDIA H100 80GB HBM3",
+                                   str(path)) == entry
+            assert mgg.table_entry(512, 1536, 2560, False, "NVIDIA A100-SXM4-80GB",
+                                   str(path)) is None
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 2, said  # one per GPU name without tiles of its own, none for the H100
+    assert "'NVIDIA H100 PCIe'" in said[0] and "'NVIDIA H100 80GB HBM3'" in said[0]
+    assert "'NVIDIA A100-SXM4-80GB'" in said[1] and "fallback tiles" in said[1]
+    mgg.load_config_table.cache_clear()
+
+
 def test_plan_helpers_agree_with_launch_config(mgg, tmp_path, monkeypatch):
     """select_config is launch_config's choice without a GPU; config_change_points finds every
     pair count where that choice changes (brute force; two buckets with equal tiles are one

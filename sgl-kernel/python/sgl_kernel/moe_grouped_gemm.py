@@ -72,6 +72,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+import logging
 import os
 from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple, Union
 
@@ -85,10 +86,11 @@ from sgl_kernel.fp8_blocks import FP8_MAX, QBLOCK, block_dequantize, check_block
 
 __all__ = ["MoEAlignment", "moe_align", "max_padded_pairs", "moe_grouped_gemm",
            "moe_grouped_gemm_reference", "launch_config", "fallback_config", "config_key",
-           "config_fields", "load_config_table", "table_entry", "nearest_bucket",
+           "config_fields", "load_config_table", "table_device", "table_entry", "nearest_bucket",
            "select_config", "config_change_points", "launch_int_args", "CONFIG_PATH",
            "DEFAULT_CONFIG", "LaunchConfig", "quantizes_out"]
 
+logger = logging.getLogger(__name__)
 CONFIG_PATH = os.path.join(os.path.dirname(__file__), "configs", "moe_grouped_gemm.json")
 # The model dtypes the epilogue rounds to (gate and up, and the output before a quantisation).
 _TL_DTYPES = {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16, torch.float32: tl.float32}
@@ -369,14 +371,42 @@ def launch_config(num_experts: int, n: int, k: int, pairs: int, fp8: bool = Fals
     return select_config(buckets, num_experts, pairs, fp8)
 
 
+def table_device(device_names: Iterable[str], device_name: str) -> Optional[str]:
+    """Which of the table's ``device_names`` holds the tiles for the GPU called
+    ``device_name``: that name itself, else the one of the same model (the same first two
+    words, e.g. ``NVIDIA H100 PCIe`` takes ``NVIDIA H100 80GB HBM3``: the same SM and shared
+    memory, so the same tiles fit), else None. Of several such names, the first in order."""
+    names = list(device_names)
+    if device_name in names:
+        return device_name
+    model = device_name.split()[:2]
+    same = [name for name in names if len(model) == 2 and name.split()[:2] == model]
+    return same[0] if same else None
+
+
+@functools.lru_cache(maxsize=16)
+def _note_table_device(device_name: str, chosen: Optional[str], table_path: str) -> None:
+    """Say once per GPU name when its tiles are not its own (the lru_cache makes it once)."""
+    if chosen == device_name:
+        return
+    how = (f"using those of {chosen!r}" if chosen else
+           "using the fallback tiles, which may be several times slower at prefill sizes")
+    logger.warning("moe_grouped_gemm: no tiles for %r in %s; %s. "
+                   "benchmark/kernels/tune_moe_grouped_gemm.py sweeps and writes them.",
+                   device_name, table_path, how)
+
+
 def table_entry(num_experts: int, n: int, k: int, fp8: bool, device_name: str,
                 table_path: str = CONFIG_PATH, act_fp8: bool = False
                 ) -> Optional[Dict[str, dict]]:
     """The table's ``{pairs bucket (str): config fields}`` for a weight ``[E, N, K]`` (on fp8
-    activations: ``act_fp8``) on the GPU called ``device_name`` (``torch.cuda.get_device_name``),
-    None without an entry."""
-    return load_config_table(table_path).get(device_name, {}).get(
-        config_key(num_experts, n, k, fp8, act_fp8)) or None
+    activations: ``act_fp8``) on the GPU called ``device_name`` (``torch.cuda.get_device_name``;
+    a GPU absent from the table takes the entries of its model's, :func:`table_device`, with
+    one warning), None without an entry."""
+    table = load_config_table(table_path)
+    chosen = table_device(table, device_name)
+    _note_table_device(device_name, chosen, table_path)
+    return table.get(chosen or "", {}).get(config_key(num_experts, n, k, fp8, act_fp8)) or None
 
 
 def nearest_bucket(buckets: Iterable[str], pairs: int) -> str:
