@@ -74,11 +74,15 @@ def _capture(fn: Callable[[], None], pool: object = None, warm: bool = True,
     if warm:
         fn()  # warm-up outside the capture (Triton compiles, cuBLAS picks its kernel)
     torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
+    # debug_dump needs the graph's nodes, which torch destroys at the end of the capture
+    # unless the graph keeps them (then it is instantiated here, not by the capture).
+    graph = torch.cuda.CUDAGraph(keep_graph=bool(dump))
     if dump:
-        graph.enable_debug_mode()  # keeps the graph's nodes for debug_dump after instantiation
+        graph.enable_debug_mode()
     with torch.cuda.graph(graph, pool=pool):
         fn()
+    if dump:
+        graph.instantiate()
     torch.cuda.synchronize()
     if dump:
         graph.debug_dump(dump)

@@ -30,11 +30,15 @@ from sglang.srt.server_args import ServerArgs
 
 
 def _debug_graph_class(made: List[Any]) -> type:
-    """A ``torch.cuda.CUDAGraph`` that keeps its nodes after instantiation (debug mode, needed
-    by ``debug_dump``) and records itself in ``made``."""
+    """A ``torch.cuda.CUDAGraph`` that keeps its nodes after the capture (``keep_graph``: torch
+    destroys them otherwise, and ``debug_dump`` needs them; the first replay instantiates it)
+    and records itself in ``made``."""
     class DebugGraph(torch.cuda.CUDAGraph):
+        def __new__(cls, keep_graph: bool = False) -> "DebugGraph":
+            return super().__new__(cls, keep_graph=True)
+
         def __init__(self, *args: Any, **kwargs: Any):
-            super().__init__(*args, **kwargs)
+            super().__init__()
             self.enable_debug_mode()
             made.append(self)
     return DebugGraph
