@@ -418,7 +418,8 @@ def test_dense_scaled_mm_path_in_the_model(ckpts, monkeypatch):
     model: a 70-token prefill (above the small-M rows, not a multiple of 16) puts every dense
     projection on ``sgl_kernel.fp8_scaled_mm.blockwise_linear``. Where the library refuses
     (torch's CPU ``_scaled_mm`` takes no block scales) every shape falls back to the
-    weight-only product without an error and the logits equal the reference path's bit for bit;
+    weight-only product without an error and the logits equal the reference path's within fp32
+    rounding;
     with the library's contract in plain torch in its place (``scaled_mm_reference``) every
     eligible group runs w8a8 into its columns and the logits come out finite. (Their distance
     to the weight-only logits says nothing here: on this random model two w8a8 paths, this one
@@ -451,7 +452,10 @@ def test_dense_scaled_mm_path_in_the_model(ckpts, monkeypatch):
         taken = {fsm.library_status(torch.device("cpu"), n, k, torch.float32)
                  for n, k in eligible}
         if taken == {False}:  # refused everywhere: the weight-only product
-            assert rel(got) == 0.0, library
+            # Within fp32 rounding, not bit for bit: the fallback multiplies each column group
+            # apart, and a CPU's BLAS may block a narrower product differently (2.5e-6 on an
+            # AMD EPYC machine, 0 elsewhere).
+            assert rel(got) <= 1e-5, library
         else:
             assert taken == {True} and rel(got) > 0 and bool(got.isfinite().all()), library
         assert library == "cpu torch" or taken == {True}
