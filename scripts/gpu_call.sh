@@ -53,7 +53,7 @@ for stage in "$@"; do
   timeout -s KILL "$limit" env OUT="$SCRATCH" $vars bash "scripts/$script"
   rc=$?
   [ $rc = 137 ] && echo "== stopped at ${limit}s"
-  pkill -9 -f "sglang.launch_serve[r]" 2>/dev/null
+  pkill -9 -f "sglang.launch_serve[r]|served_varian[t].py" 2>/dev/null
 done
 kill "$smi_pid" 2>/dev/null
 tar czf "$RESULTS/logs.tgz" -C "$SCRATCH" . && echo "packed $(ls "$SCRATCH" | wc -l) files into logs.tgz"

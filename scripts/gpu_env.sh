@@ -15,7 +15,10 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # would kill the server as soon as the subshell returns.
 serve() {
   local port=$1 log=$2; shift 2
-  setsid python3 -m sglang.launch_server "$@" --port $port > "$log" 2>&1 &
+  # SERVE_MAIN: what python3 runs instead of "-m sglang.launch_server" (a script taking the same
+  # arguments, e.g. benchmark/batch1/served_variant.py).
+  # shellcheck disable=SC2086  # SERVE_MAIN may be two words
+  setsid python3 ${SERVE_MAIN:--m sglang.launch_server} "$@" --port $port > "$log" 2>&1 &
   SERVER=$!
   trap 'kill -9 -- -$SERVER 2>/dev/null' EXIT
   for i in $(seq 1 ${SERVE_WAIT:-400}); do

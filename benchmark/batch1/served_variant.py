@@ -1,0 +1,145 @@
+"""Serve with a diagnostic variant of the prefill-graph capture (a benchmark tool, not a product
+switch): which part of ``--prefill-cuda-graph-tokens`` leaves a server decoding slower
+(docs/performance.md, "Prefill graphs and the decode step").
+
+    PREFILL_CAPTURE_VARIANT=MODE python benchmark/batch1/served_variant.py [server args]
+
+takes the server arguments of ``python -m sglang.launch_server`` and patches
+:class:`~sglang.srt.model_executor.prefill_graph_runner.PrefillGraphRunner` first, in this
+process and in every child it starts: the children are spawned, and a spawned child runs this
+file's top level again (as ``__mp_main__``) before it unpickles its work. In
+``scripts/gpu_prefill.sh``, ``SERVE_MAIN=benchmark/batch1/served_variant.py`` together with
+``PREFILL_CAPTURE_VARIANT=MODE`` on a ``STAGE=served`` stage starts every server of the stage
+this way. The modes (:data:`VARIANTS`):
+
+* ``side_stream``: graphs captured as usual, each replay on a stream of its own (the stream
+  waits for the current one before, the current one for it after);
+* ``no_replay``: graphs captured at start-up, never replayed (every prefill eager);
+* ``release``: as ``no_replay``, and the graphs dropped right after the start-up captures
+  (graphs released, ``gc``, the allocator's cache emptied);
+* ``warmup``: no capture; each bucket's two padded eager warm-ups, a sync and
+  ``torch.cuda.empty_cache``, as a capture runs them before capturing;
+* ``warmup_keep``: as ``warmup`` without emptying the cache;
+* ``unpadded``: as ``warmup`` with the warm-ups unpadded (``padding=None``: the KDA layers'
+  ordinary prefill path instead of the padded one);
+* ``empty``: no capture, no warm-up; only ``torch.cuda.empty_cache``.
+
+Every mode but ``side_stream`` keeps prefills eager (no lazy capture at a request).
+``test/srt/test_served_variant.py`` runs each mode on CPU (emulated graphs).
+"""
+from __future__ import annotations
+
+import gc
+import os
+import sys
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+VARIANTS: Dict[str, str] = {
+    "side_stream": "each replay on a stream of its own",
+    "no_replay": "captured at start-up, never replayed",
+    "release": "captured at start-up, then dropped; never replayed",
+    "warmup": "the two padded eager warm-ups and empty_cache, no capture",
+    "warmup_keep": "the two padded eager warm-ups, no empty_cache, no capture",
+    "unpadded": "two unpadded eager warm-ups and empty_cache, no capture",
+    "empty": "empty_cache only",
+}
+ENV = "PREFILL_CAPTURE_VARIANT"
+
+
+def _empty_cache() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def _side_stream_replay(replay: Callable[[], Any], device: Any) -> Callable[[], Any]:
+    """``replay`` run on a stream of its own, ordered after and before the current stream."""
+    import torch
+
+    if torch.device(device).type != "cuda":
+        return replay
+    side = torch.cuda.Stream(device)
+
+    def run() -> Any:
+        current = torch.cuda.current_stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            out = replay()
+        current.wait_stream(side)
+        return out
+    return run
+
+
+def apply(mode: str, runner_class: Optional[type] = None) -> Callable[[], None]:
+    """Patch ``runner_class`` (default: ``PrefillGraphRunner``) for ``mode``; returns a function
+    that undoes the patch (for tests). An unknown mode raises ``SystemExit`` naming the modes."""
+    if mode not in VARIANTS:
+        raise SystemExit(f"{ENV}={mode!r}: choose one of {', '.join(VARIANTS)}")
+    import dataclasses
+
+    if runner_class is None:
+        from sglang.srt.model_executor.prefill_graph_runner import PrefillGraphRunner
+        runner_class = PrefillGraphRunner
+    cls = runner_class
+    saved: List[Tuple[str, Any]] = [(name, cls.__dict__[name])
+                                    for name in ("__init__", "_capture", "run")]
+    original_init, original_capture, original_run = (fn for _, fn in saved)
+
+    def capture(self, key):
+        if mode in ("side_stream", "no_replay", "release"):
+            captured = original_capture(self, key)
+            if captured is not None and mode == "side_stream":
+                captured.graph.replay = _side_stream_replay(captured.graph.replay, self.device)
+            return captured
+        if mode == "empty":
+            _empty_cache()
+            return None
+        self.loc.zero_()
+        self.real_len.fill_(key.tokens)
+        self.slot.zero_()
+        for _ in range(2):
+            if mode == "unpadded":
+                batch = dataclasses.replace(
+                    self._static_batch(key.tokens, key.capture_hidden_mode), padding=None)
+                self.runner.forward_eager(batch, **{n: b[:key.tokens]
+                                                    for n, b in self.inputs.items()})
+            else:
+                self._body(key)
+        self._sync()
+        if mode != "warmup_keep":
+            _empty_cache()
+        return None
+
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        original_init(self, *args, **kwargs)
+        if mode == "release":
+            self.graphs.clear()
+            gc.collect()
+            _empty_cache()
+
+    def run(self, forward_batch, model_inputs=None):
+        if mode != "side_stream":
+            return None  # eager, and no capture at a request
+        return original_run(self, forward_batch, model_inputs)
+
+    cls.__init__, cls._capture, cls.run = init, capture, run
+    print(f"served_variant: {cls.__name__} patched for {mode!r} in process {os.getpid()}",
+          file=sys.stderr, flush=True)
+
+    def undo() -> None:
+        for name, fn in saved:
+            setattr(cls, name, fn)
+    return undo
+
+
+if os.environ.get(ENV):  # in the server process and, re-run as __mp_main__, in each child
+    apply(os.environ[ENV])
+
+if __name__ == "__main__":
+    from sglang.launch_server import run_server
+
+    print(f"{ENV}={os.environ.get(ENV, '')!r}: "
+          f"{VARIANTS.get(os.environ.get(ENV, ''), 'no variant')}", flush=True)
+    sys.exit(run_server())

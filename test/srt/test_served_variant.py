@@ -1,0 +1,116 @@
+"""benchmark/batch1/served_variant.py on CPU (emulated prefill graphs of the bundled model):
+each mode captures, warms up, replays or releases what its docstring says and nothing more,
+prefills stay correct (eager where the mode says so), every patch is undone, an unknown mode is
+refused naming the modes, and the script starts a server's argument parsing as
+``launch_server`` does."""
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
+from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+from sglang.srt.model_executor.model_runner import ModelRunner
+from sglang.srt.model_executor.prefill_graph_runner import PrefillGraphRunner
+
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "benchmark/batch1/served_variant.py"
+pytestmark = pytest.mark.usefixtures("one_thread")  # test/srt/conftest.py
+
+
+@pytest.fixture(scope="module")
+def variant():
+    spec = importlib.util.spec_from_file_location("served_variant", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _runner() -> ModelRunner:
+    return ModelRunner(ModelConfig.from_path(str(BUNDLED_MODEL_DIR)), device="cpu",
+                       dtype="float32", max_running_requests=2, max_total_tokens=128)
+
+
+def _batch(runner: ModelRunner, n: int) -> ForwardBatch:
+    ids = torch.randint(0, 1000, (n,), generator=torch.Generator().manual_seed(n))
+    req = runner.req_to_token_pool.alloc(1)[0]
+    runner.kda_state_pool.clear_slots([req])
+    loc = runner.token_to_kv_pool_allocator.alloc(n)
+    runner.req_to_token_pool.write(req, 0, loc)
+    return ForwardBatch.for_extend(ids, [req], [0], [n], loc)
+
+
+# mode -> (graphs captured at start-up, held after it, padded warm-up forwards, unpadded ones,
+# replays of a request)
+EXPECT = {
+    "side_stream": (1, 1, 2, 0, 1),
+    "no_replay": (1, 1, 2, 0, 0),
+    "release": (1, 0, 2, 0, 0),
+    "warmup": (0, 0, 2, 0, 0),
+    "warmup_keep": (0, 0, 2, 0, 0),
+    "unpadded": (0, 0, 0, 2, 0),
+    "empty": (0, 0, 0, 0, 0),
+}
+
+
+@pytest.mark.parametrize("mode", list(EXPECT))
+def test_each_mode_does_what_it_says(variant, monkeypatch, mode):
+    assert set(EXPECT) == set(variant.VARIANTS)
+    saved = {n: PrefillGraphRunner.__dict__[n] for n in ("__init__", "_capture", "run")}
+    forwards = []
+    original_forward = ModelRunner.forward_eager
+
+    def counting_forward(self, forward_batch, **kw):
+        forwards.append("padded" if forward_batch.padding is not None else "unpadded")
+        return original_forward(self, forward_batch, **kw)
+
+    monkeypatch.setattr(ModelRunner, "forward_eager", counting_forward)
+    undo = variant.apply(mode)
+    try:
+        runner = _runner()
+        pg = runner.init_prefill_graphs([8])
+        captured, held, padded, unpadded, replays = EXPECT[mode]
+        # An emulated capture runs the body once more: 3 forwards where one was captured.
+        assert len(forwards) == padded + unpadded + captured
+        warmups = forwards[:2] if captured else forwards
+        assert len(pg.graphs) == held and not pg.failed
+        assert warmups.count("padded") == padded and warmups.count("unpadded") == unpadded
+        fb = _batch(runner, 5)
+        out = pg.run(fb)
+        assert pg.num_replays == replays
+        assert (out is not None) == bool(replays)  # None: the caller prefills eagerly
+        assert len(pg.graphs) == held  # no capture at a request
+        if out is not None:
+            eager = _runner()
+            want = eager.forward(_batch(eager, 5)).next_token_logits
+            torch.testing.assert_close(out.next_token_logits, want, rtol=1e-4, atol=1e-4)
+    finally:
+        undo()
+    assert {n: PrefillGraphRunner.__dict__[n] for n in saved} == saved
+
+
+def test_unknown_mode_is_refused_by_name(variant):
+    with pytest.raises(SystemExit, match="choose one of side_stream, no_replay"):
+        variant.apply("nope")
+
+
+def test_the_script_is_launch_server_with_the_patch():
+    """``--help`` through the script: launch_server's parser answers, after the script's own
+    line naming the variant; a bad variant stops before any server starts."""
+    env = dict(os.environ, PREFILL_CAPTURE_VARIANT="warmup",
+               PYTHONPATH=os.pathsep.join([str(ROOT / "python"), str(ROOT / "sgl-kernel/python"),
+                                           os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "PREFILL_CAPTURE_VARIANT='warmup'" in out.stdout and "--model-path" in out.stdout
+    env["PREFILL_CAPTURE_VARIANT"] = "nope"
+    bad = subprocess.run([sys.executable, str(SCRIPT), "--help"], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert bad.returncode != 0 and "choose one of" in bad.stderr
