@@ -435,8 +435,9 @@ def test_launch_config_table_lookup(mgg, tmp_path, monkeypatch):
 
 
 def test_table_device_falls_back_to_the_same_model(mgg, tmp_path, caplog):
-    """A GPU missing from the table takes the tiles of its model's entry (same first two
-    words), one warning per GPU name; another model, or a one-word name, takes none."""
+    """A GPU missing from the table takes the tiles of its model's entry (the same vendor and
+    first word with a digit), one warning per GPU name; another model, or a name without a
+    model number, takes none."""
     import json
     import logging
 
@@ -446,6 +447,10 @@ def test_table_device_falls_back_to_the_same_model(mgg, tmp_path, caplog):
     assert mgg.table_device(names, "NVIDIA H200 NVL") == "NVIDIA H200"
     assert mgg.table_device(names, "NVIDIA GH200 480GB") is None
     assert mgg.table_device(names, "NVIDIA") is None and mgg.table_device([], "NVIDIA H200") is None
+    # The model is the first word with a digit, not the second word.
+    consumer = ["NVIDIA GeForce RTX 4090"]
+    assert mgg.table_device(consumer, "NVIDIA GeForce RTX 3090") is None
+    assert mgg.table_device(consumer, "NVIDIA GeForce RTX 4090 D") == "NVIDIA GeForce RTX 4090"
     key = mgg.config_key(512, 1536, 2560, False)
     entry = {"1024": {"block_m": 32, "block_n": 64, "block_k": 64, "group_m": 4,
                       "num_warps": 4, "num_stages": 3}}

@@ -71,8 +71,8 @@ from __future__ import annotations
 
 import functools
 import json
-import math
 import logging
+import math
 import os
 from typing import Dict, Iterable, List, Mapping, NamedTuple, Optional, Tuple, Union
 
@@ -371,16 +371,25 @@ def launch_config(num_experts: int, n: int, k: int, pairs: int, fp8: bool = Fals
     return select_config(buckets, num_experts, pairs, fp8)
 
 
+def _gpu_model(device_name: str) -> Optional[Tuple[str, str]]:
+    """(vendor, model) of a GPU name: its first word and its first word with a digit
+    (``NVIDIA H100 PCIe`` -> ``("NVIDIA", "H100")``, ``NVIDIA GeForce RTX 4090`` ->
+    ``("NVIDIA", "4090")``); None when no word has a digit."""
+    words = device_name.split()
+    model = next((w for w in words[1:] if any(c.isdigit() for c in w)), None)
+    return (words[0], model) if model else None
+
+
 def table_device(device_names: Iterable[str], device_name: str) -> Optional[str]:
     """Which of the table's ``device_names`` holds the tiles for the GPU called
-    ``device_name``: that name itself, else the one of the same model (the same first two
-    words, e.g. ``NVIDIA H100 PCIe`` takes ``NVIDIA H100 80GB HBM3``: the same SM and shared
-    memory, so the same tiles fit), else None. Of several such names, the first in order."""
+    ``device_name``: that name itself, else one of the same model (:func:`_gpu_model`; e.g.
+    ``NVIDIA H100 PCIe`` takes ``NVIDIA H100 80GB HBM3``: the same SM and shared memory, so
+    the same tiles fit), else None. Of several such names, the first in order."""
     names = list(device_names)
     if device_name in names:
         return device_name
-    model = device_name.split()[:2]
-    same = [name for name in names if len(model) == 2 and name.split()[:2] == model]
+    model = _gpu_model(device_name)
+    same = [name for name in names if model is not None and _gpu_model(name) == model]
     return same[0] if same else None
 
 
