@@ -23,7 +23,9 @@
 #                   with NEXTN (SPECS, default "0 3"); one JSON line per run in $OUT/served.jsonl;
 #                   SERVED_ARGS adds server flags (SERVED_ARGS="--prefill-cuda-graph-tokens 8192");
 #                   SERVED_VARIANTS, comma-separated flag lists, runs one server per list in turn
-#                   (SERVED_VARIANTS=",--mem-fraction-static 0.85": defaults, then that flag)
+#                   (SERVED_VARIANTS=",--mem-fraction-static 0.85": defaults, then that flag);
+#                   a list's leading VAR=value words are that server's environment, e.g.
+#                   SERVE_MAIN=benchmark/batch1/served_variant.py PREFILL_CAPTURE_VARIANT=warmup
 #   STAGE=conc      12-layer bf16 server (default flags; CONC_ARGS adds server flags), random-ids
 #                   1024 / 128 at concurrency CONCS (default "1 4 16 64"); $OUT/conc.jsonl
 #   STAGE=served_trace two fp8 servers (LAYERS applies), without and with TRACE_ARGS (default
@@ -148,12 +150,27 @@ served)
   v=0
   for variant in "${variants[@]}"; do
   v=$((v + 1)); tag=$([ ${#variants[@]} -gt 1 ] && echo "_v$v")  # one log per server
+  envs=(); flags=()  # leading VAR=value words: the server's environment
+  for word in $variant; do
+    if [ ${#flags[@]} = 0 ] && [[ $word =~ ^[A-Z_][A-Z0-9_]*= ]]; then envs+=("$word")
+    else flags+=("$word"); fi
+  done
   for steps in ${SPECS:-0 3}; do
     spec=""; [ "$steps" != 0 ] && spec="--speculative-algorithm NEXTN --speculative-num-steps $steps"
     echo "== fp8 42 layers, spec=$steps${variant:+, $variant}"
-    # shellcheck disable=SC2086  # a variant is a list of words
+    saved=()  # this server's variables, set for its start only (serve reads SERVE_MAIN)
+    for e in "${envs[@]}"; do
+      name=${e%%=*}; saved+=("$name=${!name-__unset__}"); export "${e?}"
+    done
+    # shellcheck disable=SC2086  # flag lists
     serve 30710 "$OUT/server_fp8_$steps$tag.log" $FLASH42 --cuda-graph-max-bs 4 $spec \
-      $variant || continue
+      "${flags[@]}"
+    ok=$?
+    for e in "${saved[@]}"; do
+      name=${e%%=*}; value=${e#*=}
+      if [ "$value" = __unset__ ]; then unset "$name"; else export "$name=$value"; fi
+    done
+    [ $ok = 0 ] || continue
     timeout ${BENCH_TIMEOUT:-200} python3 -m sglang.bench_serving --backend sglang --port 30710 \
       --dataset-name random-ids --random-input-len 8192 --random-output-len 1024 \
       --random-range-ratio 1.0 --num-prompts ${PROMPTS:-4} --max-concurrency 1 --disable-tqdm \
