@@ -22,7 +22,10 @@ this way. The modes (:data:`VARIANTS`):
 * ``warmup_keep``: as ``warmup`` without emptying the cache;
 * ``unpadded``: as ``warmup`` with the warm-ups unpadded (``padding=None``: the KDA layers'
   ordinary prefill path instead of the padded one);
-* ``empty``: no capture, no warm-up; only ``torch.cuda.empty_cache``.
+* ``empty``: no capture, no warm-up; only ``torch.cuda.empty_cache``;
+* ``tiny_capture``: no warm-up of the model; a graph of one small torch op (``ids + 1`` over
+  the bucket's static ids) captured in the prefill graphs' pool and held (kept in
+  ``PrefillGraphRunner.tiny_graphs``): whether any capture at that point is enough.
 
 Every mode but ``side_stream`` keeps prefills eager (no lazy capture at a request).
 ``test/srt/test_served_variant.py`` runs each mode on CPU (emulated graphs).
@@ -42,6 +45,7 @@ VARIANTS: Dict[str, str] = {
     "warmup_keep": "the two padded eager warm-ups, no empty_cache, no capture",
     "unpadded": "two unpadded eager warm-ups and empty_cache, no capture",
     "empty": "empty_cache only",
+    "tiny_capture": "a one-op graph captured in the prefill pool and held, no model forward",
 }
 ENV = "PREFILL_CAPTURE_VARIANT"
 
@@ -95,6 +99,21 @@ def apply(mode: str, runner_class: Optional[type] = None) -> Callable[[], None]:
             return captured
         if mode == "empty":
             _empty_cache()
+            return None
+        if mode == "tiny_capture":
+            from sglang.srt.model_executor.cuda_graph_runner import new_graph
+
+            ids = self.input_ids[:key.tokens]
+
+            def body() -> Dict[str, Any]:
+                return {"ids": ids + 1}
+            body()  # the eager run before a capture, as the model's has
+            self._sync()
+            graph = new_graph(self.emulate, self._pool)
+            held = getattr(self, "tiny_graphs", [])
+            held.append((graph, graph.capture(body)))
+            self.tiny_graphs = held
+            self._sync()
             return None
         self.loc.zero_()
         self.real_len.fill_(key.tokens)

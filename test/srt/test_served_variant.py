@@ -56,6 +56,7 @@ EXPECT = {
     "warmup_keep": (0, 0, 2, 0, 0),
     "unpadded": (0, 0, 0, 2, 0),
     "empty": (0, 0, 0, 0, 0),
+    "tiny_capture": (0, 0, 0, 0, 0),
 }
 
 
@@ -86,6 +87,7 @@ def test_each_mode_does_what_it_says(variant, monkeypatch, mode):
         assert pg.num_replays == replays
         assert (out is not None) == bool(replays)  # None: the caller prefills eagerly
         assert len(pg.graphs) == held  # no capture at a request
+        assert len(getattr(pg, "tiny_graphs", [])) == (mode == "tiny_capture")
         if out is not None:
             eager = _runner()
             want = eager.forward(_batch(eager, 5)).next_token_logits
