@@ -10,7 +10,8 @@ process and in every child it starts: the children are spawned, and a spawned ch
 file's top level again (as ``__mp_main__``) before it unpickles its work. In
 ``scripts/gpu_prefill.sh``, ``SERVE_MAIN=benchmark/batch1/served_variant.py`` together with
 ``PREFILL_CAPTURE_VARIANT=MODE`` on a ``STAGE=served`` stage starts every server of the stage
-this way. The modes (:data:`VARIANTS`):
+this way, or one server where they lead its entry of ``SERVED_VARIANTS``. The modes
+(:data:`VARIANTS`):
 
 * ``side_stream``: graphs captured as usual, each replay on a stream of its own (the stream
   waits for the current one before, the current one for it after);
