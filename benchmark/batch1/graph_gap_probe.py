@@ -280,10 +280,10 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
         row(f"after {args.event}, 0.5 s later")
         # Is the state the stream's or the process's?
         row(f"after {args.event}, the chain on a new stream", stream=torch.cuda.Stream())
+        append_jsonl(rows, args.result_filename)  # the timings first: a dump cannot lose them
         for dot in _DUMPS:
             with open(dot) as f:
                 print(f"{os.path.basename(dot)}: node kinds {node_kinds(f.read())}")
-        append_jsonl(rows, args.result_filename)
         return rows
     big = _capture(lambda: _chain(x, 4 * args.nodes), pool=torch.cuda.graph_pool_handle())
     row(f"a chain of {4 * args.nodes} nodes captured in its own pool")
