@@ -116,18 +116,11 @@ def apply(mode: str, runner_class: Optional[type] = None) -> Callable[[], None]:
             self.tiny_graphs = held
             self._sync()
             return None
-        self.loc.zero_()
-        self.real_len.fill_(key.tokens)
-        self.slot.zero_()
-        for _ in range(2):
-            if mode == "unpadded":
-                batch = dataclasses.replace(
-                    self._static_batch(key.tokens, key.capture_hidden_mode), padding=None)
-                self.runner.forward_eager(batch, **{n: b[:key.tokens]
-                                                    for n, b in self.inputs.items()})
-            else:
-                self._body(key)
-        self._sync()
+        def unpadded(key) -> None:
+            batch = dataclasses.replace(
+                self._static_batch(key.tokens, key.capture_hidden_mode), padding=None)
+            self.runner.forward_eager(batch, **{n: b[:key.tokens] for n, b in self.inputs.items()})
+        self._warm_up(key, unpadded if mode == "unpadded" else None)
         if mode != "warmup_keep":
             _empty_cache()
         return None

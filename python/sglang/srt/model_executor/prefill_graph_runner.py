@@ -39,7 +39,7 @@ import bisect
 import dataclasses
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
 
@@ -213,15 +213,22 @@ class PrefillGraphRunner:
         return {f.name: getattr(out, f.name) for f in dataclasses.fields(out)
                 if isinstance(getattr(out, f.name), torch.Tensor)}
 
-    def _capture(self, key: PrefillGraphKey) -> Optional["_Captured"]:
-        """Warm up and capture ``key``; on failure remember why and return None."""
+    def _warm_up(self, key: PrefillGraphKey,
+                 body: Optional[Callable[[PrefillGraphKey], object]] = None) -> None:
+        """The eager runs before ``key``'s capture (JIT compiles, autotuning, allocator): the
+        static buffers set for one request of the bucket's length in the padding slot, ``body``
+        (default :meth:`_body`) run twice, then a sync."""
         self.loc.zero_()
         self.real_len.fill_(key.tokens)
         self.slot.zero_()  # warm-up and capture write the padding slots only
+        for _ in range(2):
+            (body or self._body)(key)
+        self._sync()
+
+    def _capture(self, key: PrefillGraphKey) -> Optional["_Captured"]:
+        """Warm up and capture ``key``; on failure remember why and return None."""
         try:
-            for _ in range(2):  # outside the capture: JIT compiles, autotuning, allocator
-                self._body(key)
-            self._sync()
+            self._warm_up(key)
             if not self.emulate:
                 # The warm-ups' activations sit cached in the eager pool; give them back so
                 # that the graph's own pool can take that memory (a large bucket on a nearly
