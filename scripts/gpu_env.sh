@@ -32,4 +32,13 @@ serve() {
   return 1
 }
 
+# serve_with ENV_WORDS -- PORT LOG ARGS...: serve with the VAR=value words before "--" exported
+# for this server only (local -x: the caller's values come back on return; SERVER stays set).
+serve_with() {
+  local word
+  while [ $# -gt 0 ] && [ "$1" != -- ]; do local -x "$1"; shift; done
+  shift
+  serve "$@"
+}
+
 stop_server() { [ -n "${SERVER:-}" ] && kill -9 -- -"$SERVER" 2>/dev/null; sleep 3; }

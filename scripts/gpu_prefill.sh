@@ -158,19 +158,9 @@ served)
   for steps in ${SPECS:-0 3}; do
     spec=""; [ "$steps" != 0 ] && spec="--speculative-algorithm NEXTN --speculative-num-steps $steps"
     echo "== fp8 42 layers, spec=$steps${variant:+, $variant}"
-    saved=()  # this server's variables, set for its start only (serve reads SERVE_MAIN)
-    for e in "${envs[@]}"; do
-      name=${e%%=*}; saved+=("$name=${!name-__unset__}"); export "${e?}"
-    done
     # shellcheck disable=SC2086  # flag lists
-    serve 30710 "$OUT/server_fp8_$steps$tag.log" $FLASH42 --cuda-graph-max-bs 4 $spec \
-      "${flags[@]}"
-    ok=$?
-    for e in "${saved[@]}"; do
-      name=${e%%=*}; value=${e#*=}
-      if [ "$value" = __unset__ ]; then unset "$name"; else export "$name=$value"; fi
-    done
-    [ $ok = 0 ] || continue
+    serve_with "${envs[@]}" -- 30710 "$OUT/server_fp8_$steps$tag.log" $FLASH42 \
+      --cuda-graph-max-bs 4 $spec "${flags[@]}" || continue
     timeout ${BENCH_TIMEOUT:-200} python3 -m sglang.bench_serving --backend sglang --port 30710 \
       --dataset-name random-ids --random-input-len 8192 --random-output-len 1024 \
       --random-range-ratio 1.0 --num-prompts ${PROMPTS:-4} --max-concurrency 1 --disable-tqdm \
