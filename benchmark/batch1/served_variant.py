@@ -26,9 +26,15 @@ this way, or one server where they lead its entry of ``SERVED_VARIANTS``. The mo
 * ``empty``: no capture, no warm-up; only ``torch.cuda.empty_cache``;
 * ``tiny_capture``: no warm-up of the model; a graph of one small torch op (``ids + 1`` over
   the bucket's static ids) captured in the prefill graphs' pool and held (kept in
-  ``PrefillGraphRunner.tiny_graphs``): whether any capture at that point is enough.
+  ``PrefillGraphRunner.tiny_graphs``): whether any capture at that point is enough;
+* ``shared_pool``: graphs captured and replayed as usual, in the decode graphs' memory pool
+  (that of the first :class:`~sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner`
+  built in the process, the target's round graphs) instead of a pool of their own;
+* ``tiny_shared_pool``: as ``tiny_capture``, in the decode graphs' pool.
 
-Every mode but ``side_stream`` keeps prefills eager (no lazy capture at a request).
+``side_stream`` and ``shared_pool`` replay prefill graphs; every other mode keeps prefills
+eager (no lazy capture at a request). The shared-pool modes fall back to the prefill graphs'
+own pool, saying so, when no decode graphs were captured (``--disable-cuda-graph``).
 ``test/srt/test_served_variant.py`` runs each mode on CPU (emulated graphs).
 """
 from __future__ import annotations
@@ -47,7 +53,14 @@ VARIANTS: Dict[str, str] = {
     "unpadded": "two unpadded eager warm-ups and empty_cache, no capture",
     "empty": "empty_cache only",
     "tiny_capture": "a one-op graph captured in the prefill pool and held, no model forward",
+    "shared_pool": "captured and replayed in the decode graphs' pool",
+    "tiny_shared_pool": "a one-op graph captured in the decode graphs' pool and held",
 }
+REPLAYING = ("side_stream", "shared_pool")
+TINY = ("tiny_capture", "tiny_shared_pool")
+# The memory pool of every CudaGraphRunner built in this process, in order (apply() records
+# them for the shared-pool modes).
+DECODE_POOLS: List[Any] = []
 ENV = "PREFILL_CAPTURE_VARIANT"
 
 
@@ -77,6 +90,33 @@ def _side_stream_replay(replay: Callable[[], Any], device: Any) -> Callable[[], 
     return run
 
 
+def _decode_pool(own: Any) -> Any:
+    """The first recorded decode graphs' pool, else ``own`` (with a line saying so)."""
+    if DECODE_POOLS:
+        return DECODE_POOLS[0]
+    print("served_variant: no decode graphs were captured; the prefill graphs keep their own "
+          "pool", file=sys.stderr, flush=True)
+    return own
+
+
+def _record_decode_pools() -> Callable[[], None]:
+    """Patch ``CudaGraphRunner.__init__`` to append each runner's pool to
+    :data:`DECODE_POOLS`; returns the undo."""
+    from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    original = CudaGraphRunner.__dict__["__init__"]
+
+    def init(self, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **kwargs)
+        DECODE_POOLS.append(self._pool)
+
+    CudaGraphRunner.__init__ = init
+
+    def undo() -> None:
+        CudaGraphRunner.__init__ = original
+    return undo
+
+
 def apply(mode: str, runner_class: Optional[type] = None) -> Callable[[], None]:
     """Patch ``runner_class`` (default: ``PrefillGraphRunner``) for ``mode``; returns a function
     that undoes the patch (for tests). An unknown mode raises ``SystemExit`` naming the modes."""
@@ -93,7 +133,9 @@ def apply(mode: str, runner_class: Optional[type] = None) -> Callable[[], None]:
     original_init, original_capture, original_run = (fn for _, fn in saved)
 
     def capture(self, key):
-        if mode in ("side_stream", "no_replay", "release"):
+        if mode in ("shared_pool", "tiny_shared_pool"):
+            self._pool = _decode_pool(self._pool)
+        if mode in ("side_stream", "no_replay", "release", "shared_pool"):
             captured = original_capture(self, key)
             if captured is not None and mode == "side_stream":
                 captured.graph.replay = _side_stream_replay(captured.graph.replay, self.device)
@@ -101,7 +143,7 @@ def apply(mode: str, runner_class: Optional[type] = None) -> Callable[[], None]:
         if mode == "empty":
             _empty_cache()
             return None
-        if mode == "tiny_capture":
+        if mode in TINY:
             from sglang.srt.model_executor.cuda_graph_runner import new_graph
 
             ids = self.input_ids[:key.tokens]
@@ -133,17 +175,21 @@ def apply(mode: str, runner_class: Optional[type] = None) -> Callable[[], None]:
             _empty_cache()
 
     def run(self, forward_batch, model_inputs=None):
-        if mode != "side_stream":
+        if mode not in REPLAYING:
             return None  # eager, and no capture at a request
         return original_run(self, forward_batch, model_inputs)
 
     cls.__init__, cls._capture, cls.run = init, capture, run
+    undo_pools = _record_decode_pools() if mode in ("shared_pool", "tiny_shared_pool") else None
     print(f"served_variant: {cls.__name__} patched for {mode!r} in process {os.getpid()}",
           file=sys.stderr, flush=True)
 
     def undo() -> None:
         for name, fn in saved:
             setattr(cls, name, fn)
+        if undo_pools is not None:
+            undo_pools()
+            DECODE_POOLS.clear()
     return undo
 
 

@@ -57,6 +57,8 @@ EXPECT = {
     "unpadded": (0, 0, 0, 2, 0),
     "empty": (0, 0, 0, 0, 0),
     "tiny_capture": (0, 0, 0, 0, 0),
+    "shared_pool": (1, 1, 2, 0, 1),
+    "tiny_shared_pool": (0, 0, 0, 0, 0),
 }
 
 
@@ -87,7 +89,7 @@ def test_each_mode_does_what_it_says(variant, monkeypatch, mode):
         assert pg.num_replays == replays
         assert (out is not None) == bool(replays)  # None: the caller prefills eagerly
         assert len(pg.graphs) == held  # no capture at a request
-        assert len(getattr(pg, "tiny_graphs", [])) == (mode == "tiny_capture")
+        assert len(getattr(pg, "tiny_graphs", [])) == (mode in variant.TINY)
         if out is not None:
             eager = _runner()
             want = eager.forward(_batch(eager, 5)).next_token_logits
@@ -95,6 +97,44 @@ def test_each_mode_does_what_it_says(variant, monkeypatch, mode):
     finally:
         undo()
     assert {n: PrefillGraphRunner.__dict__[n] for n in saved} == saved
+
+
+@pytest.mark.parametrize("mode", ["shared_pool", "tiny_shared_pool"])
+def test_shared_pool_modes_capture_in_the_decode_graphs_pool(variant, monkeypatch, mode):
+    """A decode graph runner built after ``apply`` has its pool recorded, and every prefill
+    capture of the mode then asks for that pool; the undo forgets it and restores the class."""
+    from sglang.srt.model_executor import cuda_graph_runner, prefill_graph_runner
+    from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    asked = []
+    for module in (cuda_graph_runner, prefill_graph_runner):
+        def recording(emulate, pool=None, _new=module.new_graph):
+            asked.append(pool)
+            return _new(emulate, pool)
+        monkeypatch.setattr(module, "new_graph", recording)
+    init = CudaGraphRunner.__dict__["__init__"]
+    undo = variant.apply(mode)
+    try:
+        decode = CudaGraphRunner(lambda *args: {}, device="cpu", vocab_size=8, round_tokens=1,
+                                 tokens_per_request=1, batch_sizes=[], max_width=8)
+        assert variant.DECODE_POOLS == [decode._pool]
+        decode_pool = object()  # what a CUDA runner's pool handle stands for
+        variant.DECODE_POOLS[0] = decode_pool
+        pg = _runner().init_prefill_graphs([8])
+        assert asked == [decode_pool] and pg._pool is decode_pool
+    finally:
+        undo()
+    assert variant.DECODE_POOLS == [] and CudaGraphRunner.__dict__["__init__"] is init
+
+
+def test_shared_pool_without_decode_graphs_keeps_its_own_pool(variant, capsys):
+    undo = variant.apply("tiny_shared_pool")
+    try:
+        pg = _runner().init_prefill_graphs([8])
+        assert pg._pool is None and len(pg.tiny_graphs) == 1  # emulated: no pool handle
+        assert "no decode graphs were captured" in capsys.readouterr().err
+    finally:
+        undo()
 
 
 def test_unknown_mode_is_refused_by_name(variant):
