@@ -30,9 +30,12 @@ this way, or one server where they lead its entry of ``SERVED_VARIANTS``. The mo
 * ``shared_pool``: graphs captured and replayed as usual, in the decode graphs' memory pool
   (that of the first :class:`~sglang.srt.model_executor.cuda_graph_runner.CudaGraphRunner`
   built in the process, the target's round graphs) instead of a pool of their own;
-* ``tiny_shared_pool``: as ``tiny_capture``, in the decode graphs' pool.
+* ``tiny_shared_pool``: as ``tiny_capture``, in the decode graphs' pool;
+* ``recapture_decode``: graphs captured and replayed as usual, then every decode graph
+  captured again (a fresh pool, the same keys, the same order), so that the decode graphs are
+  the process's last ones again.
 
-``side_stream`` and ``shared_pool`` replay prefill graphs; every other mode keeps prefills
+``side_stream``, ``shared_pool`` and ``recapture_decode`` replay prefill graphs; every other mode keeps prefills
 eager (no lazy capture at a request). The shared-pool modes fall back to the prefill graphs'
 own pool, saying so, when no decode graphs were captured (``--disable-cuda-graph``).
 ``test/srt/test_served_variant.py`` runs each mode on CPU (emulated graphs).
@@ -55,12 +58,13 @@ VARIANTS: Dict[str, str] = {
     "tiny_capture": "a one-op graph captured in the prefill pool and held, no model forward",
     "shared_pool": "captured and replayed in the decode graphs' pool",
     "tiny_shared_pool": "a one-op graph captured in the decode graphs' pool and held",
+    "recapture_decode": "captured and replayed, then the decode graphs captured again",
 }
-REPLAYING = ("side_stream", "shared_pool")
+REPLAYING = ("side_stream", "shared_pool", "recapture_decode")
 TINY = ("tiny_capture", "tiny_shared_pool")
-# The memory pool of every CudaGraphRunner built in this process, in order (apply() records
-# them for the shared-pool modes).
-DECODE_POOLS: List[Any] = []
+# Every CudaGraphRunner built in this process, in order (apply() records them for the modes
+# that use the decode graphs).
+DECODE_RUNNERS: List[Any] = []
 ENV = "PREFILL_CAPTURE_VARIANT"
 
 
@@ -92,23 +96,37 @@ def _side_stream_replay(replay: Callable[[], Any], device: Any) -> Callable[[], 
 
 def _decode_pool(own: Any) -> Any:
     """The first recorded decode graphs' pool, else ``own`` (with a line saying so)."""
-    if DECODE_POOLS:
-        return DECODE_POOLS[0]
+    if DECODE_RUNNERS:
+        return DECODE_RUNNERS[0]._pool
     print("served_variant: no decode graphs were captured; the prefill graphs keep their own "
           "pool", file=sys.stderr, flush=True)
     return own
 
 
-def _record_decode_pools() -> Callable[[], None]:
-    """Patch ``CudaGraphRunner.__init__`` to append each runner's pool to
-    :data:`DECODE_POOLS`; returns the undo."""
+def _recapture(runner: Any) -> None:
+    """Capture every graph of the decode graph runner ``runner`` again, in a fresh pool (the
+    old one is freed with its last graph), in the order they were captured."""
+    import torch
+
+    keys = list(runner.graphs)
+    runner.graphs.clear()
+    if not runner.emulate:
+        torch.cuda.synchronize(runner.device)
+        runner._pool = torch.cuda.graph_pool_handle()
+    for key in keys:
+        runner._capture(key)
+
+
+def _record_decode_runners() -> Callable[[], None]:
+    """Patch ``CudaGraphRunner.__init__`` to append each runner to :data:`DECODE_RUNNERS`;
+    returns the undo."""
     from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
 
     original = CudaGraphRunner.__dict__["__init__"]
 
     def init(self, *args: Any, **kwargs: Any) -> None:
         original(self, *args, **kwargs)
-        DECODE_POOLS.append(self._pool)
+        DECODE_RUNNERS.append(self)
 
     CudaGraphRunner.__init__ = init
 
@@ -135,7 +153,7 @@ def apply(mode: str, runner_class: Optional[type] = None) -> Callable[[], None]:
     def capture(self, key):
         if mode in ("shared_pool", "tiny_shared_pool"):
             self._pool = _decode_pool(self._pool)
-        if mode in ("side_stream", "no_replay", "release", "shared_pool"):
+        if mode in ("side_stream", "no_replay", "release", "shared_pool", "recapture_decode"):
             captured = original_capture(self, key)
             if captured is not None and mode == "side_stream":
                 captured.graph.replay = _side_stream_replay(captured.graph.replay, self.device)
@@ -169,6 +187,9 @@ def apply(mode: str, runner_class: Optional[type] = None) -> Callable[[], None]:
 
     def init(self, *args: Any, **kwargs: Any) -> None:
         original_init(self, *args, **kwargs)
+        if mode == "recapture_decode":
+            for runner in DECODE_RUNNERS:
+                _recapture(runner)
         if mode == "release":
             self.graphs.clear()
             gc.collect()
@@ -180,16 +201,17 @@ def apply(mode: str, runner_class: Optional[type] = None) -> Callable[[], None]:
         return original_run(self, forward_batch, model_inputs)
 
     cls.__init__, cls._capture, cls.run = init, capture, run
-    undo_pools = _record_decode_pools() if mode in ("shared_pool", "tiny_shared_pool") else None
+    undo_runners = (_record_decode_runners()
+                    if mode in ("shared_pool", "tiny_shared_pool", "recapture_decode") else None)
     print(f"served_variant: {cls.__name__} patched for {mode!r} in process {os.getpid()}",
           file=sys.stderr, flush=True)
 
     def undo() -> None:
         for name, fn in saved:
             setattr(cls, name, fn)
-        if undo_pools is not None:
-            undo_pools()
-            DECODE_POOLS.clear()
+        if undo_runners is not None:
+            undo_runners()
+            DECODE_RUNNERS.clear()
     return undo
 
 

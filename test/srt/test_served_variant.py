@@ -59,6 +59,7 @@ EXPECT = {
     "tiny_capture": (0, 0, 0, 0, 0),
     "shared_pool": (1, 1, 2, 0, 1),
     "tiny_shared_pool": (0, 0, 0, 0, 0),
+    "recapture_decode": (1, 1, 2, 0, 1),
 }
 
 
@@ -117,14 +118,14 @@ def test_shared_pool_modes_capture_in_the_decode_graphs_pool(variant, monkeypatc
     try:
         decode = CudaGraphRunner(lambda *args: {}, device="cpu", vocab_size=8, round_tokens=1,
                                  tokens_per_request=1, batch_sizes=[], max_width=8)
-        assert variant.DECODE_POOLS == [decode._pool]
+        assert variant.DECODE_RUNNERS == [decode]
         decode_pool = object()  # what a CUDA runner's pool handle stands for
-        variant.DECODE_POOLS[0] = decode_pool
+        decode._pool = decode_pool
         pg = _runner().init_prefill_graphs([8])
         assert asked == [decode_pool] and pg._pool is decode_pool
     finally:
         undo()
-    assert variant.DECODE_POOLS == [] and CudaGraphRunner.__dict__["__init__"] is init
+    assert variant.DECODE_RUNNERS == [] and CudaGraphRunner.__dict__["__init__"] is init
 
 
 def test_shared_pool_without_decode_graphs_keeps_its_own_pool(variant, capsys):
@@ -133,6 +134,35 @@ def test_shared_pool_without_decode_graphs_keeps_its_own_pool(variant, capsys):
         pg = _runner().init_prefill_graphs([8])
         assert pg._pool is None and len(pg.tiny_graphs) == 1  # emulated: no pool handle
         assert "no decode graphs were captured" in capsys.readouterr().err
+    finally:
+        undo()
+
+
+def test_recapture_decode_captures_the_decode_graphs_again_after_the_prefill_graphs(variant):
+    """Every decode graph key is captured again, in its first order, after the prefill graphs;
+    the prefill graphs stay and replay."""
+    from sglang.srt.model_executor.cuda_graph_runner import CudaGraphRunner
+
+    events = []
+
+    def body(slots, loc, info, bound, return_logprob):
+        events.append(("decode", int(slots.shape[0])))
+        return {"x": slots * 2}
+
+    undo = variant.apply("recapture_decode")
+    try:
+        decode = CudaGraphRunner(body, device="cpu", vocab_size=8, round_tokens=1,
+                                 tokens_per_request=1, batch_sizes=[1, 2], max_width=8)
+        first = dict(decode.graphs)
+        assert list(first) and not decode.failed
+        events.clear()
+        runner = _runner()
+        pg = runner.init_prefill_graphs([8])
+        assert list(decode.graphs) == list(first)  # the same keys, in the same order
+        assert all(decode.graphs[k] is not first[k] for k in first)  # captured anew
+        # Largest first as at start-up: each capture runs the body twice, then once captured.
+        assert events == [("decode", 2)] * 3 + [("decode", 1)] * 3
+        assert len(pg.graphs) == 1 and pg.run(_batch(runner, 5)) is not None
     finally:
         undo()
 
