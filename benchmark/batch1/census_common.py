@@ -7,6 +7,7 @@ work each op launched.
 """
 from __future__ import annotations
 
+import bisect
 import subprocess
 from pathlib import Path
 from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
@@ -71,6 +72,67 @@ def device_events(events: Sequence[Any], exclude_prefixes: Tuple[str, ...] = ())
     return [e for e in events if e.device_type == DeviceType.CUDA
             and not getattr(e, "is_user_annotation", False)
             and not e.name.startswith(exclude_prefixes)]
+
+
+def unclaimed_device_events(host: Sequence[Any], device: Sequence[Any],
+                            exclude_prefixes: Tuple[str, ...] = ()) -> List[Any]:
+    """The events of ``device`` that no host event's ``kernels`` claims, matched by name and
+    count: device work the profile did not link to the host op that launched it (kernels
+    launched through the driver API, such as Triton's, can come without that link). Kernels
+    named with ``exclude_prefixes`` (the GPU mirrors of ranges) are no claims."""
+    claimed: Dict[str, int] = {}
+    for e in host:
+        for k in getattr(e, "kernels", None) or ():
+            if not k.name.startswith(exclude_prefixes):
+                claimed[k.name] = claimed.get(k.name, 0) + 1
+    left = []
+    for e in device:
+        if claimed.get(e.name, 0) > 0:
+            claimed[e.name] -= 1
+        else:
+            left.append(e)
+    return left
+
+
+class RangeTimeline:
+    """Which host range named ``prefix...`` is innermost at each instant of a profile.
+
+    The ranges (``record_function`` spans on the host) are swept once into breakpoints, so
+    that :meth:`at` answers by bisection. The ranges are taken to nest, as one thread's spans
+    do.
+    """
+
+    def __init__(self, events: Iterable[Any], prefix: str):
+        spans = sorted(((e.time_range.start, e.time_range.end, e.name[len(prefix):])
+                        for e in events if e.device_type == DeviceType.CPU
+                        and e.name.startswith(prefix)), key=lambda r: (r[0], -r[1]))
+        self.times: List[float] = []
+        self.names: List[Optional[str]] = []
+        stack: List[Tuple[float, str]] = []  # (end, name) of the open ranges, innermost last
+
+        def mark(t: float, name: Optional[str]) -> None:
+            if self.times and self.times[-1] == t:
+                self.names[-1] = name  # the last change at an instant wins
+            else:
+                self.times.append(t)
+                self.names.append(name)
+
+        def close_until(t: float) -> None:
+            while stack and stack[-1][0] <= t:
+                end = stack.pop()[0]
+                mark(end, stack[-1][1] if stack else None)
+
+        for start, end, name in spans:
+            close_until(start)
+            stack.append((end, name))
+            mark(start, name)
+        close_until(float("inf"))
+
+    def at(self, t: float) -> Optional[str]:
+        """The innermost range open at ``t`` (a range's end excluded), without the prefix;
+        None outside every range."""
+        i = bisect.bisect_right(self.times, t) - 1
+        return self.names[i] if i >= 0 else None
 
 
 def activities(cuda: bool) -> List[ProfilerActivity]:

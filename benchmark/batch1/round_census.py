@@ -63,14 +63,16 @@ from sglang.srt.server_args import ServerArgs
 
 try:  # run as a script, benchmark/batch1 is on sys.path; imported by file path it may not be
     from census_common import activities as _activities
-    from census_common import device_events, innermost_range as _innermost
+    from census_common import RangeTimeline, device_events, innermost_range as _innermost
+    from census_common import unclaimed_device_events
     from census_common import install_range_hooks, is_top_level_op as _is_top_level_op
     from graph_ab import start_request
     from weight_floor import decode_step_bytes
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from census_common import activities as _activities
-    from census_common import device_events, innermost_range as _innermost
+    from census_common import RangeTimeline, device_events, innermost_range as _innermost
+    from census_common import unclaimed_device_events
     from census_common import install_range_hooks, is_top_level_op as _is_top_level_op
     from graph_ab import start_request
     from weight_floor import decode_step_bytes
@@ -169,9 +171,9 @@ def category_census(events: Sequence[Any], steps: int, cuda: bool
     if cuda:
         # torch links each kernel to the innermost CPU op (or range) that launched it; kernels
         # without such a caller (rare) land in "other" through the device total.
-        for e in events:
-            kernels = [k for k in (e.kernels if e.device_type == DeviceType.CPU else ())
-                       if not k.name.startswith((PREFIX, CATEGORY_PREFIX))]
+        host = [e for e in events if e.device_type == DeviceType.CPU]
+        for e in host:
+            kernels = [k for k in e.kernels if not k.name.startswith((PREFIX, CATEGORY_PREFIX))]
             if kernels:
                 row = rows[_innermost(e, CATEGORY_PREFIX) or "other"]
                 row["kernels"] += len(kernels)
@@ -179,13 +181,19 @@ def category_census(events: Sequence[Any], steps: int, cuda: bool
         device = _device_events(events)
         total = {"kernels": float(len(device)),
                  "us": float(sum(e.time_range.elapsed_us() for e in device))}
-        left = {k: total[k] - sum(r[k] for r in rows.values()) for k in ("kernels", "us")}
-        if left["kernels"] < 0:
-            print(f"warning: {-left['kernels']:.0f} more kernels attributed than the profile "
-                  "holds", file=sys.stderr)
-        else:
-            for k, v in left.items():
-                rows["other"][k] += v
+        # Kernels torch did not link to a launcher: the category range open on the host when
+        # they started (an eager census is host-bound, so a kernel starts right after its
+        # launch); outside every range, "other".
+        timeline = RangeTimeline(events, CATEGORY_PREFIX)
+        for e in unclaimed_device_events(host, device,
+                                         (PREFIX, CATEGORY_PREFIX)):
+            row = rows[timeline.at(e.time_range.start) or "other"]
+            row["kernels"] += 1
+            row["us"] += e.time_range.elapsed_us()
+        attributed = sum(r["kernels"] for r in rows.values())
+        if attributed > total["kernels"]:
+            print(f"warning: {attributed - total['kernels']:.0f} more kernels attributed than "
+                  "the profile holds", file=sys.stderr)
     per = {c: {k: v / steps for k, v in row.items()} for c, row in rows.items()}
     return per, {k: v / steps for k, v in total.items()}
 
@@ -351,13 +359,19 @@ def _instrument_dspark(sched: Scheduler, worker: DSparkWorker) -> List[Callable[
     return undo
 
 
-def _phase_census(prof, steps: int) -> Dict[str, Dict[str, float]]:
-    """Per phase and iteration: top-level aten ops, and on CUDA the events that launched device
-    work (kernel launches, copies) with the device time of that work."""
+def _phase_census(events: Sequence[Any], steps: int) -> Dict[str, Dict[str, float]]:
+    """Per phase and iteration: top-level aten ops, and on CUDA the launches of device work
+    (kernels, copies) with the device time of that work. A launch counts in the innermost phase
+    around the host op that made it; device work the profile links to no host op (Triton's
+    launches can come without that link) counts in the phase open on the host when it started
+    (``by_time``, included in ``launches``), as in :func:`category_census`: an eager round is
+    host-bound, so its kernels start right after their launches."""
     rows: Dict[str, Dict[str, float]] = collections.defaultdict(
-        lambda: {"ops": 0, "launches": 0, "kernel_us": 0.0})
-    for e in prof.events():
-        kernels = getattr(e, "kernels", None) or []
+        lambda: {"ops": 0, "launches": 0, "kernel_us": 0.0, "by_time": 0})
+    mirrors = (PREFIX, CATEGORY_PREFIX)  # the GPU spans of the ranges are not device work
+    host = [e for e in events if e.device_type == DeviceType.CPU]
+    for e in host:
+        kernels = [k for k in getattr(e, "kernels", None) or () if not k.name.startswith(mirrors)]
         phase = _innermost(e, PREFIX) or "other"  # a range itself: launches made directly in it
         if kernels:
             row = rows[phase]
@@ -365,6 +379,14 @@ def _phase_census(prof, steps: int) -> Dict[str, Dict[str, float]]:
             row["kernel_us"] += sum(k.duration for k in kernels)
         if _is_top_level_op(e):
             rows[phase]["ops"] += 1
+    device = _device_events(events)
+    if device:
+        timeline = RangeTimeline(events, PREFIX)
+        for e in unclaimed_device_events(host, device, mirrors):
+            row = rows[timeline.at(e.time_range.start) or "other"]
+            row["launches"] += 1
+            row["by_time"] += 1
+            row["kernel_us"] += e.time_range.elapsed_us()
     return {k: {m: v / steps for m, v in row.items()} for k, row in rows.items()}
 
 
@@ -379,7 +401,7 @@ def run_phase_census(sched: Scheduler, steps: int) -> Tuple[float, float, Dict[s
     finally:
         for u in reversed(undo):
             u()
-    return plain_ms, profiled_ms, _phase_census(prof, steps)
+    return plain_ms, profiled_ms, _phase_census(prof.events(), steps)
 
 
 # ============================================================================================
@@ -511,8 +533,16 @@ def _print_phases(plain_ms: float, profiled_ms: float,
     print("|---|---|---|---|")
     for name, row in sorted(census.items(), key=lambda kv: -kv[1]["ops"]):
         print(f"| {name} | {row['ops']:.0f} | {row['launches']:.0f} | {row['kernel_us']:.0f} |")
-    total = {k: sum(r[k] for r in census.values()) for k in ("ops", "launches", "kernel_us")}
+    total = {k: sum(r.get(k, 0) for r in census.values())
+             for k in ("ops", "launches", "kernel_us", "by_time")}
     print(f"| **total** | {total['ops']:.0f} | {total['launches']:.0f} | {total['kernel_us']:.0f} |")
+    if total["by_time"]:
+        print(f"({total['by_time']:.0f} of the launches: device work linked to no host op, counted "
+              "in the phase open on the host when it started)")
+        if total["kernel_us"] > 0.5e3 * profiled_ms:
+            print("warning: the device was busy for more than half of the profiled wall, so "
+                  "kernels may start well after their launch and the by-time counts drift into "
+                  "later phases", file=sys.stderr)
     return {"phases": census, "total": total, "iter_ms": plain_ms,
             "profiled_iter_ms": profiled_ms}
 

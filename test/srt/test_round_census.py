@@ -162,35 +162,84 @@ def test_floor_bytes_of_a_nextn_round_add_the_mtp_layer():
         rc.category_floor_bytes(cfg, 0, 2)
 
 
-def _event(name, parent=None, device=DeviceType.CPU, kernels=(), us=0.0, annotation=False):
+def _event(name, parent=None, device=DeviceType.CPU, kernels=(), us=0.0, annotation=False,
+           start=0.0, end=None):
+    """A profiler event: host (with the kernels it launched) or device, spanning
+    ``[start, end]`` (default ``start + us``)."""
+    end = start + us if end is None else end
     return SimpleNamespace(name=name, cpu_parent=parent, device_type=device,
                            kernels=[SimpleNamespace(name=k, duration=d) for k, d in kernels],
-                           time_range=SimpleNamespace(elapsed_us=lambda: us), cpu_time_total=us,
-                           is_user_annotation=annotation)
+                           time_range=SimpleNamespace(elapsed_us=lambda: us, start=start, end=end),
+                           cpu_time_total=us, is_user_annotation=annotation)
 
 
 def test_cuda_attribution_on_synthetic_events():
     """Kernels count under their launcher's innermost category range (a range that launches
-    directly counts for itself), the GPU mirrors of ranges are not kernels, and kernels no CPU
-    event claims land in "other" so the categories add up to the device total."""
-    kda = _event(rc.CATEGORY_PREFIX + "KDA")
-    norm = _event(rc.CATEGORY_PREFIX + "norms", parent=kda)  # nested: innermost wins
+    directly counts for itself), the GPU mirrors of ranges are not kernels, and a kernel no CPU
+    event claims counts in the category range open on the host when it started, else in
+    "other", so the categories add up to the device total."""
+    kda = _event(rc.CATEGORY_PREFIX + "KDA", start=0.0, end=100.0)
+    norm = _event(rc.CATEGORY_PREFIX + "norms", parent=kda, start=40.0, end=60.0)  # innermost
     mm = _event("aten::mm", parent=kda, kernels=[("gemv", 3.0)])
     add = _event("aten::add", parent=norm, kernels=[("add", 1.0), ("add2", 1.0)])
     kda.kernels = [SimpleNamespace(name="triton_kda", duration=5.0),  # launched in the range
                    SimpleNamespace(name=rc.CATEGORY_PREFIX + "KDA", duration=9.0)]  # its mirror
     argmax = _event("aten::argmax", kernels=[("argmax", 2.0)])  # outside every range
-    device = [_event(k, device=DeviceType.CUDA, us=d) for k, d in
-              [("gemv", 3.0), ("add", 1.0), ("add2", 1.0), ("triton_kda", 5.0),
-               ("argmax", 2.0), ("orphan", 4.0)]]
+    device = [_event(k, device=DeviceType.CUDA, us=d, start=t) for k, d, t in
+              [("gemv", 3.0, 10.0), ("add", 1.0, 45.0), ("add2", 1.0, 46.0),
+               ("triton_kda", 5.0, 20.0), ("argmax", 2.0, 150.0),
+               ("orphan", 4.0, 200.0),  # unclaimed, after every range: "other"
+               ("norm_triton", 6.0, 50.0),  # unclaimed, while "norms" was open on the host
+               ("kda_triton", 2.0, 60.0)]]  # unclaimed, as "norms" closed: "KDA" again
     device.append(_event(rc.CATEGORY_PREFIX + "KDA", device=DeviceType.CUDA, us=9.0,
                          annotation=True))
     rows, total = rc.category_census([kda, norm, mm, add, argmax] + device, 2, cuda=True)
-    assert total == {"kernels": 3.0, "us": 8.0}  # 6 kernels, 16 us over 2 iterations
-    assert rows["KDA"] == {"kernels": 1.0, "us": 4.0, "ops": 0.5}
-    assert rows["norms"] == {"kernels": 1.0, "us": 1.0, "ops": 0.5}
+    assert total == {"kernels": 4.0, "us": 12.0}  # 8 kernels, 24 us over 2 iterations
+    assert rows["KDA"] == {"kernels": 1.5, "us": 5.0, "ops": 0.5}
+    assert rows["norms"] == {"kernels": 1.5, "us": 4.0, "ops": 0.5}
     assert rows["other"] == {"kernels": 1.0, "us": 3.0, "ops": 0.5}  # argmax + the orphan
     assert sum(r["kernels"] for r in rows.values()) == total["kernels"]
+
+
+def test_range_timeline_answers_the_innermost_open_range():
+    RangeTimeline = rc.RangeTimeline  # census_common's, as round_census imports it
+    p = "r::"
+    events = [_event(p + "outer", start=0.0, end=100.0),
+              _event(p + "inner", start=10.0, end=20.0),
+              _event(p + "inner2", start=20.0, end=30.0),  # starts where the previous ends
+              _event(p + "deep", start=25.0, end=28.0),
+              _event(p + "later", start=150.0, end=160.0),
+              _event("aten::mm", start=12.0, end=13.0),  # not a range of the prefix
+              _event(p + "gpu mirror", device=DeviceType.CUDA, start=0.0, end=500.0)]
+    tl = RangeTimeline(events, p)
+    want = {-1.0: None, 0.0: "outer", 5.0: "outer", 10.0: "inner", 19.9: "inner",
+            20.0: "inner2", 25.0: "deep", 28.0: "inner2", 30.0: "outer", 99.0: "outer",
+            100.0: None, 120.0: None, 155.0: "later", 160.0: None, 1e9: None}
+    assert {t: tl.at(t) for t in want} == want
+    assert RangeTimeline([], p).at(3.0) is None
+
+
+def test_phase_census_counts_unlinked_device_work_by_host_time():
+    """A DSPARK-like profile on CUDA: launches a host op claims count under its phase; device
+    work no host op claims counts in the phase open when it started (``by_time``); the GPU
+    mirrors of the phase ranges are neither."""
+    draft = _event(rc.PREFIX + "draft layers", start=0.0, end=50.0)
+    verify = _event(rc.PREFIX + "verify forward", start=50.0, end=200.0)
+    mm = _event("aten::mm", parent=draft, kernels=[("gemm", 4.0)], start=1.0, end=2.0)
+    # The range's own claim on its GPU mirror is no launch.
+    verify.kernels = [SimpleNamespace(name=rc.PREFIX + "verify forward", duration=150.0)]
+    device = [_event("gemm", device=DeviceType.CUDA, us=4.0, start=3.0),
+              _event("_small_m_gemm_kernel", device=DeviceType.CUDA, us=10.0, start=60.0),
+              _event("_grouped_gemv_kernel", device=DeviceType.CUDA, us=8.0, start=120.0),
+              _event("_kda_step", device=DeviceType.CUDA, us=1.0, start=30.0),
+              _event("late", device=DeviceType.CUDA, us=2.0, start=400.0),
+              _event(rc.PREFIX + "verify forward", device=DeviceType.CUDA, us=150.0,
+                     start=55.0, annotation=True)]
+    rows = rc._phase_census([draft, verify, mm] + device, 2)
+    assert rows["draft layers"] == {"ops": 0.5, "launches": 1.0, "kernel_us": 2.5, "by_time": 0.5}
+    assert rows["verify forward"] == {"ops": 0.0, "launches": 1.0, "kernel_us": 9.0,
+                                      "by_time": 1.0}
+    assert rows["other"] == {"ops": 0.0, "launches": 0.5, "kernel_us": 1.0, "by_time": 0.5}
 
 
 def test_hooks_open_nested_ranges_and_come_off():
