@@ -55,7 +55,8 @@ for stage in "$@"; do
   [ $rc = 137 ] && echo "== stopped at ${limit}s"
   # Anchored at the interpreter: a stage's own words may name served_variant.py
   # (SERVE_MAIN=...), and an unanchored pattern would match this script and its caller.
-  pkill -9 -f "^python[0-9.]* (-m sglang[.]launch_server|benchmark/batch1/served_variant[.]py)" 2>/dev/null
+  servers="^python[0-9.]* (-m sglang[.]launch_server|benchmark/batch1/served_variant[.]py)"
+  pkill -9 -f "$servers" 2>/dev/null
 done
 kill "$smi_pid" 2>/dev/null
 tar czf "$RESULTS/logs.tgz" -C "$SCRATCH" . && echo "packed $(ls "$SCRATCH" | wc -l) files into logs.tgz"

@@ -35,9 +35,10 @@ this way, or one server where they lead its entry of ``SERVED_VARIANTS``. The mo
   captured again (a fresh pool, the same keys, the same order), so that the decode graphs are
   the process's last ones again.
 
-``side_stream``, ``shared_pool`` and ``recapture_decode`` replay prefill graphs; every other mode keeps prefills
-eager (no lazy capture at a request). The shared-pool modes fall back to the prefill graphs'
-own pool, saying so, when no decode graphs were captured (``--disable-cuda-graph``).
+``side_stream``, ``shared_pool`` and ``recapture_decode`` replay prefill graphs; every other
+mode keeps prefills eager (no lazy capture at a request). The shared-pool modes fall back to
+the prefill graphs' own pool, saying so, when no decode graphs were captured
+(``--disable-cuda-graph``).
 ``test/srt/test_served_variant.py`` runs each mode on CPU (emulated graphs).
 """
 from __future__ import annotations
