@@ -33,3 +33,19 @@ def test_gpu_call_refuses_a_bad_stage_before_running_any(tmp_path, stages, messa
     assert out.returncode == 2 and message in out.stdout, out.stdout + out.stderr
     assert "==" not in out.stdout  # no stage started
     assert not any(scratch.iterdir())
+
+
+def test_gpu_call_survives_a_stage_that_names_served_variant(tmp_path):
+    """After each stage gpu_call.sh kills the servers it may have left; a stage whose own
+    words name ``benchmark/batch1/served_variant.py`` (``SERVE_MAIN=...``) must not match
+    gpu_call.sh itself, so the next stage still runs and the logs are packed."""
+    stage = "20 gpu_prefill.sh STAGE=none SERVE_MAIN=benchmark/batch1/served_variant.py"
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_call.sh"), stage,
+                          "20 gpu_prefill.sh STAGE=none"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                              "OUT": str(tmp_path / "out"), "SCRATCH": str(tmp_path / "scratch"),
+                              "TRITON_CACHE_DIR": str(tmp_path / "triton")})
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.count("== gpu_prefill.sh STAGE=none") == 2, out.stdout
+    assert "packed" in out.stdout and (tmp_path / "out" / "logs.tgz").exists()
