@@ -28,6 +28,11 @@ pass through the target's LM head apart, the Markov slot loop, the confidence he
 planner (both run only with ``--speculative-dspark-sps-table-path``; a one-probe table is flat
 and verifies every draft), the verify forward (the target's, with its KDA staging apart), the
 acceptance, the KDA commit and the context write; other.
+
+On CUDA, both splits count a kernel under the range around the host op that launched it; device
+work the profiler links to no host op (Triton's launches can come without that link) counts
+under the range open on the host when it started, which an eager, host-bound round makes
+right (the phase table says how many, and warns when the device was busy most of the wall).
 """
 from __future__ import annotations
 
