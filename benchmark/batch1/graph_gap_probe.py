@@ -311,14 +311,13 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
         buf[: 1 << 10].copy_(other[: 1 << 10])
     _capture(copies).replay()
     row("a graph of zero_ fills and device copies replayed")
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    torch.mm(a, b)
+    gemm = [torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    torch.mm(*gemm)
     torch.cuda.synchronize()
     row("an 8192^3 bf16 cuBLAS GEMM, eager")
-    _capture(lambda: torch.mm(a, b)).replay()
+    _capture(lambda: torch.mm(*gemm)).replay()
     row("the same GEMM replayed from a graph")
-    del a, b
+    gemm.clear()  # the operands go before empty_cache
     torch.cuda.empty_cache()
     held = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
     torch.cuda.synchronize()
