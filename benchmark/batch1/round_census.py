@@ -174,8 +174,8 @@ def category_census(events: Sequence[Any], steps: int, cuda: bool
             row["us"] += e.cpu_time_total
     total = {"kernels": float(len(top)), "us": float(sum(e.cpu_time_total for e in top))}
     if cuda:
-        # torch links each kernel to the innermost CPU op (or range) that launched it; kernels
-        # without such a caller (rare) land in "other" through the device total.
+        # torch links each kernel to the innermost CPU op (or range) that launched it, when
+        # it sees the launch (below: the kernels it does not).
         host = [e for e in events if e.device_type == DeviceType.CPU]
         for e in host:
             kernels = [k for k in e.kernels if not k.name.startswith((PREFIX, CATEGORY_PREFIX))]
@@ -190,8 +190,7 @@ def category_census(events: Sequence[Any], steps: int, cuda: bool
         # they started (an eager census is host-bound, so a kernel starts right after its
         # launch); outside every range, "other".
         timeline = RangeTimeline(events, CATEGORY_PREFIX)
-        for e in unclaimed_device_events(host, device,
-                                         (PREFIX, CATEGORY_PREFIX)):
+        for e in unclaimed_device_events(host, device, (PREFIX, CATEGORY_PREFIX)):
             row = rows[timeline.at(e.time_range.start) or "other"]
             row["kernels"] += 1
             row["us"] += e.time_range.elapsed_us()
