@@ -35,7 +35,6 @@ serve() {
 # serve_with ENV_WORDS -- PORT LOG ARGS...: serve with the VAR=value words before "--" exported
 # for this server only (local -x: the caller's values come back on return; SERVER stays set).
 serve_with() {
-  local word
   while [ $# -gt 0 ] && [ "$1" != -- ]; do local -x "$1"; shift; done
   shift
   serve "$@"

@@ -61,8 +61,13 @@ VARIANTS: Dict[str, str] = {
     "tiny_shared_pool": "a one-op graph captured in the decode graphs' pool and held",
     "recapture_decode": "captured and replayed, then the decode graphs captured again",
 }
+# Modes by what they do: capture the real prefill graphs, replay them, capture the one-op graph
+# instead, take the decode graphs' pool, need the decode graph runners.
+CAPTURING = ("side_stream", "no_replay", "release", "shared_pool", "recapture_decode")
 REPLAYING = ("side_stream", "shared_pool", "recapture_decode")
 TINY = ("tiny_capture", "tiny_shared_pool")
+SHARED_POOL = ("shared_pool", "tiny_shared_pool")
+USES_DECODE_RUNNERS = SHARED_POOL + ("recapture_decode",)
 # Every CudaGraphRunner built in this process, in order (apply() records them for the modes
 # that use the decode graphs).
 DECODE_RUNNERS: List[Any] = []
@@ -152,9 +157,9 @@ def apply(mode: str, runner_class: Optional[type] = None) -> Callable[[], None]:
     original_init, original_capture, original_run = (fn for _, fn in saved)
 
     def capture(self, key):
-        if mode in ("shared_pool", "tiny_shared_pool"):
+        if mode in SHARED_POOL:
             self._pool = _decode_pool(self._pool)
-        if mode in ("side_stream", "no_replay", "release", "shared_pool", "recapture_decode"):
+        if mode in CAPTURING:
             captured = original_capture(self, key)
             if captured is not None and mode == "side_stream":
                 captured.graph.replay = _side_stream_replay(captured.graph.replay, self.device)
@@ -202,8 +207,7 @@ def apply(mode: str, runner_class: Optional[type] = None) -> Callable[[], None]:
         return original_run(self, forward_batch, model_inputs)
 
     cls.__init__, cls._capture, cls.run = init, capture, run
-    undo_runners = (_record_decode_runners()
-                    if mode in ("shared_pool", "tiny_shared_pool", "recapture_decode") else None)
+    undo_runners = _record_decode_runners() if mode in USES_DECODE_RUNNERS else None
     print(f"served_variant: {cls.__name__} patched for {mode!r} in process {os.getpid()}",
           file=sys.stderr, flush=True)
 
