@@ -10,7 +10,9 @@
 #
 # The folder goes to CKPT (default /tmp/ling-flash-guide; 17 GB for 6 layers, as the tool
 # computes it). PROMPTS (default 4) prompts of 8192 in / 1024 out at concurrency 1;
-# GUIDE_NEXTN=0 serves without NEXTN only.
+# GUIDE_NEXTN=0 serves without NEXTN only. GUIDE_DUMMY=1 makes no folder and serves §4's
+# commands on the whole 42-layer model with dummy weights instead (`--model-path ling-3.0-flash
+# --load-format dummy`; a 42-layer folder, about 117 GB, does not fit the host's disk).
 set -uo pipefail
 source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names, serve / stop_server
 CKPT=${CKPT:-/tmp/ling-flash-guide}
@@ -18,15 +20,20 @@ PORT=${PORT:-30730}
 SERVE_WAIT=${SERVE_WAIT:-300}
 date -u; git log --oneline -1
 
-echo "== make the checkpoint folder (${LAYERS:-6} layers, fp8, MTP layer)"
-start=$(date +%s)
-python3 scripts/make_random_checkpoint.py "$CKPT" --overwrite --device cuda --quantization fp8 \
-  --json-model-override-args "{\"num_hidden_layers\": ${LAYERS:-6}}" > "$OUT/guide_make.log" 2>&1 \
-  || { tail -5 "$OUT/guide_make.log"; exit 1; }
-tail -4 "$OUT/guide_make.log"; echo "made in $(( $(date +%s) - start )) s"; du -sh "$CKPT"
+if [ "${GUIDE_DUMMY:-0}" = 1 ]; then
+  MODEL="ling-3.0-flash --load-format dummy"
+else
+  echo "== make the checkpoint folder (${LAYERS:-6} layers, fp8, MTP layer)"
+  start=$(date +%s)
+  python3 scripts/make_random_checkpoint.py "$CKPT" --overwrite --device cuda --quantization fp8 \
+    --json-model-override-args "{\"num_hidden_layers\": ${LAYERS:-6}}" > "$OUT/guide_make.log" 2>&1 \
+    || { tail -5 "$OUT/guide_make.log"; exit 1; }
+  tail -4 "$OUT/guide_make.log"; echo "made in $(( $(date +%s) - start )) s"; du -sh "$CKPT"
+  MODEL=$CKPT
+fi
 
-# The guide's §4 commands, with the folder as --model-path.
-GUIDE="--model-path $CKPT --quantization fp8 --mem-fraction-static 0.93 --context-length 9216 \
+# The guide's §4 commands, with the folder (or the dummy model) as --model-path.
+GUIDE="--model-path $MODEL --quantization fp8 --mem-fraction-static 0.93 --context-length 9216 \
 --max-running-requests 2 --cuda-graph-max-bs 1"
 specs=("" "--speculative-algorithm NEXTN --speculative-num-steps 3")
 [ "${GUIDE_NEXTN:-1}" = 1 ] || specs=("")  # GUIDE_NEXTN=0: the plain server only
