@@ -83,7 +83,9 @@ one_batch() {
 # goes into the label. CENSUS_ARGS=--sync-sites: one more prefill per length under torch's sync
 # debug mode, its table "| syncs | site | via |" (every host<->device sync of the prefill at
 # its call site; each one drains the GPU queue) in the log and the output, "sync_sites" and
-# "syncs" in the JSON line.
+# "syncs" in the JSON line. CENSUS_ARGS=--host-profile=30: one more prefill timed without
+# synchronising and one under cProfile, the host's 30 costliest functions ("host:" line and
+# tables; "host_*" in the JSON line).
 census() {
   local label=$1${CENSUS_ARGS:+ ${CENSUS_ARGS##*--kernel-choices[= ]}}; shift
   [ -n "${CENSUS_LENS-1024 8192}" ] || return 0
@@ -91,7 +93,7 @@ census() {
   timeout ${CENSUS_TIMEOUT:-200} python3 benchmark/batch1/prefill_census.py "$@" ${CENSUS_ARGS:-} \
     --prompt-len ${CENSUS_LENS:-1024 8192} --label "$label" \
     --result-filename "$OUT/prefill_census.jsonl" > "$OUT/census_${label// /_}.log" 2>&1
-  grep -E "^\||^prefill of" "$OUT/census_${label// /_}.log" | sed "s/^/$label: /"
+  grep -E "^\||^prefill of|^host" "$OUT/census_${label// /_}.log" | sed "s/^/$label: /"
 }
 
 # The KDA prefill conv's tile sweep (CONV_ARGS: its flags, e.g. a narrower grid).

@@ -77,6 +77,13 @@ device for the host's next launches, so a host-bound prefill's host and device t
 every one. The JSON line gets ``sync_sites`` (``site``, ``via``, ``count``; most first) and
 ``syncs`` (their total); the table ``| syncs | site | via |`` follows the census. On CPU the
 option prints that it needs CUDA and adds nothing.
+
+Host time (``--host-profile N``, any device): then one prefill timed without synchronising
+(``host_return_ms``: when the call returned; ``host_wall_ms``: when the device was done) and
+one under ``cProfile``: the N functions with the most time of their own (a launcher, a guard,
+a shape check) and this repository's N with the most time including callees
+(:func:`host_census`). An eager prefill whose GPU is idle most of its wall is host-bound; this
+says on which lines.
 """
 from __future__ import annotations
 
@@ -496,12 +503,96 @@ def sync_census(worker: TpModelWorker, prompt_len: int, seed: int) -> Dict[str, 
     return {"sync_sites": sites, "syncs": sum(s["count"] for s in sites)}
 
 
+def function_label(key: Tuple[str, int, str], roots: Sequence[str],
+                   lib_roots: Sequence[str] = ()) -> str:
+    """A cProfile function key ``(filename, line, name)`` as ``path:LINE (name)``: the path
+    below this checkout's ``python/`` trees, else as an import path (:func:`_library_path`);
+    built-ins (``~``) by their name alone."""
+    filename, lineno, name = key
+    if filename == "~" or filename.startswith("<"):
+        return name
+    path = _norm(filename)
+    rel = _relative(path, roots)
+    return f"{rel if rel is not None else _library_path(path, lib_roots)}:{lineno} ({name})"
+
+
+def rank_host_functions(stats: Dict[Tuple[str, int, str], Tuple[int, int, float, float, Any]],
+                        roots: Sequence[str], lib_roots: Sequence[str], top: int
+                        ) -> Dict[str, List[Dict[str, Any]]]:
+    """From ``pstats.Stats(...).stats`` (key -> ``(primitive calls, calls, tottime, cumtime,
+    callers)``, seconds): ``{"by_self": [...], "by_cumulative": [...]}``, each the ``top``
+    functions as ``{"function", "calls", "self_ms", "cumulative_ms"}``. ``by_self`` ranks every
+    function by its own time (where the host's time goes: a launcher, a guard, a copy);
+    ``by_cumulative`` only this repository's functions by their time with callees (the code to
+    change), leaving out the chain of calls around the whole prefill (those over 90% of the
+    outermost call's time: they say nothing the total does not). Ties by label, so runs
+    compare line by line."""
+    rows = [{"function": function_label(key, roots, lib_roots), "calls": calls,
+             "self_ms": tottime * 1e3, "cumulative_ms": cumtime * 1e3,
+             "repo": _relative(_norm(key[0]), roots) is not None}
+            for key, (_, calls, tottime, cumtime, _) in stats.items()]
+    by_self = sorted(rows, key=lambda r: (-r["self_ms"], r["function"]))[:top]
+    repo = [r for r in rows if r["repo"]]
+    outermost = max((r["cumulative_ms"] for r in repo), default=0.0)
+    by_cum = sorted((r for r in repo if r["cumulative_ms"] < 0.9 * outermost),
+                    key=lambda r: (-r["cumulative_ms"], r["function"]))[:top]
+    strip = lambda rs: [{k: v for k, v in r.items() if k != "repo"} for r in rs]  # noqa: E731
+    return {"by_self": strip(by_self), "by_cumulative": strip(by_cum)}
+
+
+def host_census(worker: TpModelWorker, prompt_len: int, seed: int, top: int = 25
+                ) -> Dict[str, Any]:
+    """Where the host's time of one prefill goes. One unprofiled prefill times the host alone:
+    ``host_return_ms`` from the ``worker.prefill`` call until it returns (no synchronisation
+    added; a prefill that synchronises inside waits there) and ``host_wall_ms`` until the
+    device is done too. A host-bound prefill returns about when the device finishes; a
+    device-bound one returns early. Then one prefill under ``cProfile`` (its overhead inflates
+    every Python call, so its shares, not its times, are the finding): ``host_profile``, the
+    :func:`rank_host_functions` tables, and ``host_profile_ms``, the profiled call's time."""
+    import cProfile
+    import pstats
+
+    sync = _sync(worker.model_runner.device)
+    got: Dict[str, Any] = {}
+
+    def timing(prefill: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            sync()
+            t0 = time.perf_counter()
+            out = prefill(*args, **kwargs)
+            got["host_return_ms"] = (time.perf_counter() - t0) * 1e3
+            sync()
+            got["host_wall_ms"] = (time.perf_counter() - t0) * 1e3
+            return out
+        return wrapped
+
+    def profiling(prefill: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            sync()
+            prof = cProfile.Profile()
+            t0 = time.perf_counter()
+            out = prof.runcall(prefill, *args, **kwargs)
+            got["host_profile_ms"] = (time.perf_counter() - t0) * 1e3
+            sync()
+            got["stats"] = pstats.Stats(prof).stats
+            return out
+        return wrapped
+
+    _run_once_around_prefill(worker, prompt_len, seed, timing)
+    _run_once_around_prefill(worker, prompt_len, seed, profiling)
+    lib_roots = [os.path.abspath(p or os.curdir) for p in sys.path]
+    ranked = rank_host_functions(got.pop("stats"), repo_roots(), lib_roots, top)
+    return {**got, "host_profile": ranked}
+
+
 def run_prefill_census(worker: TpModelWorker, prompt_len: int, seed: int, timed: int,
-                       top: int = 3, sync_sites: bool = False) -> Dict[str, Any]:
+                       top: int = 3, sync_sites: bool = False, host_profile: int = 0
+                       ) -> Dict[str, Any]:
     """Warm-up, ``timed`` unprofiled prefills, then the profiled one and its census (times in
     ms; ``top`` names per category by time and by launches). ``sync_sites`` (CUDA): then one
     more prefill, :func:`sync_census`, whose keys join the result (last: the debug mode's
-    warnings and stack walks slow the host, so no measured prefill runs with them)."""
+    warnings and stack walks slow the host, so no measured prefill runs with them).
+    ``host_profile`` > 0: then :func:`host_census` with that many functions per table."""
     run_once(worker, 1, prompt_len, 1, seed)  # warm-up: allocator, Triton compiles, autotune
     plain = [run_once(worker, 1, prompt_len, 1, seed)["prefill_latency"] * 1e3
              for _ in range(timed)]
@@ -519,6 +610,8 @@ def run_prefill_census(worker: TpModelWorker, prompt_len: int, seed: int, timed:
            "busy_ms": busy_ms, "host_gap_ms": wall_ms - busy_ms}
     if sync_sites and worker.model_runner.device.type == "cuda":
         out.update(sync_census(worker, prompt_len, seed))
+    if host_profile > 0:
+        out.update(host_census(worker, prompt_len, seed, host_profile))
     return out
 
 
@@ -545,6 +638,22 @@ def sync_table(result: Dict[str, Any]) -> str:
     for row in result["sync_sites"]:
         lines.append(f"| {row['count']} | {row['site']} | {row['via'] or ''} |")
     lines.append(f"| **{result['syncs']}** | **total** ({len(result['sync_sites'])} sites) | |")
+    return "\n".join(lines)
+
+
+def host_tables(result: Dict[str, Any]) -> str:
+    """The host census of a result with ``host_profile``: its times, then the tables
+    ``| self ms | cumulative ms | calls | function |`` by own time and (this repository's
+    functions) by time with callees."""
+    lines = [f"host: the prefill call returned after {result['host_return_ms']:.2f} ms, the "
+             f"device was done after {result['host_wall_ms']:.2f} ms; under cProfile "
+             f"{result['host_profile_ms']:.2f} ms"]
+    for key, title in (("by_self", "by own time"),
+                       ("by_cumulative", "this repository's functions, by time with callees")):
+        lines += ["", f"host functions {title} (cProfile):", "",
+                  "| self ms | cumulative ms | calls | function |", "|---|---|---|---|"]
+        lines += [f"| {r['self_ms']:.2f} | {r['cumulative_ms']:.2f} | {r['calls']} | "
+                  f"{r['function']} |" for r in result["host_profile"][key]]
     return "\n".join(lines)
 
 
@@ -578,6 +687,8 @@ def _print(result: Dict[str, Any]) -> None:
     if "sync_sites" in result:
         print(f"synchronising calls in one more prefill (sync debug mode): {result['syncs']}")
         print(sync_table(result))
+    if "host_profile" in result:
+        print(host_tables(result))
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -600,6 +711,11 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--sync-sites", action="store_true",
                         help="CUDA: one more prefill under torch's sync debug mode, counting "
                              "every host<->device synchronisation at its call site")
+    parser.add_argument("--host-profile", type=int, default=0, metavar="N",
+                        help="then one more prefill timed without synchronising (when the "
+                             "host returns against when the device is done) and one under "
+                             "cProfile: its N costliest functions by own time and, of this "
+                             "repository, by time with callees")
     parser.add_argument("--prefill-graphs", action="store_true",
                         help="CUDA (emulated elsewhere): after the eager census, capture a "
                              "prefill graph at each --prompt-len and time --timed replays in "
@@ -638,9 +754,9 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     """Command line; returns the JSON line's dict of each prompt length."""
     parser = _parser()
     args = parser.parse_args(argv)
-    if min(args.prompt_len) < 1 or args.timed < 0 or args.top < 1:
-        parser.error(f"--prompt-len and --top must be >= 1 and --timed >= 0, got "
-                     f"{args.prompt_len}, {args.top}, {args.timed}")
+    if min(args.prompt_len) < 1 or args.timed < 0 or args.top < 1 or args.host_profile < 0:
+        parser.error(f"--prompt-len and --top must be >= 1 and --timed, --host-profile >= 0, "
+                     f"got {args.prompt_len}, {args.top}, {args.timed}, {args.host_profile}")
     try:
         server_args = ServerArgs.from_cli_args(args)
     except ValueError as exc:
@@ -669,7 +785,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     results = []
     for prompt_len in args.prompt_len:
         measured = run_prefill_census(worker, prompt_len, args.seed, args.timed, args.top,
-                                      sync_sites)
+                                      sync_sites, args.host_profile)
         default_label = f"{layers}L {dtype}{' ' + quant if quant else ''}"
         result = {"label": f"{args.label or default_label} {prompt_len}",
                   "device": runner.device.type,

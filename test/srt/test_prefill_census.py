@@ -395,3 +395,61 @@ def test_sync_sites_on_cpu_is_a_noop(tmp_path):
     [rec] = [json.loads(line) for line in path.read_text().splitlines()]
     assert "sync_sites" not in rec and "syncs" not in rec
     assert rec["total"]["kernels"] > 0 and "| syncs |" not in out.stdout
+
+
+def _squares(n: int) -> int:
+    total = 0
+    for i in range(n):  # a Python loop: the time is the function's own
+        total += i * i
+    return total
+
+
+def _big_layer():
+    """Repository code the host profile should rank first by its own time."""
+    return _squares(300000)
+
+
+def _small_layer():
+    return _squares(100000) + 1
+
+
+def _two_layers():
+    return _big_layer() + _small_layer()
+
+
+def test_host_census_times_and_ranks_the_prefill(monkeypatch):
+    """``--host-profile``: one timed and one cProfiled prefill around exactly
+    ``worker.prefill``, the prefill's costliest function first by own time, the repository's
+    functions by time with callees without the calls around the whole prefill, and the
+    printed tables."""
+    monkeypatch.setattr(pc, "run_once", lambda worker, b, n, o, seed: worker.prefill("batch"))
+    monkeypatch.setattr(pc, "repo_roots", lambda: [str(Path(__file__).resolve().parent)])
+    worker = _Worker(_two_layers)
+    worker.model_runner = SimpleNamespace(device=torch.device("cpu"))
+    out = pc.host_census(worker, 16, 0, top=4)
+    assert "prefill" not in vars(worker)
+    assert 0 < out["host_return_ms"] <= out["host_wall_ms"] and out["host_profile_ms"] > 0
+    me = Path(__file__).name
+    sq, big, small = (f.__code__.co_firstlineno for f in (_squares, _big_layer, _small_layer))
+    by_self, by_cum = out["host_profile"]["by_self"], out["host_profile"]["by_cumulative"]
+    assert len(by_self) == 4 and by_self[0]["function"] == f"{me}:{sq} (_squares)"
+    assert by_self[0]["calls"] == 2
+    # This file's functions, without _Worker.prefill, _two_layers and _squares (each over 90%
+    # of the whole prefill).
+    assert [r["function"] for r in by_cum] == [f"{me}:{big} (_big_layer)",
+                                               f"{me}:{small} (_small_layer)"]
+    assert all(set(r) == {"function", "calls", "self_ms", "cumulative_ms"}
+               for r in by_self + by_cum)
+    text = pc.host_tables(out)
+    row = by_cum[0]
+    assert f"| {row['self_ms']:.2f} | {row['cumulative_ms']:.2f} | 1 | {me}:{big} " \
+           f"(_big_layer) |" in text
+
+
+def test_function_label_paths():
+    roots = ["/repo/python"]
+    assert pc.function_label(("/repo/python/sglang/x.py", 3, "f"), roots) == "sglang/x.py:3 (f)"
+    assert pc.function_label(("/usr/lib/python3/site-packages/fla/ops/k.py", 9, "g"), roots) \
+        == "fla/ops/k.py:9 (g)"
+    assert pc.function_label(("~", 0, "<built-in method torch.empty>"), roots) \
+        == "<built-in method torch.empty>"
