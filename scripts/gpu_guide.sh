@@ -10,7 +10,7 @@
 #
 # The folder goes to CKPT (default /tmp/ling-flash-guide; 17 GB for 6 layers, as the tool
 # computes it). PROMPTS (default 4) prompts of 8192 in / 1024 out at concurrency 1;
-# GUIDE_NEXTN=0 serves without NEXTN only. GUIDE_DUMMY=1 makes no folder and serves §4's
+# GUIDE_NEXTN=0 serves without NEXTN only, GUIDE_NEXTN=only with NEXTN only. GUIDE_DUMMY=1 makes no folder and serves §4's
 # commands on the whole 42-layer model with dummy weights instead (`--model-path ling-3.0-flash
 # --load-format dummy`; a 42-layer folder, about 117 GB, does not fit the host's disk).
 set -uo pipefail
@@ -36,7 +36,8 @@ fi
 GUIDE="--model-path $MODEL --quantization fp8 --mem-fraction-static 0.93 --context-length 9216 \
 --max-running-requests 2 --cuda-graph-max-bs 1"
 specs=("" "--speculative-algorithm NEXTN --speculative-num-steps 3")
-[ "${GUIDE_NEXTN:-1}" = 1 ] || specs=("")  # GUIDE_NEXTN=0: the plain server only
+# GUIDE_NEXTN=0: the plain server only; GUIDE_NEXTN=only: the NEXTN server only (two calls)
+case "${GUIDE_NEXTN:-1}" in 0) specs=("") ;; only) specs=("${specs[1]}") ;; esac
 for spec in "${specs[@]}"; do
   label=${spec:+nextn3}; label=${label:-plain}
   echo "== serve ($label): python -m sglang.launch_server $GUIDE $spec"
