@@ -127,6 +127,57 @@ def test_failed_capture_falls_back_to_eager(caplog):
                          info)["x"].tolist() == [5]
 
 
+def test_captures_are_counted_and_the_fourth_graph_reported(caplog):
+    """Every returned capture counts (emulated ones too, released or not); the start-up report
+    warns only when the prefill graphs bring the process from below SLOW_REPLAY_GRAPH_COUNT
+    to it or past it."""
+    import logging
+
+    from sglang.srt.model_executor import cuda_graph_runner as cgr
+
+    before = cgr.captured_graph_count()
+    for _ in range(2):
+        cgr.new_graph(True).capture(lambda: {"x": torch.ones(1)})
+    with pytest.raises(RuntimeError):
+        cgr.new_graph(True).capture(lambda: (_ for _ in ()).throw(RuntimeError("no")))
+    assert cgr.captured_graph_count() == before + 2
+    log = logging.getLogger("test_graph_count")
+    warned = []
+    for decode, prefill in ((1, 2), (3, 0), (3, 1), (2, 3), (12, 2), (4, 0)):
+        caplog.clear()
+        with caplog.at_level(logging.INFO, logger="test_graph_count"):
+            cgr.report_graph_count(decode, prefill, log)
+        assert caplog.records[0].getMessage() == (
+            f"CUDA graphs captured at start-up: {decode + prefill} ({decode} decode, "
+            f"{prefill} prefill)")
+        if len(caplog.records) > 1:
+            warned.append((decode, prefill))
+            assert caplog.records[1].levelno == logging.WARNING
+            assert "--cuda-graph-max-bs 1" in caplog.records[1].getMessage()
+    assert cgr.SLOW_REPLAY_GRAPH_COUNT == 4
+    assert warned == [(3, 1), (2, 3)]
+
+
+def test_scheduler_reports_the_graphs_of_its_start_up(monkeypatch, caplog):
+    """The scheduler counts the graphs its prefill graphs add to those before them."""
+    import logging
+
+    from sglang.srt.managers import scheduler_round
+    from sglang.srt.model_executor import cuda_graph_runner as cgr
+
+    def two_prefill_graphs(worker, args):
+        for _ in range(2):
+            cgr.new_graph(True).capture(lambda: {"x": torch.ones(1)})
+        return []
+
+    monkeypatch.setattr(scheduler_round, "init_prefill_graphs_from_args", two_prefill_graphs)
+    before = cgr.captured_graph_count()
+    with caplog.at_level(logging.INFO, logger=cgr.__name__):
+        make_scheduler(MODEL)
+    assert (f"CUDA graphs captured at start-up: {before + 2} ({before} decode, 2 prefill)"
+            in [r.getMessage() for r in caplog.records])
+
+
 def test_graph_count_is_capped(monkeypatch):
     import sglang.srt.model_executor.cuda_graph_runner as cgr
 

@@ -38,7 +38,9 @@ import torch
 
 from sglang.srt.rounds.relay import PendingRound
 from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
-from sglang.srt.model_executor.cuda_graph_runner import capture_batch_sizes
+from sglang.srt.model_executor.cuda_graph_runner import (capture_batch_sizes,
+                                                          captured_graph_count,
+                                                          report_graph_count)
 from sglang.srt.model_executor.prefill_graph_runner import init_prefill_graphs_from_args
 from sglang.srt.model_executor.prefill_warmup import warm_up_prefill
 from sglang.srt.rounds.registry import get_spec_worker_class
@@ -90,7 +92,10 @@ class SchedulerRoundMixin:
         # reports ready, rather than inside the first user prefills (CUDA only; skipped with
         # --skip-server-warmup). Plain prefill of the target only; the slots come back.
         warm_up_prefill(self.tp_worker.model_runner, args)
+        before = captured_graph_count()  # the decode graphs (and any earlier in the process)
         init_prefill_graphs_from_args(self.round_worker, args)
+        if captured_graph_count():
+            report_graph_count(before, captured_graph_count() - before)
         self.token_headroom = (self.spec_requirements.token_headroom
                                if self.spec_requirements is not None
                                else self.round_worker.round_tokens)

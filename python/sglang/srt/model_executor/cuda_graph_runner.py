@@ -50,7 +50,44 @@ from sglang.srt.sampling.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 __all__ = ["CudaGraphRunner", "GraphKey", "EmulatedGraph", "WIDTH_BUCKET", "MAX_GRAPHS",
-           "graph_variant", "run_phases", "new_graph", "record_failed_capture"]
+           "graph_variant", "run_phases", "new_graph", "record_failed_capture",
+           "captured_graph_count", "SLOW_REPLAY_GRAPH_COUNT", "report_graph_count"]
+
+# On the H100 and the H200 (driver 580), once a process has captured this many CUDA graphs,
+# of any kind and also if some were released since, every replay runs about 5% slower (each
+# kernel node about 0.18 µs later); with fewer the decode step is as fast as with one.
+# docs/performance.md, "The fourth CUDA graph".
+SLOW_REPLAY_GRAPH_COUNT = 4
+_captured = 0  # graphs captured in this process (real or emulated), see captured_graph_count
+
+
+def captured_graph_count() -> int:
+    """How many graphs this process has captured so far (each :func:`new_graph` whose capture
+    returned, released or not): the count that :data:`SLOW_REPLAY_GRAPH_COUNT` is about."""
+    return _captured
+
+
+def _count_capture() -> None:
+    global _captured
+    _captured += 1
+
+
+def report_graph_count(decode: int, prefill: int, log: logging.Logger = logger) -> None:
+    """Log, once start-up has captured its graphs, how many the process has captured:
+    ``decode`` before the prefill graphs (the decode graphs), ``prefill`` by them. A warning
+    when the prefill graphs are what brings the process to :data:`SLOW_REPLAY_GRAPH_COUNT`
+    (the graphs before them stayed below it), since then every decode step pays for them;
+    later captures (a graph key first met while serving) are not counted here."""
+    total = decode + prefill
+    log.info("CUDA graphs captured at start-up: %d (%d decode, %d prefill)", total, decode,
+             prefill)
+    if prefill and decode < SLOW_REPLAY_GRAPH_COUNT <= total:
+        log.warning("the %d prefill CUDA graphs make %d graphs in this process; from the "
+                    "%dth on, every replay, each decode step's too, has measured about 5%% "
+                    "slower on the H100 / H200 (docs/performance.md, \"The fourth CUDA "
+                    "graph\"): for batch-1 serving keep decode graphs + prefill sizes <= %d "
+                    "(e.g. --cuda-graph-max-bs 1 with at most two prefill sizes)", prefill,
+                    total, SLOW_REPLAY_GRAPH_COUNT, SLOW_REPLAY_GRAPH_COUNT - 1)
 
 RoundBody = Callable[[torch.Tensor, torch.Tensor, SamplingBatchInfo, int, bool],
                      Dict[str, torch.Tensor]]
@@ -113,6 +150,7 @@ class EmulatedGraph:
     def capture(self, fn: Callable[[], Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         """Run ``fn`` and return its outputs (the graph's static outputs)."""
         self._fn, self._out = fn, fn()
+        _count_capture()
         return self._out
 
     def replay(self) -> None:
@@ -141,7 +179,9 @@ class _CudaGraph:
 
     def capture(self, fn: Callable[[], Dict[str, torch.Tensor]]) -> Dict[str, torch.Tensor]:
         with torch.cuda.graph(self._graph, pool=self._pool):
-            return fn()
+            out = fn()
+        _count_capture()
+        return out
 
     def replay(self) -> None:
         self._graph.replay()
