@@ -520,8 +520,9 @@ def rank_host_functions(stats: Dict[Tuple[str, int, str], Tuple[int, int, float,
                         roots: Sequence[str], lib_roots: Sequence[str], top: int
                         ) -> Dict[str, List[Dict[str, Any]]]:
     """From ``pstats.Stats(...).stats`` (key -> ``(primitive calls, calls, tottime, cumtime,
-    callers)``, seconds): ``{"by_self": [...], "by_cumulative": [...]}``, each the ``top``
-    functions as ``{"function", "calls", "self_ms", "cumulative_ms"}``. ``by_self`` ranks every
+    callers)``, seconds): ``{"by_self": [...], "by_cumulative": [...], "by_package": [...]}``,
+    the first two the ``top`` functions as ``{"function", "calls", "self_ms",
+    "cumulative_ms"}``, the last :func:`host_time_by_package` of every function. ``by_self`` ranks every
     function by its own time (where the host's time goes: a launcher, a guard, a copy);
     ``by_cumulative`` only this repository's functions by their time with callees (the code to
     change), leaving out the chain of calls around the whole prefill (those over 90% of the
@@ -537,7 +538,30 @@ def rank_host_functions(stats: Dict[Tuple[str, int, str], Tuple[int, int, float,
     by_cum = sorted((r for r in repo if r["cumulative_ms"] < 0.9 * outermost),
                     key=lambda r: (-r["cumulative_ms"], r["function"]))[:top]
     strip = lambda rs: [{k: v for k, v in r.items() if k != "repo"} for r in rs]  # noqa: E731
-    return {"by_self": strip(by_self), "by_cumulative": strip(by_cum)}
+    return {"by_self": strip(by_self), "by_cumulative": strip(by_cum),
+            "by_package": host_time_by_package(rows)}
+
+
+def package_of(label: str) -> str:
+    """The area a :func:`function_label` belongs to: the first folder of its path (``triton``,
+    ``fla``, ``torch``, ``sglang``, ``sgl_kernel``, ...; a file at the top: its name), a
+    built-in that names torch ``torch (C++)``, any other built-in ``python built-ins``."""
+    if label.startswith("<"):
+        return "torch (C++)" if "torch" in label else "python built-ins"
+    path = label.split(":", 1)[0]
+    return path.split("/", 1)[0]
+
+
+def host_time_by_package(rows: Sequence[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """Own time summed per :func:`package_of` area, most first, as ``{"package", "self_ms",
+    "share"}``: own times add up to the profiled call, so the shares split it without
+    overlap."""
+    sums: Counter = Counter()
+    for r in rows:
+        sums[package_of(r["function"])] += r["self_ms"]
+    total = sum(sums.values()) or 1.0
+    return [{"package": name, "self_ms": ms, "share": ms / total}
+            for name, ms in sorted(sums.items(), key=lambda kv: (-kv[1], kv[0]))]
 
 
 def host_census(worker: TpModelWorker, prompt_len: int, seed: int, top: int = 25
@@ -548,7 +572,8 @@ def host_census(worker: TpModelWorker, prompt_len: int, seed: int, top: int = 25
     device is done too. A host-bound prefill returns about when the device finishes; a
     device-bound one returns early. Then one prefill under ``cProfile`` (its overhead inflates
     every Python call, so its shares, not its times, are the finding): ``host_profile``, the
-    :func:`rank_host_functions` tables, and ``host_profile_ms``, the profiled call's time."""
+    :func:`rank_host_functions` tables (and the own time per package), and
+    ``host_profile_ms``, the profiled call's time."""
     import cProfile
     import pstats
 
@@ -647,7 +672,11 @@ def host_tables(result: Dict[str, Any]) -> str:
     functions) by time with callees."""
     lines = [f"host: the prefill call returned after {result['host_return_ms']:.2f} ms, the "
              f"device was done after {result['host_wall_ms']:.2f} ms; under cProfile "
-             f"{result['host_profile_ms']:.2f} ms"]
+             f"{result['host_profile_ms']:.2f} ms",
+             "", "host time by package (own time, cProfile):", "",
+             "| package | self ms | share |", "|---|---|---|"]
+    lines += [f"| {r['package']} | {r['self_ms']:.2f} | {r['share']:.1%} |"
+              for r in result["host_profile"].get("by_package", [])]
     for key, title in (("by_self", "by own time"),
                        ("by_cumulative", "this repository's functions, by time with callees")):
         lines += ["", f"host functions {title} (cProfile):", "",

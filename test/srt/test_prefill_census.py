@@ -440,10 +440,28 @@ def test_host_census_times_and_ranks_the_prefill(monkeypatch):
                                                f"{me}:{small} (_small_layer)"]
     assert all(set(r) == {"function", "calls", "self_ms", "cumulative_ms"}
                for r in by_self + by_cum)
+    packages = out["host_profile"]["by_package"]
+    assert packages[0]["package"] == me  # this file: top-level, so its name is the package
+    assert abs(sum(r["share"] for r in packages) - 1) < 1e-9
     text = pc.host_tables(out)
+    assert f"| {me} | {packages[0]['self_ms']:.2f} | " in text
     row = by_cum[0]
     assert f"| {row['self_ms']:.2f} | {row['cumulative_ms']:.2f} | 1 | {me}:{big} " \
            f"(_big_layer) |" in text
+
+
+def test_package_of_labels():
+    assert pc.package_of("triton/runtime/jit.py:695 (run)") == "triton"
+    assert pc.package_of("sgl_kernel/rmsnorm.py:137 (rmsnorm)") == "sgl_kernel"
+    assert pc.package_of("<built-in method torch._scaled_mm>") == "torch (C++)"
+    assert pc.package_of("<method 'stride' of 'torch._C.TensorBase' objects>") == "torch (C++)"
+    assert pc.package_of("<method 'get' of 'dict' objects>") == "python built-ins"
+    rows = [{"function": "fla/a.py:1 (f)", "self_ms": 3.0},
+            {"function": "fla/b.py:2 (g)", "self_ms": 1.0},
+            {"function": "<built-in method builtins.len>", "self_ms": 4.0}]
+    assert pc.host_time_by_package(rows) == [
+        {"package": "fla", "self_ms": 4.0, "share": 0.5},
+        {"package": "python built-ins", "self_ms": 4.0, "share": 0.5}]
 
 
 def test_function_label_paths():
