@@ -10,9 +10,10 @@
 #
 # The folder goes to CKPT (default /tmp/ling-flash-guide; 17 GB for 6 layers, as the tool
 # computes it). PROMPTS (default 4) prompts of 8192 in / 1024 out at concurrency 1;
-# GUIDE_NEXTN=0 serves without NEXTN only, GUIDE_NEXTN=only with NEXTN only. GUIDE_DUMMY=1 makes no folder and serves §4's
-# commands on the whole 42-layer model with dummy weights instead (`--model-path ling-3.0-flash
-# --load-format dummy`; a 42-layer folder, about 117 GB, does not fit the host's disk).
+# GUIDE_NEXTN=0 serves without NEXTN only, GUIDE_NEXTN=only with NEXTN only. GUIDE_DUMMY=1
+# makes no folder and serves §4's commands on the whole 42-layer model with dummy weights
+# instead (`--model-path ling-3.0-flash --load-format dummy`; a 42-layer folder, about 117 GB,
+# does not fit the host's disk).
 set -uo pipefail
 source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names, serve / stop_server
 CKPT=${CKPT:-/tmp/ling-flash-guide}

@@ -82,8 +82,8 @@ def report_graph_count(decode: int, prefill: int, log: logging.Logger = logger) 
     log.info("CUDA graphs captured at start-up: %d (%d decode, %d prefill)", total, decode,
              prefill)
     if prefill and decode < SLOW_REPLAY_GRAPH_COUNT <= total:
-        log.warning("the %d prefill CUDA graphs make %d graphs in this process; from the "
-                    "%dth on, every replay, each decode step's too, has measured about 5%% "
+        log.warning("the %d prefill CUDA graphs make %d graphs in this process; with %d or "
+                    "more, every replay (each decode step's too) was measured about 5%% "
                     "slower on the H100 / H200 (docs/performance.md, \"The fourth CUDA "
                     "graph\"): for batch-1 serving keep decode graphs + prefill sizes <= %d "
                     "(e.g. --cuda-graph-max-bs 1 with at most two prefill sizes)", prefill,
