@@ -85,9 +85,10 @@ def report_graph_count(decode: int, prefill: int, log: logging.Logger = logger) 
         log.warning("the %d prefill CUDA graphs make %d graphs in this process; with %d or "
                     "more, every replay (each decode step's too) was measured about 5%% "
                     "slower on the H100 / H200 (docs/performance.md, \"The fourth CUDA "
-                    "graph\"): for batch-1 serving keep decode graphs + prefill sizes <= %d "
-                    "(e.g. --cuda-graph-max-bs 1 with at most two prefill sizes)", prefill,
-                    total, SLOW_REPLAY_GRAPH_COUNT, SLOW_REPLAY_GRAPH_COUNT - 1)
+                    "graph\"): for batch-1 serving keep the graphs <= %d (--cuda-graph-max-bs "
+                    "1 and fewer prefill sizes; a size is one graph per model, two with an "
+                    "MTP draft)", prefill, total, SLOW_REPLAY_GRAPH_COUNT,
+                    SLOW_REPLAY_GRAPH_COUNT - 1)
 
 RoundBody = Callable[[torch.Tensor, torch.Tensor, SamplingBatchInfo, int, bool],
                      Dict[str, torch.Tensor]]
