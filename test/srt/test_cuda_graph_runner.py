@@ -158,6 +158,33 @@ def test_captures_are_counted_and_the_fourth_graph_reported(caplog):
     assert warned == [(3, 1), (2, 3)]
 
 
+def test_a_graph_first_met_while_serving_warns_when_it_is_the_fourth(monkeypatch, caplog):
+    """A batch-1 ladder starts with one greedy graph; the sampled and the logprob graphs
+    captured while serving are the second and third (no warning), the fourth warns once."""
+    import logging
+
+    from sglang.srt.model_executor import cuda_graph_runner as cgr
+
+    monkeypatch.setattr(cgr, "_captured", 0)
+    runner = _toy_runner(batch_sizes=[1])
+    assert cgr.captured_graph_count() == 1
+    zeros = torch.zeros(1, 2, dtype=torch.int64)
+    keys = [(_info(1, temperature=0.5), False), (_info(1, temperature=0), True),
+            (_info(1, temperature=0.5), True), (_info(1, temperature=0), False)]
+    warnings = []
+    for info, logprob in keys:
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger=cgr.__name__):
+            runner.replay(runner.key(1, info, logprob, 1), torch.tensor([3]), zeros, info)
+        warnings.append([r.getMessage() for r in caplog.records])
+    assert cgr.captured_graph_count() == 4 and runner.num_replays == 4
+    assert warnings[:2] == [[], []] and warnings[3] == []
+    [message] = warnings[2]
+    assert message.startswith("capturing GraphKey(bs=1, width=None, variant='sampled', "
+                              "return_logprob=True") and "made this process's CUDA graphs 4" \
+        in message
+
+
 def test_scheduler_reports_the_graphs_of_its_start_up(monkeypatch, caplog):
     """The scheduler counts the graphs its prefill graphs add to those before them."""
     import logging

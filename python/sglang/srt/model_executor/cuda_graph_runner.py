@@ -72,23 +72,26 @@ def _count_capture() -> None:
     _captured += 1
 
 
+def _slow_count_warning(what: str, total: int) -> str:
+    return (f"{what} made this process's CUDA graphs {total}; with {SLOW_REPLAY_GRAPH_COUNT} "
+            f"or more, every replay (each decode step's too) was measured about 5% slower on "
+            f"the H100 / H200 (docs/performance.md, \"The fourth CUDA graph\"): for batch-1 "
+            f"serving keep the graphs <= {SLOW_REPLAY_GRAPH_COUNT - 1} (--cuda-graph-max-bs 1 "
+            f"and fewer prefill sizes; a size is one graph per model, two with an MTP draft)")
+
+
 def report_graph_count(decode: int, prefill: int, log: logging.Logger = logger) -> None:
     """Log, once start-up has captured its graphs, how many the process has captured:
     ``decode`` before the prefill graphs (the decode graphs), ``prefill`` by them. A warning
     when the prefill graphs are what brings the process to :data:`SLOW_REPLAY_GRAPH_COUNT`
-    (the graphs before them stayed below it), since then every decode step pays for them;
-    later captures (a graph key first met while serving) are not counted here."""
+    (the graphs before them stayed below it), since then every decode step pays for them.
+    A graph key first met while serving warns on its own (:meth:`CudaGraphRunner.replay`)."""
     total = decode + prefill
     log.info("CUDA graphs captured at start-up: %d (%d decode, %d prefill)", total, decode,
              prefill)
     if prefill and decode < SLOW_REPLAY_GRAPH_COUNT <= total:
-        log.warning("the %d prefill CUDA graphs make %d graphs in this process; with %d or "
-                    "more, every replay (each decode step's too) was measured about 5%% "
-                    "slower on the H100 / H200 (docs/performance.md, \"The fourth CUDA "
-                    "graph\"): for batch-1 serving keep the graphs <= %d (--cuda-graph-max-bs "
-                    "1 and fewer prefill sizes; a size is one graph per model, two with an "
-                    "MTP draft)", prefill, total, SLOW_REPLAY_GRAPH_COUNT,
-                    SLOW_REPLAY_GRAPH_COUNT - 1)
+        log.warning(_slow_count_warning(f"the {prefill} prefill CUDA graphs", total))
+
 
 RoundBody = Callable[[torch.Tensor, torch.Tensor, SamplingBatchInfo, int, bool],
                      Dict[str, torch.Tensor]]
@@ -385,9 +388,15 @@ class CudaGraphRunner:
         """Refill the static inputs from the live batch, replay ``key`` (capturing it first if
         needed) and return its outputs for the live rows (views of static buffers that the next
         replay overwrites). None if the key cannot be captured (run the body eagerly)."""
-        captured = self.graphs.get(key) or self._capture(key)
-        if captured is None:
-            return None
+        captured = self.graphs.get(key)
+        if captured is None:  # first met while serving (a sampling mode, logprobs, a width)
+            before = captured_graph_count()
+            captured = self._capture(key)
+            if captured is None:
+                return None
+            if before < SLOW_REPLAY_GRAPH_COUNT <= captured_graph_count():
+                logger.warning(_slow_count_warning(f"capturing {key} while serving",
+                                                   captured_graph_count()))
         bs = int(slots.shape[0])
         if key.variant == "sampled":
             fields = _SAMPLED_FIELDS
