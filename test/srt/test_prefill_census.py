@@ -1,9 +1,11 @@
-"""benchmark/batch1/prefill_census.py and plot_prefill_census.py: the module -> category table on
+"""benchmark/batch1/prefill_census.py, host_attribution.py and plot_prefill_census.py: the
+module -> category table on
 the bundled model, a CPU census of one prefill (every top-level aten op in exactly one category,
 the JSON line's fields, the timed prefill-graph replays of ``--prefill-graphs``), the CUDA attribution and the name fallback on synthetic profiler
 events, the figure of the census line, and ``--sync-sites``: the attribution of a synchronising
 call to its site on synthetic stacks, the recording around a prefill (the sync debug mode
-stubbed: this host has no CUDA) and the option's no-op on CPU."""
+stubbed: this host has no CUDA) and the option's no-op on CPU; ``--host-profile``: the timed
+and cProfiled prefill, the function labels and the own time per package."""
 from __future__ import annotations
 
 import json
@@ -34,6 +36,7 @@ def _load(name: str) -> ModuleType:
 
 
 pc = _load("prefill_census")
+ha = _load("host_attribution")
 plot = _load("plot_prefill_census")
 
 
@@ -275,12 +278,12 @@ def test_sync_site_innermost_repo_frame_has_no_via():
     frames = _frames((f"{SITE_PACKAGES}/torch/nn/modules/module.py", 1750, "_call_impl"),
                      (str(ROOT / "python/sglang/srt/models/bailing_moe_v3.py"), 310, "forward"),
                      (str(ROOT / "python/sglang/srt/layers/moe/topk.py"), 88, "select_experts"))
-    assert pc.sync_site(frames, REPO_TREES) == ("sglang/srt/layers/moe/topk.py:88 "
+    assert ha.sync_site(frames, REPO_TREES) == ("sglang/srt/layers/moe/topk.py:88 "
                                                 "(select_experts)", None)
     # The sgl-kernel tree is the repository too.
     frames.append(traceback.FrameSummary(str(ROOT / "sgl-kernel/python/sgl_kernel/moe.py"),
                                          42, "moe_align", lookup_line=False))
-    assert pc.sync_site(frames, REPO_TREES) == ("sgl_kernel/moe.py:42 (moe_align)", None)
+    assert ha.sync_site(frames, REPO_TREES) == ("sgl_kernel/moe.py:42 (moe_align)", None)
 
 
 def test_sync_site_library_frame_is_the_via_of_its_repo_caller():
@@ -290,13 +293,13 @@ def test_sync_site_library_frame_is_the_via_of_its_repo_caller():
                      (str(ROOT / "python/sglang/srt/layers/attention/kda.py"), 205, "prefill"),
                      (f"{SITE_PACKAGES}/fla/ops/kda/chunk.py", 300, "chunk_kda"),
                      (f"{SITE_PACKAGES}/fla/ops/utils/index.py", 164, "prepare_chunk_indices"))
-    assert pc.sync_site(frames, REPO_TREES) == (
+    assert ha.sync_site(frames, REPO_TREES) == (
         "sglang/srt/layers/attention/kda.py:205 (prefill)",
         "fla/ops/utils/index.py:164 (prepare_chunk_indices)")
     # Outside site-packages: below the longest import root that holds it.
     frames[-1] = traceback.FrameSummary("/opt/py/lib/python3.11/contextlib.py", 81, "inner",
                                         lookup_line=False)
-    assert pc.sync_site(frames, REPO_TREES, ["/opt", "/opt/py/lib/python3.11"])[1] == (
+    assert ha.sync_site(frames, REPO_TREES, ["/opt", "/opt/py/lib/python3.11"])[1] == (
         "contextlib.py:81 (inner)")
 
 
@@ -304,11 +307,11 @@ def test_sync_site_without_repo_frame_is_the_innermost_frame():
     # A sibling folder whose name starts like a tree's is not inside it.
     frames = _frames((str(ROOT / "python_old/sglang/x.py"), 3, "run"),
                      (f"{SITE_PACKAGES}/torch/functional.py", 1500, "unique"))
-    assert pc.sync_site(frames, REPO_TREES) == ("torch/functional.py:1500 (unique)", None)
+    assert ha.sync_site(frames, REPO_TREES) == ("torch/functional.py:1500 (unique)", None)
     frames = _frames((str(ROOT / "python_old/sglang/x.py"), 3, "run"))
-    assert pc.sync_site(frames, REPO_TREES) == (f"{ROOT.as_posix()}/python_old/sglang/x.py:3 (run)",
+    assert ha.sync_site(frames, REPO_TREES) == (f"{ROOT.as_posix()}/python_old/sglang/x.py:3 (run)",
                                                 None)
-    assert pc.sync_site([], REPO_TREES) == ("<unknown>", None)
+    assert ha.sync_site([], REPO_TREES) == ("<unknown>", None)
 
 
 def test_count_sync_sites_ranks_by_count():
@@ -451,23 +454,23 @@ def test_host_census_times_and_ranks_the_prefill(monkeypatch):
 
 
 def test_package_of_labels():
-    assert pc.package_of("triton/runtime/jit.py:695 (run)") == "triton"
-    assert pc.package_of("sgl_kernel/rmsnorm.py:137 (rmsnorm)") == "sgl_kernel"
-    assert pc.package_of("<built-in method torch._scaled_mm>") == "torch (C++)"
-    assert pc.package_of("<method 'stride' of 'torch._C.TensorBase' objects>") == "torch (C++)"
-    assert pc.package_of("<method 'get' of 'dict' objects>") == "python built-ins"
+    assert ha.package_of("triton/runtime/jit.py:695 (run)") == "triton"
+    assert ha.package_of("sgl_kernel/rmsnorm.py:137 (rmsnorm)") == "sgl_kernel"
+    assert ha.package_of("<built-in method torch._scaled_mm>") == "torch (C++)"
+    assert ha.package_of("<method 'stride' of 'torch._C.TensorBase' objects>") == "torch (C++)"
+    assert ha.package_of("<method 'get' of 'dict' objects>") == "python built-ins"
     rows = [{"function": "fla/a.py:1 (f)", "self_ms": 3.0},
             {"function": "fla/b.py:2 (g)", "self_ms": 1.0},
             {"function": "<built-in method builtins.len>", "self_ms": 4.0}]
-    assert pc.host_time_by_package(rows) == [
+    assert ha.host_time_by_package(rows) == [
         {"package": "fla", "self_ms": 4.0, "share": 0.5},
         {"package": "python built-ins", "self_ms": 4.0, "share": 0.5}]
 
 
 def test_function_label_paths():
     roots = ["/repo/python"]
-    assert pc.function_label(("/repo/python/sglang/x.py", 3, "f"), roots) == "sglang/x.py:3 (f)"
-    assert pc.function_label(("/usr/lib/python3/site-packages/fla/ops/k.py", 9, "g"), roots) \
+    assert ha.function_label(("/repo/python/sglang/x.py", 3, "f"), roots) == "sglang/x.py:3 (f)"
+    assert ha.function_label(("/usr/lib/python3/site-packages/fla/ops/k.py", 9, "g"), roots) \
         == "fla/ops/k.py:9 (g)"
-    assert pc.function_label(("~", 0, "<built-in method torch.empty>"), roots) \
+    assert ha.function_label(("~", 0, "<built-in method torch.empty>"), roots) \
         == "<built-in method torch.empty>"
