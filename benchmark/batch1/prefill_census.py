@@ -40,7 +40,9 @@ The worker is built as ``python -m sglang.bench_one_batch`` builds it (the same 
 no CUDA graphs) and each prefill is bench_one_batch's ``run_once`` with one output token: one
 request of ``--prompt-len`` random ids in a fresh request slot, its KV and state released after.
 One warm-up prefill, ``--timed`` unprofiled timed ones, then one profiled prefill (and with
-``--sync-sites`` one more, last: it perturbs none of the measured ones).
+``--sync-sites``, ``--host-profile`` and ``--routing`` more, last: they perturb none of the
+measured ones; ``--routing`` counts the pairs per expert of every MoE layer, to tell whether
+the model routes as uniformly as the MoE tile sweep assumes).
 
 Attribution: module forward hooks (installed for the profiled prefill only; no model edits)
 open a profiler range per model component and the innermost range around an op names its
@@ -415,14 +417,54 @@ def host_census(worker: TpModelWorker, prompt_len: int, seed: int, top: int = 25
     return {**got, "host_profile": ranked}
 
 
+def routing_census(worker: TpModelWorker, prompt_len: int, seed: int) -> Dict[str, Any]:
+    """How one prefill routes its tokens: a forward pre-hook on every ``FusedMoE`` counts the
+    (token, expert) pairs per expert of that layer's ``topk_ids``. The grouped GEMM streams the
+    weights of every expert touched, so its time depends on the routing, and a tile sweep on
+    uniform random routing (``benchmark/kernels/tune_moe_grouped_gemm.py``) only predicts a
+    model that routes about as uniformly: this says whether it does. Returns ``{"routing":
+    {...}}``: per MoE layer ``[experts touched, largest group]``, their means over the layers,
+    and ``uniform_touched``, the experts a uniform top-k routing of the same tokens touches on
+    average. One more prefill after the measured ones (the counts read the device)."""
+    from sglang.srt.layers.moe.moe_layer import FusedMoE
+
+    layers: List[List[int]] = []
+    shape: Dict[str, int] = {}
+
+    def count(module: nn.Module, args: Tuple[Any, ...]) -> None:
+        ids = args[2]  # FusedMoE.forward(hidden, topk_weights, topk_ids, ...)
+        per_expert = torch.bincount(ids.reshape(-1).long(), minlength=module.num_experts)
+        layers.append([int((per_expert > 0).sum()), int(per_expert.max())])
+        shape.update(experts=module.num_experts, top_k=ids.shape[-1], tokens=ids.shape[0])
+
+    handles = [m.register_forward_pre_hook(count)
+               for m in worker.model_runner.model.modules() if isinstance(m, FusedMoE)]
+    try:
+        run_once(worker, 1, prompt_len, 1, seed)
+    finally:
+        for h in handles:
+            h.remove()
+    if not layers:
+        return {"routing": None}
+    e, k, t = shape["experts"], shape["top_k"], shape["tokens"]
+    return {"routing": {
+        "experts": e, "top_k": k, "tokens": t, "moe_layers": len(layers),
+        "touched_mean": statistics.mean(n for n, _ in layers),
+        "touched_min": min(n for n, _ in layers),
+        "largest_group_mean": statistics.mean(g for _, g in layers),
+        "uniform_touched": e * (1 - (1 - k / e) ** t),
+        "per_layer": layers}}
+
+
 def run_prefill_census(worker: TpModelWorker, prompt_len: int, seed: int, timed: int,
-                       top: int = 3, sync_sites: bool = False, host_profile: int = 0
-                       ) -> Dict[str, Any]:
+                       top: int = 3, sync_sites: bool = False, host_profile: int = 0,
+                       routing: bool = False) -> Dict[str, Any]:
     """Warm-up, ``timed`` unprofiled prefills, then the profiled one and its census (times in
     ms; ``top`` names per category by time and by launches). ``sync_sites`` (CUDA): then one
     more prefill, :func:`sync_census`, whose keys join the result (last: the debug mode's
     warnings and stack walks slow the host, so no measured prefill runs with them).
-    ``host_profile`` > 0: then :func:`host_census` with that many functions per table."""
+    ``host_profile`` > 0: then :func:`host_census` with that many functions per table.
+    ``routing``: then :func:`routing_census`."""
     run_once(worker, 1, prompt_len, 1, seed)  # warm-up: allocator, Triton compiles, autotune
     plain = [run_once(worker, 1, prompt_len, 1, seed)["prefill_latency"] * 1e3
              for _ in range(timed)]
@@ -442,6 +484,8 @@ def run_prefill_census(worker: TpModelWorker, prompt_len: int, seed: int, timed:
         out.update(sync_census(worker, prompt_len, seed))
     if host_profile > 0:
         out.update(host_census(worker, prompt_len, seed, host_profile))
+    if routing:
+        out.update(routing_census(worker, prompt_len, seed))
     return out
 
 
@@ -493,6 +537,14 @@ def _print(result: Dict[str, Any]) -> None:
         print(sync_table(result))
     if "host_profile" in result:
         print(host_tables(result))
+    routing = result.get("routing")
+    if routing:
+        pairs = routing["tokens"] * routing["top_k"]
+        print(f"routing: {routing['moe_layers']} MoE layers touch {routing['touched_mean']:.1f} "
+              f"of {routing['experts']} experts on average (fewest {routing['touched_min']}; "
+              f"uniform top-{routing['top_k']} routing: {routing['uniform_touched']:.1f}); "
+              f"largest group {routing['largest_group_mean']:.1f} pairs on average (mean "
+              f"{pairs / routing['experts']:.1f} per expert)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -525,6 +577,10 @@ def _parser() -> argparse.ArgumentParser:
                              "prefill graph at each --prompt-len and time --timed replays in "
                              "the same process (graph_unprofiled_wall_ms, the A/B of "
                              "--prefill-cuda-graph-tokens)")
+    parser.add_argument("--routing", action="store_true",
+                        help="then one more prefill counting the (token, expert) pairs per "
+                             "expert of every MoE layer: experts touched and the largest group, "
+                             "against uniform routing (what a tile sweep assumes)")
     add_kernel_choices_arg(parser)
     return parser
 
@@ -589,7 +645,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     results = []
     for prompt_len in args.prompt_len:
         measured = run_prefill_census(worker, prompt_len, args.seed, args.timed, args.top,
-                                      sync_sites, args.host_profile)
+                                      sync_sites, args.host_profile, args.routing)
         default_label = f"{layers}L {dtype}{' ' + quant if quant else ''}"
         result = {"label": f"{args.label or default_label} {prompt_len}",
                   "device": runner.device.type,

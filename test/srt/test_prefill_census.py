@@ -474,3 +474,28 @@ def test_function_label_paths():
         == "fla/ops/k.py:9 (g)"
     assert ha.function_label(("~", 0, "<built-in method torch.empty>"), roots) \
         == "<built-in method torch.empty>"
+
+
+def test_routing_census_counts_pairs_per_expert(tmp_path):
+    """``--routing``: every MoE layer of the bundled model reports the experts its prefill
+    touched and its largest group, consistent with the pairs routed, beside the uniform
+    expectation."""
+    path = tmp_path / "routing.jsonl"
+    out = _run_census("--prompt-len", str(PROMPT), "--timed", "0", "--routing",
+                      "--result-filename", str(path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    [rec] = [json.loads(line) for line in path.read_text().splitlines()]
+    cfg = _tiny_config()
+    r = rec["routing"]
+    moe_layers = sum(cfg.is_moe_layer(i) for i in range(cfg.num_hidden_layers))
+    assert r["moe_layers"] == len(r["per_layer"]) == moe_layers > 0
+    assert r["experts"] == cfg.num_experts and r["top_k"] == cfg.num_experts_per_tok
+    assert r["tokens"] == PROMPT
+    pairs = PROMPT * r["top_k"]
+    for touched, largest in r["per_layer"]:
+        # At least pairs / touched in the largest group, at most one pair per token.
+        assert r["top_k"] <= touched <= r["experts"]
+        assert pairs / touched <= largest <= PROMPT
+    assert r["touched_min"] == min(t for t, _ in r["per_layer"])
+    assert 0 < r["uniform_touched"] <= r["experts"]
+    assert "routing: " in out.stdout and "uniform top-" in out.stdout
