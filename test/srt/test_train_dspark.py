@@ -492,14 +492,19 @@ def test_command_served_draft_and_nextn_comparison(smoke_run):
 
     root, target, out, cache, log = smoke_run
     ev = main(["--target-path", target, "--output-dir", str(root / "served"),
-               "--data-cache", cache, "--compare-nextn", "--eval-served"] + TINY_ARGS)["eval"]
-    assert ev["nextn"]["matches_plain_greedy"] == 1.0  # greedy NEXTN is lossless
-    assert 1.0 <= ev["nextn"]["accept_length"] <= 4.0
+               "--data-cache", cache, "--compare-nextn", "2", "3", "--eval-served"]
+              + TINY_ARGS)["eval"]
+    # NEXTN at gamma (3, TINY_ARGS' block) under "nextn", at 2 drafts under "nextn2".
+    assert ev["nextn"]["speculative_num_steps"] == 3 and ev["nextn2"]["speculative_num_steps"] == 2
+    for key in ("nextn", "nextn2"):
+        assert ev[key]["matches_plain_greedy"] == 1.0  # greedy NEXTN is lossless
+        assert 1.0 <= ev[key]["accept_length"] <= ev[key]["speculative_num_steps"] + 1
     # The saved folder is served by the DSPARK worker: lossless, and the offline walk predicts
     # its accept length (both count committed tokens per verify round).
     assert ev["served"]["matches_plain_greedy"] == 1.0
     assert ev["served"]["accept_length"] == pytest.approx(ev["accept_length"], abs=0.1)
-    assert "NEXTN" in (root / "served" / "README.md").read_text()
+    readme = (root / "served" / "README.md").read_text()
+    assert "2 chained drafts per round" in readme and "3 chained drafts per round" in readme
 
 
 def test_command_refuses_bad_flags(tmp_path):
@@ -509,6 +514,8 @@ def test_command_refuses_bad_flags(tmp_path):
     base = ["--target-path", target, "--output-dir", str(tmp_path / "o")]
     with pytest.raises(SystemExit, match="--block-size"):
         main(base + ["--block-size", "0"])
+    with pytest.raises(SystemExit, match="--compare-nextn"):
+        main(base + ["--compare-nextn", "3", "0"])
     with pytest.raises(SystemExit, match="config.json"):
         main(["--target-path", str(tmp_path), "--output-dir", str(tmp_path / "o")])
     from sglang.srt.configs.bailing_moe_v3 import ConfigError

@@ -22,7 +22,8 @@ Phases (every step seeded):
    ``load_dspark_draft`` and scored on the held-out sequences: greedy accept length (committed
    tokens per verify round), per-slot acceptance, confidence calibration (ECE); with
    ``--eval-served`` the saved draft is also served through ``sglang.Engine`` (DSPARK) and with
-   ``--compare-nextn`` the target's NEXTN (MTP) layer at the same gamma.
+   ``--compare-nextn [STEPS ...]`` the target's NEXTN (MTP) layer at the same gamma, or at each
+   number of chained drafts given.
 """
 from __future__ import annotations
 
@@ -149,9 +150,10 @@ def build_argparser() -> argparse.ArgumentParser:
                    help="anchors per held-out sequence in the periodic evaluation")
     g = ap.add_argument_group("output and evaluation")
     g.add_argument("--save-dtype", default="bfloat16", choices=("bfloat16", "float32"))
-    g.add_argument("--compare-nextn", action="store_true",
-                   help="also measure the target's NEXTN layer (gamma chained MTP drafts) on "
-                        "the held-out prompts through the engine")
+    g.add_argument("--compare-nextn", type=int, nargs="*", default=None, metavar="STEPS",
+                   help="also measure the target's NEXTN layer on the held-out prompts through "
+                        "the engine: alone, with gamma chained MTP drafts per round; with "
+                        "values, at each number of drafts given (e.g. 3 7)")
     g.add_argument("--eval-served", action="store_true",
                    help="also serve the saved draft (--speculative-algorithm DSPARK) through "
                         "the engine on the held-out prompts and record its accept length")
@@ -188,6 +190,8 @@ def check_args(args: argparse.Namespace) -> None:
         raise SystemExit("--time-budget-s must be > 0")
     if args.num_threads is not None and args.num_threads < 1:
         raise SystemExit("--num-threads must be >= 1")
+    if args.compare_nextn and min(args.compare_nextn) < 1:
+        raise SystemExit(f"--compare-nextn takes draft counts >= 1, got {args.compare_nextn}")
     if not 0 <= args.warmup < 1 or not 0 <= args.min_lr_ratio <= 1 or not args.lr > 0:
         raise SystemExit("--lr must be > 0, --warmup in [0, 1), --min-lr-ratio in [0, 1]")
 
@@ -435,8 +439,11 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     prompts = [s.tokens[:s.prompt_len].tolist() for s in held]
     outputs = [s.tokens[s.prompt_len:].tolist() for s in held]
     spec_runs = []
-    if args.compare_nextn:
-        spec_runs.append(("nextn", nextn_spec_kwargs(draft.config.gamma)))
+    gamma = draft.config.gamma
+    if args.compare_nextn is not None:  # the log's key: "nextn" at gamma, "nextn<N>" else
+        for steps in dict.fromkeys(args.compare_nextn or [gamma]):
+            spec_runs.append(("nextn" if steps == gamma else f"nextn{steps}",
+                              nextn_spec_kwargs(steps)))
     if args.eval_served:
         spec_runs.append(("served", dspark_spec_kwargs(str(out))))
     for key, spec in spec_runs:
@@ -444,7 +451,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
               "prompts", flush=True)
         log["eval"][key] = engine_accept_length(
             args.target_path, prompts, args.max_new_tokens, spec,
-            _engine_kwargs(args, device, dtype, len(prompts), 2 * draft.config.gamma + 2),
+            _engine_kwargs(args, device, dtype, len(prompts),
+                           2 * max(gamma, spec.get("speculative_num_steps", 0)) + 2),
             reference_outputs=outputs)
     ev = log["eval"]
     log["plot"] = "loss_curve.png" if plot_losses(log, out / "loss_curve.png") else None
@@ -453,8 +461,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     write_readme(out / "README.md", log)
     log["folder_bytes"] = _dir_bytes(out)
     (out / "train_log.json").write_text(json.dumps(log, indent=1) + "\n")
-    extra = "".join(f", {key} {ev[key]['accept_length']:.3f}" for key in ("served", "nextn")
-                    if key in ev)
+    extra = "".join(f", {key} {ev[key]['accept_length']:.3f}" for key, _ in spec_runs)
     print(f"[dspark] done in {log['total_seconds']:.0f} s: held-out greedy accept length "
           f"{ev['accept_length']:.3f} (gamma {ev['gamma']}){extra}"
           + (f", mean ECE {ev['mean_ece']:.3f}" if not math.isnan(ev.get("mean_ece", math.nan))

@@ -114,8 +114,9 @@ def write_readme(path: Path, log: Dict[str, Any]) -> None:
         lines += ["", "Served through `sglang.Engine` (`--speculative-algorithm DSPARK`, this "
                       f"folder as the draft) on the same prompts: accept length "
                       f"**{sv['accept_length']:.3f}**" + _lossless(sv) + "."]
-    if "nextn" in ev:
-        nx = ev["nextn"]
+    for key in sorted((k for k in ev if k.startswith("nextn")),
+                      key=lambda k: ev[k]["speculative_num_steps"]):
+        nx = ev[key]
         lines += ["", "The target's NEXTN (MTP) layer on the same prompts through the engine, "
                       f"{nx['speculative_num_steps']} chained drafts per round: accept length "
                       f"**{nx['accept_length']:.3f}**" + _lossless(nx) + "."]
