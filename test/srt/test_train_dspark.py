@@ -486,6 +486,26 @@ def test_command_rerun_from_cache_and_mismatch(smoke_run):
               "--data-cache", cache] + TINY_ARGS + ["--max-new-tokens", "11"])
 
 
+def test_eval_command_scores_saved_drafts_on_the_cache(smoke_run, tmp_path, capsys):
+    """``python -m sglang.train.dspark_eval``: a saved draft scored on the cache's held-out
+    sequences gets the training run's own evaluation; a cache of another target is refused."""
+    from sglang.train.dspark_eval import main
+
+    root, target, out, cache, log = smoke_run
+    result = tmp_path / "scores.jsonl"
+    [row] = main(["--target-path", target, "--data-cache", cache, str(out),
+                  "--result-filename", str(result)])
+    assert row["accept_length"] == pytest.approx(log["eval"]["accept_length"])
+    assert row["slot_accept"] == pytest.approx(log["eval"]["slot_accept"])
+    assert json.loads(result.read_text())["draft"] == str(out)
+    assert f"{out}: accept length {row['accept_length']:.3f}" in capsys.readouterr().out
+    from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR
+
+    with pytest.raises(SystemExit):
+        main(["--target-path", str(BUNDLED_MODEL_DIR), "--data-cache", cache, str(out)])
+    assert "was made with target" in capsys.readouterr().err
+
+
 @pytest.mark.slow  # two more engine launches
 def test_command_served_draft_and_nextn_comparison(smoke_run):
     from sglang.train.dspark import main

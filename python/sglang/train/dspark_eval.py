@@ -28,9 +28,18 @@ input of the STS calibration (``python -m sglang.benchmark.dspark_sts_fit``).
 :func:`engine_accept_length` measures the same prompts through ``sglang.Engine``: the target's
 NEXTN (MTP) layer for comparison, and the saved draft served by the DSPARK worker (the number the
 offline walk predicts).
+
+Command line: saved drafts scored on the held-out sequences of a ``--data-cache`` file written
+by ``python -m sglang.train.dspark`` (e.g. a draft trained elsewhere, or on other data, against
+the bundled one on the same sequences)::
+
+    python -m sglang.train.dspark_eval --target-path T --data-cache C DRAFT [DRAFT ...] \
+        [--result-filename OUT.jsonl]
 """
 from __future__ import annotations
 
+import argparse
+import json
 from typing import Any, Dict, List, NamedTuple, Optional, Sequence, Tuple
 
 import torch
@@ -252,3 +261,58 @@ def nextn_spec_kwargs(gamma: int) -> Dict[str, Any]:
 def dspark_spec_kwargs(draft_path: str) -> Dict[str, Any]:
     """Engine flags serving the DSpark draft folder ``draft_path``."""
     return {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": draft_path}
+
+
+def score_drafts(target_path: str, data_cache: str, drafts: Sequence[str],
+                 device: str = "cpu") -> List[Dict[str, Any]]:
+    """:func:`evaluate_draft` of each saved draft folder on the held-out sequences of
+    ``data_cache`` (a cache of ``target_path``: another target's is refused), in float32 with
+    the target's embedding and LM head, as ``python -m sglang.train.dspark`` scores the draft it
+    trains. One dict per draft: ``draft`` (its path) and the evaluation."""
+    from sglang.srt.configs.dspark import DSparkDraftConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.models.dspark import load_dspark_draft
+    from sglang.train.dspark_data import (TargetFeatureRunner, load_feature_cache,
+                                          target_fingerprint)
+
+    _, held = load_feature_cache(data_cache, {"target": target_fingerprint(target_path)})
+    hf_config = ModelConfig.from_path(target_path).hf_config
+    layers = DSparkDraftConfig.from_path(drafts[0], hf_config).target_layer_ids
+    embed, head = TargetFeatureRunner(target_path, layers, device=device).embed_and_head()
+    rows = []
+    for path in drafts:
+        model = load_dspark_draft(path, hf_config, dtype=torch.float32, device=device)
+        model.set_embed_and_head(embed.to(device), head.to(device))
+        rows.append({"draft": path, **evaluate_draft(model, held, head.to(device))})
+    return rows
+
+
+def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
+    """Command line of :func:`score_drafts` (module docstring); prints one line per draft."""
+    ap = argparse.ArgumentParser(prog="python -m sglang.train.dspark_eval",
+                                 description="score saved DSpark drafts on a data cache's "
+                                             "held-out sequences (offline greedy walk)")
+    ap.add_argument("drafts", nargs="+", help="draft folders")
+    ap.add_argument("--target-path", required=True, help="the target checkpoint folder")
+    ap.add_argument("--data-cache", required=True,
+                    help="a --data-cache file of python -m sglang.train.dspark for that target")
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--result-filename", default=None, help="append one JSON line per draft")
+    args = ap.parse_args(argv)
+    try:
+        rows = score_drafts(args.target_path, args.data_cache, args.drafts, args.device)
+    except (OSError, ValueError) as exc:
+        ap.error(str(exc))
+    for r in rows:
+        print(f"{r['draft']}: accept length {r['accept_length']:.3f} over {r['verify_rounds']} "
+              f"rounds (gamma {r['gamma']}); prefix acceptance "
+              + ", ".join(f"{a:.3f}" for a in r["slot_accept"])
+              + f"; mean ECE {r['mean_ece']:.3f}")
+        if args.result_filename:
+            with open(args.result_filename, "a") as f:
+                f.write(json.dumps(r) + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
