@@ -2,6 +2,15 @@
 # wheels (.whl, from scripts/gpu_wheels.sh), put the repository's packages on the path, and print
 # the GPUs. Sets OUT (default out) and creates it; defines serve / stop_server (a server in its own
 # process group, waited on for SERVE_WAIT seconds, default 400).
+# The entry points read their settings from the environment (STAGE=served bash
+# scripts/gpu_graphs.sh); a VAR=value given as an argument would be ignored and the default stage
+# would run in its place, on device time. Refuse arguments before anything is installed (an
+# entry point that takes some sets TAKES_ARGS=1 before sourcing this file).
+if [ $# -gt 0 ] && [ "${TAKES_ARGS:-0}" != 1 ]; then
+  echo "$(basename "$0"): settings are environment variables, not arguments (got: $*);" \
+    "e.g. STAGE=served bash $0" >&2
+  exit 2
+fi
 OUT=${OUT:-out}; mkdir -p "$OUT"
 # Once per machine: later entry points of the same call find the wheels installed.
 [ -d /tmp/site/fastapi ] || python3 -m pip install -q --no-index --no-deps --no-compile \

@@ -4,6 +4,7 @@
 # Usage (from the project root, wheels staged in .whl by scripts/gpu_wheels.sh):
 #   bash scripts/gpu_train.sh [TIME_BUDGET_S]
 set -uo pipefail
+TAKES_ARGS=1  # TIME_BUDGET_S
 source scripts/gpu_env.sh  # OUT, wheels, PYTHONPATH, GPU names
 python3 -c "import torch, fla; print('torch', torch.__version__, 'fla', fla.__version__)"
 # Correctness tests only (no timing), so they may share the GPU with training.

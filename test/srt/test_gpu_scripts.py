@@ -49,3 +49,16 @@ def test_gpu_call_survives_a_stage_that_names_served_variant(tmp_path):
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("== gpu_prefill.sh STAGE=none") == 2, out.stdout
     assert "packed" in out.stdout and (tmp_path / "out" / "logs.tgz").exists()
+
+
+@pytest.mark.parametrize("script", ["gpu_graphs.sh", "gpu_prefill.sh", "gpu_guide.sh"])
+def test_entry_points_refuse_settings_given_as_arguments(tmp_path, script):
+    """``bash scripts/gpu_graphs.sh STAGE=served`` would run the default stage (the settings are
+    environment variables): the entry point stops at once, before installing or starting
+    anything, and says how to pass them."""
+    out = subprocess.run(["bash", f"scripts/{script}", "STAGE=served"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60,
+                         env={"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out")})
+    assert out.returncode == 2, out.stdout + out.stderr
+    assert "settings are environment variables" in out.stderr and "STAGE=served" in out.stderr
+    assert not (tmp_path / "out").exists()  # refused before anything ran
