@@ -506,6 +506,23 @@ def test_eval_command_scores_saved_drafts_on_the_cache(smoke_run, tmp_path, caps
     assert "was made with target" in capsys.readouterr().err
 
 
+
+@pytest.mark.slow  # two engine launches
+def test_eval_command_serves_drafts_and_nextn(smoke_run, capsys):
+    """``dspark_eval --served --compare-nextn 2``: the saved draft served through the engine
+    (lossless, close to its offline walk) and NEXTN with 2 drafts on the same prompts."""
+    from sglang.train.dspark_eval import main
+
+    root, target, out, cache, log = smoke_run
+    offline, nextn, served = main(["--target-path", target, "--data-cache", cache, str(out),
+                                   "--served", "--compare-nextn", "2", "--num-threads", "1"])
+    assert nextn["draft"] == "NEXTN-2" and nextn["speculative_num_steps"] == 2
+    assert served["draft"] == str(out) and served["speculative_algorithm"] == "DSPARK"
+    for row in (nextn, served):
+        assert row["matches_plain_greedy"] == 1.0 and row["requests"] == 2
+    assert served["accept_length"] == pytest.approx(offline["accept_length"], abs=0.1)
+    assert f"{out} served: accept length" in capsys.readouterr().out
+
 @pytest.mark.slow  # two more engine launches
 def test_command_served_draft_and_nextn_comparison(smoke_run):
     from sglang.train.dspark import main

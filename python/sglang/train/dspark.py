@@ -197,11 +197,14 @@ def check_args(args: argparse.Namespace) -> None:
 
 
 def _engine_kwargs(args: argparse.Namespace, device: torch.device, dtype: str,
-                   batch: int, extra_tokens: int = 0) -> Dict[str, Any]:
-    per_req = args.prompt_len + args.max_new_tokens + extra_tokens
+                   batch: Optional[int] = None) -> Dict[str, Any]:
+    """The engines' flags: device, dtype, seed, threads; with ``batch`` also slots and a token
+    pool for that many sequences of ``--prompt-len + --max-new-tokens``."""
     kw: Dict[str, Any] = dict(device=device.type, dtype=dtype, random_seed=args.seed,
-                              max_running_requests=batch,
-                              max_total_tokens=batch * per_req + 64, log_level="warning")
+                              log_level="warning")
+    if batch is not None:
+        kw.update(max_running_requests=batch,
+                  max_total_tokens=batch * (args.prompt_len + args.max_new_tokens) + 64)
     if args.num_threads is not None:
         kw["cpu_num_threads"] = args.num_threads
     return kw
@@ -391,8 +394,7 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Run the whole pipeline; returns the log (also written to ``OUTPUT_DIR/train_log.json``)."""
     from sglang.srt.configs.dspark import DSparkDraftConfig, default_target_layer_ids
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.train.dspark_eval import (dspark_spec_kwargs, engine_accept_length,
-                                          nextn_spec_kwargs)
+    from sglang.train.dspark_eval import dspark_spec_kwargs, nextn_spec_kwargs, serve_held_out
     from sglang.train.eval import engine_dtype, resolve_device
     from sglang.train.tokenizer import MASK_TOKEN, load_tokenizer
 
@@ -436,8 +438,6 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     log["parameters"] = sum(p.numel() for p in draft.parameters())
 
     log["eval"] = evaluate_saved(args, out, hf_config, held, embed, head, device)
-    prompts = [s.tokens[:s.prompt_len].tolist() for s in held]
-    outputs = [s.tokens[s.prompt_len:].tolist() for s in held]
     spec_runs = []
     gamma = draft.config.gamma
     if args.compare_nextn is not None:  # the log's key: "nextn" at gamma, "nextn<N>" else
@@ -446,14 +446,9 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
                               nextn_spec_kwargs(steps)))
     if args.eval_served:
         spec_runs.append(("served", dspark_spec_kwargs(str(out))))
-    for key, spec in spec_runs:
-        print(f"[dspark] {spec['speculative_algorithm']} through the engine on the held-out "
-              "prompts", flush=True)
-        log["eval"][key] = engine_accept_length(
-            args.target_path, prompts, args.max_new_tokens, spec,
-            _engine_kwargs(args, device, dtype, len(prompts),
-                           2 * max(gamma, spec.get("speculative_num_steps", 0)) + 2),
-            reference_outputs=outputs)
+    drafts = max([gamma] + [spec.get("speculative_num_steps", 0) for _, spec in spec_runs])
+    log["eval"].update(serve_held_out(args.target_path, held, spec_runs,
+                                      _engine_kwargs(args, device, dtype), 2 * drafts + 2))
     ev = log["eval"]
     log["plot"] = "loss_curve.png" if plot_losses(log, out / "loss_curve.png") else None
     log["total_seconds"] = time.perf_counter() - t_start

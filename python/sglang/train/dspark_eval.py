@@ -34,7 +34,10 @@ by ``python -m sglang.train.dspark`` (e.g. a draft trained elsewhere, or on othe
 the bundled one on the same sequences)::
 
     python -m sglang.train.dspark_eval --target-path T --data-cache C DRAFT [DRAFT ...] \
-        [--result-filename OUT.jsonl]
+        [--served] [--compare-nextn STEPS ...] [--result-filename OUT.jsonl]
+
+``--served`` also serves each draft through ``sglang.Engine`` on the same prompts, and
+``--compare-nextn`` the target's NEXTN layer at each number of chained drafts given.
 """
 from __future__ import annotations
 
@@ -251,6 +254,28 @@ def engine_accept_length(target_path: str, prompts: Sequence[List[int]], max_new
     return result
 
 
+def serve_held_out(target_path: str, seqs: Sequence[FeatureSequence],
+                   specs: Sequence[Tuple[str, Dict[str, Any]]], engine_kwargs: Dict[str, Any],
+                   extra_tokens: int = 0) -> Dict[str, Dict[str, Any]]:
+    """:func:`engine_accept_length` of each ``(key, spec)`` on the prompts of the held-out
+    greedy ``seqs``, their continuations the reference outputs (the lossless check), one engine
+    each. ``engine_kwargs``: the engine's device, dtype, seed, threads; its request slots and
+    token pool are sized here for every sequence plus ``extra_tokens`` (a round's drafts).
+    Returns ``{key: result}``."""
+    prompts = [s.tokens[:s.prompt_len].tolist() for s in seqs]
+    outputs = [s.tokens[s.prompt_len:].tolist() for s in seqs]
+    per_request = max(len(s.tokens) for s in seqs) + extra_tokens
+    sized = {**engine_kwargs, "max_running_requests": len(seqs),
+             "max_total_tokens": len(seqs) * per_request + 64}
+    results = {}
+    for key, spec in specs:
+        print(f"[dspark] {spec['speculative_algorithm']} through the engine on the held-out "
+              "prompts", flush=True)
+        results[key] = engine_accept_length(target_path, prompts, max(map(len, outputs)), spec,
+                                            sized, reference_outputs=outputs)
+    return results
+
+
 def nextn_spec_kwargs(gamma: int) -> Dict[str, Any]:
     """Engine flags of NEXTN with ``gamma`` chained MTP drafts per round (verify width
     ``gamma + 1``), the NEXTN configuration comparable with a gamma-token DSpark block."""
@@ -297,21 +322,60 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     ap.add_argument("--data-cache", required=True,
                     help="a --data-cache file of python -m sglang.train.dspark for that target")
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--result-filename", default=None, help="append one JSON line per draft")
+    ap.add_argument("--served", action="store_true",
+                    help="also serve each draft (DSPARK) through sglang.Engine on the held-out "
+                         "prompts: accept length and outputs equal to the cache's greedy ones")
+    ap.add_argument("--compare-nextn", type=int, nargs="+", default=[], metavar="STEPS",
+                    help="also the target's NEXTN layer through the engine on the same prompts, "
+                         "at each number of chained drafts given")
+    ap.add_argument("--dtype", default="auto",
+                    help="the engines' dtype (auto: float32 on CPU, the checkpoint's on CUDA; "
+                         "use the one the cache was made in)")
+    ap.add_argument("--num-threads", type=int, default=None, help="CPU threads of the engines")
+    ap.add_argument("--result-filename", default=None,
+                    help="append one JSON line per draft (and per NEXTN setting)")
     args = ap.parse_args(argv)
+    if any(n < 1 for n in args.compare_nextn):
+        ap.error(f"--compare-nextn takes draft counts >= 1, got {args.compare_nextn}")
     try:
         rows = score_drafts(args.target_path, args.data_cache, args.drafts, args.device)
     except (OSError, ValueError) as exc:
         ap.error(str(exc))
+    if args.served or args.compare_nextn:
+        rows += _served_rows(args, rows)
     for r in rows:
-        print(f"{r['draft']}: accept length {r['accept_length']:.3f} over {r['verify_rounds']} "
-              f"rounds (gamma {r['gamma']}); prefix acceptance "
-              + ", ".join(f"{a:.3f}" for a in r["slot_accept"])
-              + f"; mean ECE {r['mean_ece']:.3f}")
+        if "accept_length_all_anchors" in r:  # an offline row
+            print(f"{r['draft']}: accept length {r['accept_length']:.3f} over "
+                  f"{r['verify_rounds']} rounds (gamma {r['gamma']}); prefix acceptance "
+                  + ", ".join(f"{a:.3f}" for a in r["slot_accept"])
+                  + f"; mean ECE {r['mean_ece']:.3f}")
+        else:
+            print(f"{r['draft']} served: accept length {r['accept_length']:.3f}; outputs equal "
+                  f"to the cache's greedy ones: {r['matches_plain_greedy']:.0%}")
         if args.result_filename:
             with open(args.result_filename, "a") as f:
                 f.write(json.dumps(r) + "\n")
     return rows
+
+
+def _served_rows(args: argparse.Namespace, offline: List[Dict[str, Any]]
+                 ) -> List[Dict[str, Any]]:
+    """The engine rows of :func:`main`: each draft served (``--served``) and NEXTN at each
+    ``--compare-nextn``; ``draft`` names the folder, or ``NEXTN-<steps>``."""
+    from sglang.train.dspark_data import load_feature_cache
+    from sglang.train.eval import engine_dtype
+
+    _, held = load_feature_cache(args.data_cache, {})
+    specs = [(f"NEXTN-{n}", nextn_spec_kwargs(n)) for n in args.compare_nextn]
+    if args.served:
+        specs += [(r["draft"], dspark_spec_kwargs(r["draft"])) for r in offline]
+    drafts = max([r["gamma"] for r in offline] + args.compare_nextn)
+    base = dict(device=args.device, dtype=engine_dtype(torch.device(args.device), args.dtype),
+                random_seed=0, log_level="warning")
+    if args.num_threads is not None:
+        base["cpu_num_threads"] = args.num_threads
+    served = serve_held_out(args.target_path, held, specs, base, 2 * drafts + 2)
+    return [{"draft": key, **result} for key, result in served.items()]
 
 
 if __name__ == "__main__":
