@@ -105,6 +105,12 @@ def repo_roots() -> List[str]:
     return roots
 
 
+def library_roots() -> List[str]:
+    """The ``sys.path`` entries as absolute paths: the import roots a library file outside
+    ``site-packages`` is named below."""
+    return [os.path.abspath(p or os.curdir) for p in sys.path]
+
+
 def _stack_at_warning(filename: str, lineno: int) -> List[traceback.FrameSummary]:
     """From inside a ``showwarning`` hook: the Python stack of the code the warning being shown
     was raised in, outermost first. A warning from C++ (``TORCH_WARN``) names the innermost

@@ -118,14 +118,14 @@ from sglang.srt.server_args import ServerArgs
 try:  # run as a script, benchmark/batch1 is on sys.path; imported by file path it may not be
     from census_common import (activities, device_events, git_commit, innermost_range,
                                install_range_hooks, is_top_level_op)
-    from host_attribution import (count_sync_sites, host_tables, rank_host_functions,
-                                  recording_syncs, repo_roots, sync_table)
+    from host_attribution import (count_sync_sites, host_tables, library_roots,
+                                  rank_host_functions, recording_syncs, repo_roots, sync_table)
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from census_common import (activities, device_events, git_commit, innermost_range,
                                install_range_hooks, is_top_level_op)
-    from host_attribution import (count_sync_sites, host_tables, rank_host_functions,
-                                  recording_syncs, repo_roots, sync_table)
+    from host_attribution import (count_sync_sites, host_tables, library_roots,
+                                  rank_host_functions, recording_syncs, repo_roots, sync_table)
 
 CATEGORY_PREFIX = "prefill-category::"  # category ranges (hooks)
 PREFILL_RANGE = "prefill-census::prefill"  # around the profiled worker.prefill call
@@ -351,7 +351,7 @@ def sync_census(worker: TpModelWorker, prompt_len: int, seed: int) -> Dict[str, 
     its ``host_attribution.sync_site``. Returns ``{"sync_sites": count_sync_sites(...), "syncs": total}``.
     CUDA only: the debug mode is CUDA's."""
     roots = repo_roots()
-    lib_roots = [os.path.abspath(p or os.curdir) for p in sys.path]
+    lib_roots = library_roots()
     got: Dict[str, List[Tuple[str, Optional[str]]]] = {}
 
     def wrap(prefill: Callable[..., Any]) -> Callable[..., Any]:
@@ -412,7 +412,7 @@ def host_census(worker: TpModelWorker, prompt_len: int, seed: int, top: int = 25
 
     _run_once_around_prefill(worker, prompt_len, seed, timing)
     _run_once_around_prefill(worker, prompt_len, seed, profiling)
-    lib_roots = [os.path.abspath(p or os.curdir) for p in sys.path]
+    lib_roots = library_roots()
     ranked = rank_host_functions(got.pop("stats"), repo_roots(), lib_roots, top)
     return {**got, "host_profile": ranked}
 

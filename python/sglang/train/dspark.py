@@ -200,13 +200,12 @@ def _engine_kwargs(args: argparse.Namespace, device: torch.device, dtype: str,
                    batch: Optional[int] = None) -> Dict[str, Any]:
     """The engines' flags: device, dtype, seed, threads; with ``batch`` also slots and a token
     pool for that many sequences of ``--prompt-len + --max-new-tokens``."""
-    kw: Dict[str, Any] = dict(device=device.type, dtype=dtype, random_seed=args.seed,
-                              log_level="warning")
+    from sglang.train.dspark_eval import engine_base_kwargs
+
+    kw = engine_base_kwargs(device.type, dtype, args.seed, args.num_threads)
     if batch is not None:
         kw.update(max_running_requests=batch,
                   max_total_tokens=batch * (args.prompt_len + args.max_new_tokens) + 64)
-    if args.num_threads is not None:
-        kw["cpu_num_threads"] = args.num_threads
     return kw
 
 
@@ -375,17 +374,6 @@ def train_draft(args: argparse.Namespace, config: Dict[str, Any],
     return draft, log
 
 
-def evaluate_saved(args: argparse.Namespace, out: Path, hf_config: Any, held: Sequence[Any],
-                   embed: torch.Tensor, head: torch.Tensor, device: torch.device) -> Dict[str, Any]:
-    """Load the saved folder with the serving loader and score it on the held-out data."""
-    from sglang.srt.models.dspark import load_dspark_draft
-    from sglang.train.dspark_eval import evaluate_draft
-
-    model = load_dspark_draft(str(out), hf_config, dtype=torch.float32, device=device)
-    model.set_embed_and_head(embed.to(device), head.to(device))
-    return evaluate_draft(model, held, head.to(device))
-
-
 def _dir_bytes(path: Path) -> int:
     return sum(p.stat().st_size for p in path.iterdir() if p.is_file())
 
@@ -394,7 +382,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     """Run the whole pipeline; returns the log (also written to ``OUTPUT_DIR/train_log.json``)."""
     from sglang.srt.configs.dspark import DSparkDraftConfig, default_target_layer_ids
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.train.dspark_eval import dspark_spec_kwargs, nextn_spec_kwargs, serve_held_out
+    from sglang.train.dspark_eval import (dspark_spec_kwargs, evaluate_folder,
+                                          nextn_spec_kwargs, serve_held_out)
     from sglang.train.eval import engine_dtype, resolve_device
     from sglang.train.tokenizer import MASK_TOKEN, load_tokenizer
 
@@ -437,7 +426,8 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
     draft.save_pretrained(str(out), dtype=save_dtype)  # creates the folder
     log["parameters"] = sum(p.numel() for p in draft.parameters())
 
-    log["eval"] = evaluate_saved(args, out, hf_config, held, embed, head, device)
+    # The saved folder, loaded with the serving loader, scored on the held-out data.
+    log["eval"] = evaluate_folder(str(out), hf_config, held, embed, head, device)
     spec_runs = []
     gamma = draft.config.gamma
     if args.compare_nextn is not None:  # the log's key: "nextn" at gamma, "nextn<N>" else

@@ -254,13 +254,23 @@ def engine_accept_length(target_path: str, prompts: Sequence[List[int]], max_new
     return result
 
 
+def engine_base_kwargs(device: str, dtype: str, seed: int = 0,
+                       num_threads: Optional[int] = None) -> Dict[str, Any]:
+    """The engine flags every evaluation engine shares: device, dtype, seed, quiet logs and, on
+    CPU, the threads (``None``: the engine's default). Sizes are the caller's."""
+    kw: Dict[str, Any] = dict(device=device, dtype=dtype, random_seed=seed, log_level="warning")
+    if num_threads is not None:
+        kw["cpu_num_threads"] = num_threads
+    return kw
+
+
 def serve_held_out(target_path: str, seqs: Sequence[FeatureSequence],
                    specs: Sequence[Tuple[str, Dict[str, Any]]], engine_kwargs: Dict[str, Any],
                    extra_tokens: int = 0) -> Dict[str, Dict[str, Any]]:
     """:func:`engine_accept_length` of each ``(key, spec)`` on the prompts of the held-out
     greedy ``seqs``, their continuations the reference outputs (the lossless check), one engine
-    each. ``engine_kwargs``: the engine's device, dtype, seed, threads; its request slots and
-    token pool are sized here for every sequence plus ``extra_tokens`` (a round's drafts).
+    each. ``engine_kwargs``: :func:`engine_base_kwargs`; its request slots and token pool are
+    sized here for every sequence plus ``extra_tokens`` (a round's drafts).
     Returns ``{key: result}``."""
     prompts = [s.tokens[:s.prompt_len].tolist() for s in seqs]
     outputs = [s.tokens[s.prompt_len:].tolist() for s in seqs]
@@ -288,28 +298,32 @@ def dspark_spec_kwargs(draft_path: str) -> Dict[str, Any]:
     return {"speculative_algorithm": "DSPARK", "speculative_draft_model_path": draft_path}
 
 
-def score_drafts(target_path: str, data_cache: str, drafts: Sequence[str],
+def evaluate_folder(path: str, hf_config: Any, seqs: Sequence[FeatureSequence],
+                    embed: torch.Tensor, head: torch.Tensor, device: Any) -> Dict[str, Any]:
+    """:func:`evaluate_draft` of the draft folder ``path``, loaded with the serving loader in
+    float32 and given the target's ``embed`` and ``head``, on ``seqs``."""
+    from sglang.srt.models.dspark import load_dspark_draft
+
+    model = load_dspark_draft(path, hf_config, dtype=torch.float32, device=device)
+    model.set_embed_and_head(embed.to(device), head.to(device))
+    return evaluate_draft(model, seqs, head.to(device))
+
+
+def score_drafts(target_path: str, seqs: Sequence[FeatureSequence], drafts: Sequence[str],
                  device: str = "cpu") -> List[Dict[str, Any]]:
-    """:func:`evaluate_draft` of each saved draft folder on the held-out sequences of
-    ``data_cache`` (a cache of ``target_path``: another target's is refused), in float32 with
-    the target's embedding and LM head, as ``python -m sglang.train.dspark`` scores the draft it
-    trains. One dict per draft: ``draft`` (its path) and the evaluation."""
+    """:func:`evaluate_folder` of each saved draft folder on ``seqs`` (held-out sequences of a
+    cache of ``target_path``) with the target's embedding and LM head, as ``python -m
+    sglang.train.dspark`` scores the draft it trains. One dict per draft: ``draft`` (its path)
+    and the evaluation."""
     from sglang.srt.configs.dspark import DSparkDraftConfig
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.models.dspark import load_dspark_draft
-    from sglang.train.dspark_data import (TargetFeatureRunner, load_feature_cache,
-                                          target_fingerprint)
+    from sglang.train.dspark_data import TargetFeatureRunner
 
-    _, held = load_feature_cache(data_cache, {"target": target_fingerprint(target_path)})
     hf_config = ModelConfig.from_path(target_path).hf_config
     layers = DSparkDraftConfig.from_path(drafts[0], hf_config).target_layer_ids
     embed, head = TargetFeatureRunner(target_path, layers, device=device).embed_and_head()
-    rows = []
-    for path in drafts:
-        model = load_dspark_draft(path, hf_config, dtype=torch.float32, device=device)
-        model.set_embed_and_head(embed.to(device), head.to(device))
-        rows.append({"draft": path, **evaluate_draft(model, held, head.to(device))})
-    return rows
+    return [{"draft": path, **evaluate_folder(path, hf_config, seqs, embed, head, device)}
+            for path in drafts]
 
 
 def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
@@ -337,12 +351,16 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     args = ap.parse_args(argv)
     if any(n < 1 for n in args.compare_nextn):
         ap.error(f"--compare-nextn takes draft counts >= 1, got {args.compare_nextn}")
-    try:
-        rows = score_drafts(args.target_path, args.data_cache, args.drafts, args.device)
+    from sglang.train.dspark_data import load_feature_cache, target_fingerprint
+
+    try:  # another target's cache is refused
+        _, held = load_feature_cache(args.data_cache,
+                                     {"target": target_fingerprint(args.target_path)})
+        rows = score_drafts(args.target_path, held, args.drafts, args.device)
     except (OSError, ValueError) as exc:
         ap.error(str(exc))
     if args.served or args.compare_nextn:
-        rows += _served_rows(args, rows)
+        rows += _served_rows(args, held, rows)
     for r in rows:
         if "accept_length_all_anchors" in r:  # an offline row
             print(f"{r['draft']}: accept length {r['accept_length']:.3f} over "
@@ -358,22 +376,18 @@ def main(argv: Optional[Sequence[str]] = None) -> List[Dict[str, Any]]:
     return rows
 
 
-def _served_rows(args: argparse.Namespace, offline: List[Dict[str, Any]]
-                 ) -> List[Dict[str, Any]]:
+def _served_rows(args: argparse.Namespace, held: Sequence[FeatureSequence],
+                 offline: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """The engine rows of :func:`main`: each draft served (``--served``) and NEXTN at each
     ``--compare-nextn``; ``draft`` names the folder, or ``NEXTN-<steps>``."""
-    from sglang.train.dspark_data import load_feature_cache
     from sglang.train.eval import engine_dtype
 
-    _, held = load_feature_cache(args.data_cache, {})
     specs = [(f"NEXTN-{n}", nextn_spec_kwargs(n)) for n in args.compare_nextn]
     if args.served:
         specs += [(r["draft"], dspark_spec_kwargs(r["draft"])) for r in offline]
     drafts = max([r["gamma"] for r in offline] + args.compare_nextn)
-    base = dict(device=args.device, dtype=engine_dtype(torch.device(args.device), args.dtype),
-                random_seed=0, log_level="warning")
-    if args.num_threads is not None:
-        base["cpu_num_threads"] = args.num_threads
+    base = engine_base_kwargs(args.device, engine_dtype(torch.device(args.device), args.dtype),
+                              num_threads=args.num_threads)
     served = serve_held_out(args.target_path, held, specs, base, 2 * drafts + 2)
     return [{"draft": key, **result} for key, result in served.items()]
 
