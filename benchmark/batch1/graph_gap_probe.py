@@ -26,7 +26,9 @@ a long eager prefill); fla-core's ``chunk_kda`` over 1024 tokens, eagerly and th
 graph, when fla is installed (the prefill's KDA kernels). CUDA only.
 
 ``--event NAME`` runs one event instead of the sequence, in a fresh process, so its effect is
-its own: torch's ``zero_`` (on CUDA a fill kernel, not a memset node) eagerly, or in a graph
+its own: two or three more graphs of one launch each (``graphs_2``, ``graphs_3``: three or four
+graphs in the process), those three then a freshly compiled Triton kernel run eagerly
+(``graphs_3_new_module``; ``new_module`` alone), torch's ``zero_`` (on CUDA a fill kernel, not a memset node) eagerly, or in a graph
 replayed (``zero_graph``; over one element: ``small_zero_graph``; on a side stream:
 ``zero_graph_side_stream``) or only captured (``zero_captured``), ``fill_(1)`` / a Triton
 kernel writing the same zeros / a device copy in a graph replayed. After its two rows
@@ -216,7 +218,30 @@ def _single_events(buf: torch.Tensor, other: torch.Tensor, dump: Optional[str]
         with torch.cuda.stream(side):
             graph.replay()
         torch.cuda.current_stream().wait_stream(side)
+    def one_node_graphs(count: int) -> None:
+        # ``count`` more graphs of one launch each, captured and replayed: with the chain, a
+        # process of ``count + 1`` graphs (servers slow from the fourth: docs/performance.md,
+        # "The fourth CUDA graph").
+        cell = torch.zeros(1, device=buf.device)
+        for i in range(count):
+            graph = _capture(lambda: _bump_kernel[(1,)](cell), dump=path(f"one_node_{i}"))
+            graph.replay()
+            _HELD.append(graph)
+
+    def new_module() -> None:
+        # A kernel compiled and loaded now (a new module in the context), launched eagerly:
+        # what fla's first chunk_kda call does among other things.
+        @triton.jit
+        def _fresh_kernel(x_ptr, BLOCK: tl.constexpr):
+            offs = tl.arange(0, BLOCK)
+            tl.store(x_ptr + offs, tl.load(x_ptr + offs) * 2.0 + 1.0)
+        _fresh_kernel[(1,)](other, BLOCK=16)
+        torch.cuda.synchronize()
     return {
+        "graphs_2": lambda: one_node_graphs(2),
+        "graphs_3": lambda: one_node_graphs(3),
+        "graphs_3_new_module": lambda: (one_node_graphs(3), new_module()),
+        "new_module": new_module,
         "zero_eager": lambda: (buf.zero_(), torch.cuda.synchronize()),
         "zero_graph": lambda: _capture(buf.zero_, warm=False, dump=path("zero")).replay(),
         "small_zero_graph": lambda: _capture(buf[:1].zero_, warm=False,
@@ -239,9 +264,11 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, object]]:
     ap.add_argument("--replays", type=int, default=200, help="back-to-back replays per row")
     ap.add_argument("--result-filename", default=None, help="append one JSON line per row")
     ap.add_argument("--event", default=None,
-                    help="only this event after the first row (zero_eager, zero_graph, "
-                         "small_zero_graph, zero_graph_side_stream, zero_captured, "
-                         "fill1_graph, triton_zero_graph, copy_graph), then the "
+                    help="only this event after the first row (graphs_2 / graphs_3: two or "
+                         "three more graphs of one launch each; graphs_3_new_module: then a "
+                         "freshly compiled kernel run eagerly; new_module: that alone; "
+                         "zero_eager, zero_graph, small_zero_graph, zero_graph_side_stream, "
+                         "zero_captured, fill1_graph, triton_zero_graph, copy_graph), then the "
                          "chain again twice and once on a new stream")
     ap.add_argument("--dump-dir", default=None,
                     help="with --event: write its graphs' DOT files here and print their node "

@@ -1,7 +1,8 @@
 """Where in the host's code a measured call spends its time and synchronises: the call site of
-each synchronising CUDA call (from the warnings of torch's sync debug mode), a cProfile run
-ranked by function and by package, and the tables of both. Used by ``prefill_census.py``
-(``--sync-sites``, ``--host-profile``); nothing here runs a model.
+each synchronising CUDA call (from the warnings of torch's sync debug mode), the call site of
+each torch op that only copies or fills memory, a cProfile run ranked by function and by
+package, and their tables. Used by ``prefill_census.py`` (``--sync-sites``, ``--copy-sites``,
+``--host-profile``); nothing here runs a model.
 
 Paths are named as a reader would look for them: below this checkout's ``python/`` and
 ``sgl-kernel/python/`` trees (the lines to change), else as an import path below
@@ -158,6 +159,78 @@ def recording_syncs(roots: Sequence[str], lib_roots: Sequence[str] = ()
 
 
 
+# The aten ops that only move or fill memory (a layout or dtype change, a concatenation, a
+# gather, a fill): what a prefill can drop by writing its tensors where they are read.
+COPY_OPS = frozenset({"copy_", "clone", "_to_copy", "cat", "stack", "fill_", "zero_",
+                      "index_select", "index_copy_", "index_put_", "masked_fill_", "zeros_like",
+                      "new_zeros", "contiguous"})
+
+
+def _bytes_written(func_name: str, args: Sequence[Any], out: Any) -> int:
+    """Bytes an op of :data:`COPY_OPS` wrote: its outputs' (an in-place op's: the tensor it
+    wrote into, its first argument)."""
+    import torch
+
+    if func_name.endswith("_") and args and isinstance(args[0], torch.Tensor):
+        out = args[0]
+    tensors = out if isinstance(out, (list, tuple)) else [out]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
+# Frames of torch's mode machinery between an op's caller and a dispatch mode's handler.
+_DISPATCH_FRAMES = (os.sep.join(("torch", "_dynamo", "")), os.sep.join(("torch", "_compile.py")),
+                    os.sep.join(("torch", "utils", "_python_dispatch.py")))
+
+
+def _is_dispatch_machinery(filename: str) -> bool:
+    path = _norm(filename)
+    return path == _norm(__file__) or any(part in path for part in _DISPATCH_FRAMES)
+
+
+@contextlib.contextmanager
+def recording_copies(roots: Sequence[str], lib_roots: Sequence[str] = (), min_bytes: int = 1
+                     ) -> Iterator[List[Tuple[str, Optional[str], str, int]]]:
+    """Within the block, every aten op of :data:`COPY_OPS` that writes at least ``min_bytes``
+    appends ``(site, via, op, bytes)`` to the yielded list (:func:`sync_site` of the Python
+    stack that called it), through a ``TorchDispatchMode``: torch ops only, so a Triton or
+    library kernel launched directly is not seen, and ops are seen below autograd (``x.to()``
+    is ``_to_copy``, ``x.contiguous()`` of a strided view is ``clone``)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    records: List[Tuple[str, Optional[str], str, int]] = []
+
+    class _Copies(TorchDispatchMode):
+        def __torch_dispatch__(self, func: Any, types: Any, args: Sequence[Any] = (),
+                               kwargs: Optional[Dict[str, Any]] = None) -> Any:
+            out = func(*args, **(kwargs or {}))
+            name = func.overloadpacket.__name__
+            if name in COPY_OPS:
+                written = _bytes_written(name, args, out)
+                if written >= min_bytes:
+                    stack = traceback.extract_stack(sys._getframe(1), limit=None)
+                    while stack and _is_dispatch_machinery(stack[-1].filename):
+                        stack.pop()  # the caller of the op is what is named
+                    records.append((*sync_site(stack, roots, lib_roots), name, written))
+            return out
+
+    with _Copies():
+        yield records
+
+
+def count_copy_sites(records: Iterable[Tuple[str, Optional[str], str, int]]
+                     ) -> List[Dict[str, Any]]:
+    """``[{"site", "via", "op", "count", "mb"}, ...]``: one entry per distinct ``(site, via,
+    op)``, most bytes first (ties by site, via, op), ``mb`` the MiB written there in all."""
+    counts: Counter = Counter()
+    written: Counter = Counter()
+    for site, via, op, nbytes in records:
+        counts[(site, via, op)] += 1
+        written[(site, via, op)] += nbytes
+    ranked = sorted(counts, key=lambda k: (-written[k], k[0], k[1] or "", k[2]))
+    return [{"site": site, "via": via, "op": op, "count": counts[(site, via, op)],
+             "mb": written[(site, via, op)] / 2**20} for site, via, op in ranked]
+
+
 # ============================================================================================
 # cProfile
 # ============================================================================================
@@ -234,6 +307,19 @@ def sync_table(result: Dict[str, Any]) -> str:
     for row in result["sync_sites"]:
         lines.append(f"| {row['count']} | {row['site']} | {row['via'] or ''} |")
     lines.append(f"| **{result['syncs']}** | **total** ({len(result['sync_sites'])} sites) | |")
+    return "\n".join(lines)
+
+
+def copy_table(result: Dict[str, Any]) -> str:
+    """The markdown table ``| MiB | ops | op | site | via |`` of a result with ``copy_sites``,
+    most bytes first, with a total row."""
+    lines = ["| MiB | ops | op | site | via |", "|---|---|---|---|---|"]
+    for row in result["copy_sites"]:
+        lines.append(f"| {row['mb']:.1f} | {row['count']} | {row['op']} | {row['site']} | "
+                     f"{row['via'] or ''} |")
+    total = sum(row["mb"] for row in result["copy_sites"])
+    lines.append(f"| **{total:.1f}** | **{sum(r['count'] for r in result['copy_sites'])}** | "
+                 f"| **total** ({len(result['copy_sites'])} sites) | |")
     return "\n".join(lines)
 
 

@@ -40,7 +40,7 @@ The worker is built as ``python -m sglang.bench_one_batch`` builds it (the same 
 no CUDA graphs) and each prefill is bench_one_batch's ``run_once`` with one output token: one
 request of ``--prompt-len`` random ids in a fresh request slot, its KV and state released after.
 One warm-up prefill, ``--timed`` unprofiled timed ones, then one profiled prefill (and with
-``--sync-sites``, ``--host-profile`` and ``--routing`` more, last: they perturb none of the
+``--sync-sites``, ``--copy-sites``, ``--host-profile`` and ``--routing`` more, last: they perturb none of the
 measured ones; ``--routing`` counts the pairs per expert of every MoE layer, to tell whether
 the model routes as uniformly as the MoE tile sweep assumes).
 
@@ -86,6 +86,14 @@ one under ``cProfile``: the N functions with the most time of their own (a launc
 a shape check) and this repository's N with the most time including callees
 (:func:`host_census`). An eager prefill whose GPU is idle most of its wall is host-bound; this
 says on which lines.
+
+Copies (``--copy-sites``, any device): one more prefill under a ``TorchDispatchMode`` that
+counts every torch op that only moves or fills memory (``copy_``, ``clone`` (a
+``.contiguous()`` of a strided view), ``_to_copy``, ``cat``, fills, index copies:
+``host_attribution.COPY_OPS``) writing at least ``--copy-min-mb`` (1 MiB), at its call site as for syncs, with the
+MiB written there: ``copy_sites`` (``site``, ``via``, ``op``, ``count``, ``mb``; most bytes
+first) and ``copy_mb``, and the table ``| MiB | ops | op | site | via |``. Kernels launched
+without a torch op (Triton's, a library's own) are not seen.
 """
 from __future__ import annotations
 
@@ -118,14 +126,16 @@ from sglang.srt.server_args import ServerArgs
 try:  # run as a script, benchmark/batch1 is on sys.path; imported by file path it may not be
     from census_common import (activities, device_events, git_commit, innermost_range,
                                install_range_hooks, is_top_level_op)
-    from host_attribution import (count_sync_sites, host_tables, library_roots,
-                                  rank_host_functions, recording_syncs, repo_roots, sync_table)
+    from host_attribution import (copy_table, count_copy_sites, count_sync_sites, host_tables,
+                                  library_roots, rank_host_functions, recording_copies,
+                                  recording_syncs, repo_roots, sync_table)
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from census_common import (activities, device_events, git_commit, innermost_range,
                                install_range_hooks, is_top_level_op)
-    from host_attribution import (count_sync_sites, host_tables, library_roots,
-                                  rank_host_functions, recording_syncs, repo_roots, sync_table)
+    from host_attribution import (copy_table, count_copy_sites, count_sync_sites, host_tables,
+                                  library_roots, rank_host_functions, recording_copies,
+                                  recording_syncs, repo_roots, sync_table)
 
 CATEGORY_PREFIX = "prefill-category::"  # category ranges (hooks)
 PREFILL_RANGE = "prefill-census::prefill"  # around the profiled worker.prefill call
@@ -371,6 +381,28 @@ def sync_census(worker: TpModelWorker, prompt_len: int, seed: int) -> Dict[str, 
     return {"sync_sites": sites, "syncs": sum(s["count"] for s in sites)}
 
 
+def copy_census(worker: TpModelWorker, prompt_len: int, seed: int, min_mb: float = 1.0
+                ) -> Dict[str, Any]:
+    """One unprofiled prefill with every torch op that only copies or fills memory
+    (``host_attribution.COPY_OPS``, writing at least ``min_mb`` MiB) counted at its call site:
+    the tensors a prefill writes twice. Returns ``{"copy_sites": count_copy_sites(...),
+    "copy_mb": total MiB, "copy_min_mb": min_mb}``. Any device (the ops are seen on the host, by torch's dispatcher)."""
+    roots = repo_roots()
+    lib_roots = library_roots()
+    got: Dict[str, List[Tuple[str, Optional[str], str, int]]] = {}
+
+    def wrap(prefill: Callable[..., Any]) -> Callable[..., Any]:
+        def wrapped(*args: Any, **kwargs: Any) -> Any:
+            with recording_copies(roots, lib_roots, int(min_mb * 2**20)) as records:
+                got["records"] = records
+                return prefill(*args, **kwargs)
+        return wrapped
+
+    _run_once_around_prefill(worker, prompt_len, seed, wrap)
+    sites = count_copy_sites(got["records"])
+    return {"copy_sites": sites, "copy_mb": sum(s["mb"] for s in sites), "copy_min_mb": min_mb}
+
+
 def host_census(worker: TpModelWorker, prompt_len: int, seed: int, top: int = 25
                 ) -> Dict[str, Any]:
     """Where the host's time of one prefill goes. One unprofiled prefill times the host alone:
@@ -458,13 +490,14 @@ def routing_census(worker: TpModelWorker, prompt_len: int, seed: int) -> Dict[st
 
 def run_prefill_census(worker: TpModelWorker, prompt_len: int, seed: int, timed: int,
                        top: int = 3, sync_sites: bool = False, host_profile: int = 0,
-                       routing: bool = False) -> Dict[str, Any]:
+                       routing: bool = False, copy_sites: bool = False,
+                       copy_min_mb: float = 1.0) -> Dict[str, Any]:
     """Warm-up, ``timed`` unprofiled prefills, then the profiled one and its census (times in
     ms; ``top`` names per category by time and by launches). ``sync_sites`` (CUDA): then one
     more prefill, :func:`sync_census`, whose keys join the result (last: the debug mode's
     warnings and stack walks slow the host, so no measured prefill runs with them).
     ``host_profile`` > 0: then :func:`host_census` with that many functions per table.
-    ``routing``: then :func:`routing_census`."""
+    ``routing``: then :func:`routing_census`. ``copy_sites``: then :func:`copy_census` (writes of at least ``copy_min_mb`` MiB)."""
     run_once(worker, 1, prompt_len, 1, seed)  # warm-up: allocator, Triton compiles, autotune
     plain = [run_once(worker, 1, prompt_len, 1, seed)["prefill_latency"] * 1e3
              for _ in range(timed)]
@@ -486,6 +519,8 @@ def run_prefill_census(worker: TpModelWorker, prompt_len: int, seed: int, timed:
         out.update(host_census(worker, prompt_len, seed, host_profile))
     if routing:
         out.update(routing_census(worker, prompt_len, seed))
+    if copy_sites:
+        out.update(copy_census(worker, prompt_len, seed, copy_min_mb))
     return out
 
 
@@ -535,6 +570,10 @@ def _print(result: Dict[str, Any]) -> None:
     if "sync_sites" in result:
         print(f"synchronising calls in one more prefill (sync debug mode): {result['syncs']}")
         print(sync_table(result))
+    if "copy_sites" in result:
+        print(f"copies and fills of at least {result['copy_min_mb']:g} MiB in one more "
+              f"prefill: {result['copy_mb']:.1f} MiB written")
+        print(copy_table(result))
     if "host_profile" in result:
         print(host_tables(result))
     routing = result.get("routing")
@@ -581,6 +620,12 @@ def _parser() -> argparse.ArgumentParser:
                         help="then one more prefill counting the (token, expert) pairs per "
                              "expert of every MoE layer: experts touched and the largest group, "
                              "against uniform routing (what a tile sweep assumes)")
+    parser.add_argument("--copy-sites", action="store_true",
+                        help="then one more prefill counting every torch op that only copies "
+                             "or fills memory (at least --copy-min-mb) at its call site, with "
+                             "the MiB it wrote")
+    parser.add_argument("--copy-min-mb", type=float, default=1.0,
+                        help="--copy-sites: the smallest write counted, MiB")
     add_kernel_choices_arg(parser)
     return parser
 
@@ -617,6 +662,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     if min(args.prompt_len) < 1 or args.timed < 0 or args.top < 1 or args.host_profile < 0:
         parser.error(f"--prompt-len and --top must be >= 1 and --timed, --host-profile >= 0, "
                      f"got {args.prompt_len}, {args.top}, {args.timed}, {args.host_profile}")
+    if args.copy_min_mb < 0:
+        parser.error(f"--copy-min-mb must be >= 0, got {args.copy_min_mb}")
     try:
         server_args = ServerArgs.from_cli_args(args)
     except ValueError as exc:
@@ -645,7 +692,8 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     results = []
     for prompt_len in args.prompt_len:
         measured = run_prefill_census(worker, prompt_len, args.seed, args.timed, args.top,
-                                      sync_sites, args.host_profile, args.routing)
+                                      sync_sites, args.host_profile, args.routing,
+                                      args.copy_sites, args.copy_min_mb)
         default_label = f"{layers}L {dtype}{' ' + quant if quant else ''}"
         result = {"label": f"{args.label or default_label} {prompt_len}",
                   "device": runner.device.type,

@@ -281,6 +281,19 @@ def _models(sched: Scheduler) -> List[nn.Module]:
     return models
 
 
+def kernels_by_name(device: Sequence[Any], steps: int) -> List[List[Any]]:
+    """``[[name, launches per iteration, µs per iteration], ...]`` of device events (``name``,
+    ``time_range``), most launched first (ties: more time first, then name): what a replayed
+    graph's nodes are, where a category census cannot see them (replays call no Python)."""
+    count: Dict[str, int] = collections.Counter()
+    us: Dict[str, float] = collections.Counter()
+    for e in device:
+        count[e.name] += 1
+        us[e.name] += e.time_range.elapsed_us()
+    ranked = sorted(count, key=lambda n: (-count[n], -us[n], n))
+    return [[n, count[n] / steps, us[n] / steps] for n in ranked]
+
+
 def run_category_census(sched: Scheduler, steps: int) -> Dict[str, Any]:
     """Eager census by category (hooks installed only while profiling) and, with a graph
     runner, the graph totals. The request must be running and warm."""
@@ -296,7 +309,8 @@ def run_category_census(sched: Scheduler, steps: int) -> Dict[str, Any]:
         device = _device_events(prof.events())
         graph = {"iter_ms": iter_ms, "profiled_iter_ms": profiled_ms,
                  "kernels": len(device) / steps,
-                 "us": sum(e.time_range.elapsed_us() for e in device) / steps}
+                 "us": sum(e.time_range.elapsed_us() for e in device) / steps,
+                 "by_kernel": kernels_by_name(device, steps)}
     worker.graph_runner = None  # eager: every launch has a Python caller
     try:
         for _ in range(2):  # the eager path's first calls after graph replays
@@ -522,6 +536,10 @@ def _print_categories(result: Dict[str, Any], floors_note: bool) -> None:
         print(f"graphs: {graph['iter_ms']:.2f} ms per iteration unprofiled, "
               f"{graph['profiled_iter_ms']:.2f} ms profiled; replays {graph['kernels']:.1f} "
               f"kernels, {graph['us']:.1f} us kernel time per iteration")
+        print("| launches / iteration | us / iteration | kernel (replayed graphs) |")
+        print("|---|---|---|")
+        for name, n, us in graph["by_kernel"]:
+            print(f"| {n:.1f} | {us:.1f} | {name[:110]} |")
     if result["device"] != "cuda":
         print("CPU: 'kernels' are top-level aten ops and 'device us' their CPU time")
     if floors_note:

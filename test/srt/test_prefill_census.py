@@ -389,6 +389,36 @@ def test_sync_census_records_every_sync_at_its_site(monkeypatch):
     assert shown[-1] == "called a synchronizing CUDA operation"
 
 
+def _copying_layer(x: torch.Tensor):
+    """Repository code: three copies and a fill of 16-32 KiB, a small copy, no-copy ops."""
+    a = x.t().contiguous()
+    b = torch.cat([x, x])
+    c = x.to(torch.float64)
+    a.zero_()
+    small = x[:2].t().contiguous()
+    return a, b, c, small, x + 1, x[:1].contiguous()
+
+
+def test_recording_copies_names_each_copy_at_its_site():
+    """``--copy-sites``' recorder: each torch op that only copies or fills memory, at its
+    caller's line with its op and bytes, the small one left out; ranked by bytes, then site."""
+    x = torch.randn(64, 64)  # 16 KiB
+    with ha.recording_copies([str(Path(__file__).resolve().parent)], min_bytes=4096) as recs:
+        _copying_layer(x)
+    line = _copying_layer.__code__.co_firstlineno
+    me = Path(__file__).name
+    site = lambda n: f"{me}:{line + n} (_copying_layer)"  # noqa: E731
+    assert ha.count_copy_sites(recs) == [
+        {"site": site(3), "via": None, "op": "cat", "count": 1, "mb": 32 / 1024},
+        {"site": site(4), "via": None, "op": "_to_copy", "count": 1, "mb": 32 / 1024},
+        {"site": site(2), "via": None, "op": "clone", "count": 1, "mb": 16 / 1024},
+        {"site": site(5), "via": None, "op": "zero_", "count": 1, "mb": 16 / 1024}]
+    with ha.recording_copies([str(Path(__file__).resolve().parent)]) as recs:
+        pass
+    assert recs == [] and ha.count_copy_sites([]) == []
+    x.t().contiguous()  # the mode is gone after the block
+
+
 def test_sync_sites_on_cpu_is_a_noop(tmp_path):
     path = tmp_path / "sync.jsonl"
     out = _run_census("--prompt-len", str(PROMPT // 2), "--timed", "0", "--sync-sites",
@@ -482,7 +512,7 @@ def test_routing_census_counts_pairs_per_expert(tmp_path):
     expectation."""
     path = tmp_path / "routing.jsonl"
     out = _run_census("--prompt-len", str(PROMPT), "--timed", "0", "--routing",
-                      "--result-filename", str(path))
+                      "--copy-sites", "--copy-min-mb", "0.001", "--result-filename", str(path))
     assert out.returncode == 0, out.stderr[-2000:]
     [rec] = [json.loads(line) for line in path.read_text().splitlines()]
     cfg = _tiny_config()
@@ -499,3 +529,11 @@ def test_routing_census_counts_pairs_per_expert(tmp_path):
     assert r["touched_min"] == min(t for t, _ in r["per_layer"])
     assert 0 < r["uniform_touched"] <= r["experts"]
     assert "routing: " in out.stdout and "uniform top-" in out.stdout
+    # --copy-sites in the same run: the KDA layers' conv window cat is among the sites, each
+    # site named in this repository, the total their sum.
+    sites = rec["copy_sites"]
+    assert rec["copy_min_mb"] == 0.001 and sites
+    assert rec["copy_mb"] == pytest.approx(sum(s["mb"] for s in sites))
+    assert all(s["site"].startswith(("sglang/", "sgl_kernel/")) for s in sites)
+    assert any(s["op"] == "cat" and "kda_ops.py" in s["site"] for s in sites)
+    assert "| MiB | ops | op | site | via |" in out.stdout

@@ -201,6 +201,18 @@ def test_cuda_attribution_on_synthetic_events():
     assert sum(r["kernels"] for r in rows.values()) == total["kernels"]
 
 
+def test_kernels_by_name_ranks_a_replay_by_launches():
+    """The replayed graphs' histogram: launches and µs per iteration, most launched first,
+    ties by time then name."""
+    ev = lambda name, us: SimpleNamespace(name=name, time_range=SimpleNamespace(  # noqa: E731
+        elapsed_us=lambda: us))
+    device = [ev("gemv", 3.0), ev("norm", 1.0), ev("gemv", 5.0), ev("norm", 1.0),
+              ev("copy", 0.5), ev("add", 0.5)]
+    assert rc.kernels_by_name(device, 2) == [["gemv", 1.0, 4.0], ["norm", 1.0, 1.0],
+                                             ["add", 0.5, 0.25], ["copy", 0.5, 0.25]]
+    assert rc.kernels_by_name([], 3) == []
+
+
 def test_range_timeline_answers_the_innermost_open_range():
     RangeTimeline = rc.RangeTimeline  # census_common's, as round_census imports it
     p = "r::"
