@@ -25,6 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from cold_l2 import capture_graph  # benchmark/kernels/cold_l2.py
 from sglang.srt.distributed.parallel_state import (destroy_distributed_environment, free_port,
                                                    get_tp_group, init_distributed_environment,
                                                    tensor_model_parallel_all_reduce)
@@ -53,15 +54,7 @@ def _mean_us(fn: Callable[[], object], iters: int, on_cuda: bool) -> float:
 
 def _graph_us(fn: Callable[[], object], calls: int, replays: int) -> float:
     """Mean microseconds per call of ``fn`` captured ``calls`` times in one CUDA graph."""
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):  # NCCL wants a warm-up on the capture stream
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
+    graph = capture_graph(fn, calls)
     graph.replay()
     return _mean_us(graph.replay, replays, True) / calls
 

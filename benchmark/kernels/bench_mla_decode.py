@@ -5,6 +5,7 @@ attention, what ``TorchNativeMLABackend`` runs) vs the Triton split-K kernel
 
     python benchmark/kernels/bench_mla_decode.py [--contexts 1024 8192] [--tokens 1 4] [--iters 50]
     python benchmark/kernels/bench_mla_decode.py --config 32 64 8 2  # BLOCK_N SPLIT_MIN warps stages
+    python benchmark/kernels/bench_mla_decode.py --merge-block-v 512  # one merge program per row
     python benchmark/kernels/bench_mla_decode.py --smoke  # tiny dims (on CPU: Triton interpreter)
 
 Each timed call is preceded by a write of a buffer larger than L2, so the cache rows come from
@@ -22,12 +23,12 @@ import dataclasses
 import os
 import sys
 from pathlib import Path
-from typing import Callable, List, Optional
+from typing import List, Optional
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # cold_l2, beside this file
-from cold_l2 import cold_time_us, flush_buffer  # noqa: E402
+from cold_l2 import capture_graph, cold_time_us, flush_buffer  # noqa: E402
 
 
 def _torch_path(q, kv, req_to_token, rpi, pos, v_dim, scale, heads):
@@ -39,19 +40,6 @@ def _torch_path(q, kv, req_to_token, rpi, pos, v_dim, scale, heads):
     return lambda: mla_decode_attention(
         q, kv[req_to_token[rpi, :width].long()], (pos + 1).repeat_interleave(heads, dim=1),
         v_dim, scale)
-
-
-def _graph_replay(fn: Callable[[], object]) -> Callable[[], object]:
-    """``fn`` captured once in a CUDA graph (after a warm-up on a side stream): its replay."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def _override_config(mod, block_n: int, split_min: int, warps: int, stages: int) -> None:
@@ -81,6 +69,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--config", type=int, nargs=4,
                    metavar=("BLOCK_N", "SPLIT_MIN", "WARPS", "STAGES"),
                    help="override the kernel's launch sizes (GPU tuning)")
+    p.add_argument("--block-h", type=int, default=0,
+                   help="query rows per split program at every N (default: the kernel's "
+                        "rule, 16 / 32 / 64 by the row count)")
+    p.add_argument("--merge-block-v", type=int, default=0,
+                   help="value channels per merge program (default: the kernel's; 512: one "
+                        "program per query row, the merge before its V split)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny dims, one iteration; on CPU in Triton's interpreter (a test runs it)")
     args = p.parse_args(argv)
@@ -98,6 +92,11 @@ def main(argv: Optional[List[str]] = None) -> None:
 
     if args.config:
         _override_config(mod, *args.config)
+    if args.merge_block_v:
+        base = mod._config
+        mod._config = lambda dk: dataclasses.replace(base(dk), merge_block_v=args.merge_block_v)
+    if args.block_h:  # every row count, in place of the kernel's rule
+        mod._rows_per_program = lambda cfg, rows, batch_invariant=False: args.block_h
     torch.manual_seed(0)
     b, heads, v = args.batch, args.heads, args.kv_lora_rank
     dk = v + args.rope_dim
@@ -137,7 +136,7 @@ def main(argv: Optional[List[str]] = None) -> None:
             gbytes = b * ctx * dk * kv.element_size() / 1e9
             graph = "- | - | -"  # no CUDA graphs off CUDA
             if on_cuda:
-                t_graph = cold_time_us(_graph_replay(triton_fn), args.iters, flush)
+                t_graph = cold_time_us(capture_graph(triton_fn).replay, args.iters, flush)
                 graph = (f"{t_graph:.1f} | {gbytes / (t_graph * 1e-6):.0f} | "
                          f"{t_torch / t_graph:.2f}x")
             print(f"| {b} | {ctx} | {n} | {splits} | {t_torch:.1f} | "

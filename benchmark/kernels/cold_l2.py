@@ -40,6 +40,22 @@ def cold_time_us(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> f
     return 1000.0 * sum(s.elapsed_time(e) for s, e in zip(starts, ends)) / iters
 
 
+def capture_graph(fn: Callable[[], object], calls: int = 1) -> "torch.cuda.CUDAGraph":
+    """``calls`` calls of ``fn`` captured in one CUDA graph, after one warm-up call on a side
+    stream (Triton compiles, a library picks its kernel, NCCL warms up on the capture stream,
+    none of which a capture may do). Replay it to time the kernels without host launches."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            fn()
+    return graph
+
+
 def kernel_bench_device(script: str) -> Tuple[str, torch.dtype]:
     """``(device, dtype)`` of a kernel benchmark: CUDA in bf16, or under ``TRITON_INTERPRET=1``
     the CPU in fp32 (a smoke run of the script); anything else exits naming ``script``."""

@@ -37,7 +37,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from cold_l2 import kernel_bench_device  # benchmark/kernels/cold_l2.py
+from cold_l2 import capture_graph, kernel_bench_device  # benchmark/kernels/cold_l2.py
 from sgl_kernel.fp8_act_quant import group_dequantize, per_token_group_quant_fp8
 from sgl_kernel.fp8_blocks import block_dequantize, block_quantize
 from sgl_kernel.moe_grouped_gemm import (CONFIG_PATH, LaunchConfig, config_fields, config_key,
@@ -87,14 +87,7 @@ def time_us(fn: Callable[[], object], iters: int, on_cuda: bool) -> float:
         for _ in range(iters):
             fn()
         return 1e6 * (time.perf_counter() - start) / iters
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
+    graph = capture_graph(fn)
     graph.replay()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(iters)]

@@ -93,6 +93,19 @@ def test_rejects_bad_inputs(aq):
                                      out_scale=torch.empty(4, 2, device=DEVICE))
 
 
+@pytest.mark.parametrize("block_m,num_warps", [(16, 4), (32, 2), (128, 8)])
+def test_tiles_give_the_same_bits(aq, block_m, num_warps):
+    """The tiling knobs (rows per program, warps) change no value: a ragged row count and
+    last group, against the rule; a block_m that is not a power of two is refused."""
+    x = (torch.randn(45, 200, generator=torch.Generator().manual_seed(7)) * 5).to(DEVICE)
+    q, s = aq.per_token_group_quant_fp8(x, block_m=block_m, num_warps=num_warps)
+    ref_q, ref_s = aq.per_token_group_quant_fp8_reference(x)
+    assert torch.equal(s, ref_s)
+    _check_close(q, ref_q)
+    with pytest.raises(ValueError, match="block_m must be a power of two"):
+        aq.per_token_group_quant_fp8(x, block_m=24)
+
+
 def test_empty(aq):
     q, s = aq.per_token_group_quant_fp8(torch.empty(0, 256, device=DEVICE))
     assert q.shape == (0, 256) and s.shape == (0, 2)
@@ -103,7 +116,8 @@ def test_empty(aq):
 def test_bf16_bit_equal_on_cuda(aq):
     """bf16 activations of a prefill's width (2560): bit-equal to the rule on the GPU."""
     x = torch.randn(1000, 2560, device="cuda", dtype=torch.bfloat16) * 3
-    q, s = aq.per_token_group_quant_fp8(x)
     ref_q, ref_s = aq.per_token_group_quant_fp8_reference(x)
-    assert torch.equal(s, ref_s)
-    assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))
+    for block_m, warps in ((None, 4), (64, 4), (128, 8)):  # the default and larger tiles
+        q, s = aq.per_token_group_quant_fp8(x, block_m=block_m, num_warps=warps)
+        assert torch.equal(s, ref_s)
+        assert torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8))

@@ -235,6 +235,26 @@ def test_kda_prefill_conv_sweep_times_the_default_and_checks_bits():
     assert rows and "16/16/4" in rows[-1][4] and "8/32/4" in rows[-1][4], stdout
 
 
+def test_fp8_act_quant_sweep_checks_bits_and_names_the_fastest():
+    """benchmark/kernels/tune_fp8_act_quant.py on one tiny shape in the interpreter: every tile
+    is checked against the default tile's bits and timed, and the summary names the fastest."""
+    stdout = _run("kernels/tune_fp8_act_quant.py", "--rows", "24", "--cols", "256",
+                  "--block-m", "16", "32", "--num-warps", "4", "--iters", "1",
+                  TRITON_INTERPRET="1")
+    rows = re.findall(r"^\| (16|32) \| 4 \| [\d.]+", stdout, re.MULTILINE)
+    assert rows == ["16", "32"], stdout
+    assert re.search(r"\[24, 256\]: block_m (16|32), 4 warps, [\d.]+ us", stdout), stdout
+
+
+def test_moe_router_sweep_checks_ids_and_marks_the_default():
+    """benchmark/kernels/tune_moe_router.py in the interpreter at Flash's router (512 experts,
+    8 groups): each warp count's ids checked against the default's, one row per setting."""
+    stdout = _run("kernels/tune_moe_router.py", "--tokens", "2", "--num-warps", "1", "4",
+                  "--launches", "1", "--iters", "1", TRITON_INTERPRET="1")
+    rows = re.findall(r"^\| 2 \| (\d) \| [\d.]+( \(default\))? \|$", stdout, re.MULTILINE)
+    assert rows == [("1", " (default)"), ("4", "")], stdout
+
+
 @pytest.mark.slow  # the GEMMs in Triton's interpreter
 def test_fp8_gemm_benchmark_smoke_run():
     """benchmark/kernels/bench_fp8_gemm.py on two scaled-down shapes in the interpreter: the

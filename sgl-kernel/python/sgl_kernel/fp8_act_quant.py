@@ -96,14 +96,22 @@ def _check(x: torch.Tensor, group_size: int) -> None:
 
 def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = QBLOCK,
                               out: Optional[torch.Tensor] = None,
-                              out_scale: Optional[torch.Tensor] = None
+                              out_scale: Optional[torch.Tensor] = None,
+                              block_m: Optional[int] = None, num_warps: int = 4
                               ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(q float8_e4m3fn [M, K], scale fp32 [M, ceil(K / group_size)])`` of ``x [M, K]`` by the
     module's rule, in one launch, no host sync (capturable in a CUDA graph). ``out`` /
     ``out_scale`` receive the results when given (shapes and dtypes as returned; ``out``
     row-major, ``out_scale`` any strides: an outer-dim-major one, stride ``(1, M')``, is the
-    layout the library's block-scaled GEMM reads, written without a transposing copy)."""
+    layout the library's block-scaled GEMM reads, written without a transposing copy).
+    ``block_m`` (rows per program, a power of two; default the module's) and ``num_warps``
+    change only the tiling (``benchmark/kernels/tune_fp8_act_quant.py`` times them): every row
+    and group is quantised alone, so the results are the same bits."""
     _check(x, group_size)
+    block_m = _BLOCK_M if block_m is None else block_m
+    if block_m < 1 or block_m & (block_m - 1):
+        raise ValueError(f"per_token_group_quant_fp8: block_m must be a power of two, got "
+                         f"{block_m}")
     m, k = x.shape
     groups = -(-k // group_size)
     if out is None:
@@ -118,12 +126,12 @@ def per_token_group_quant_fp8(x: torch.Tensor, group_size: int = QBLOCK,
                          f"and {out_scale.dtype} {tuple(out_scale.shape)}")
     if m == 0 or k == 0:
         return out, out_scale
-    grid = (triton.cdiv(m, _BLOCK_M), groups)
+    grid = (triton.cdiv(m, block_m), groups)
     _per_token_group_quant_kernel[grid](
         x, out, out_scale, m, k, x.stride(0), out.stride(0), out_scale.stride(0),
         out_scale.stride(1),
-        FMAX=FP8_MAX, GROUP=group_size, BLOCK_M=_BLOCK_M, ROUND_IN_FP32=INTERPRETED,
-        **compiler_options(4, None))
+        FMAX=FP8_MAX, GROUP=group_size, BLOCK_M=block_m, ROUND_IN_FP32=INTERPRETED,
+        **compiler_options(num_warps, None))
     return out, out_scale
 
 

@@ -40,7 +40,8 @@ Why this shape of kernel:
   headroom, and a split length taken from the capacity grouped a token's keys differently in
   the two (the H100 probe's one differing prompt: docs/performance.md).
 * **One program, all its rows, one read of each key.** A program holds ``BLOCK_H`` query rows
-  (heads, possibly of several chain tokens) and scores them against a ``BLOCK_N`` block of cache
+  (heads, possibly of several chain tokens; 16, 32 or 64 by the rows per request:
+  :func:`_rows_per_program`) and scores them against a ``BLOCK_N`` block of cache
   rows with two ``tl.dot``s (the latent part, padded to a power of two, and the rope part), then
   reuses the same latent block as the value. Scores, softmax and accumulators are fp32; the
   probabilities enter the value product in the input dtype, as in the reference.
@@ -88,6 +89,7 @@ class _Config:
     block_n: int  # cache rows per inner step
     split_min: int  # fewest keys per split (a multiple of block_n)
     block_s: int  # splits merged per step of the merge kernel
+    merge_block_v: int  # value channels per merge program (a request row's V split over programs)
     num_warps: int
     num_stages: int
 
@@ -102,12 +104,31 @@ def _config(dk: int) -> _Config:
     split count aims at one program per SM (:func:`mla_decode_num_splits`). The interpreter's
     cost is per program and per op, so it gets small splits (tests cross split boundaries at
     short lengths) and the same 16-row tiles.
+
+    The merge reads every split's partial row (``num_splits x v_dim`` fp32 per query row): one
+    program per row and all 512 channels left 32 programs for a batch-1 decode's 4 MB of
+    partials, so its V is split over programs of ``merge_block_v`` channels (each merges its
+    channels of every split exactly as the whole row would: the same values).
     """
     if INTERPRETED:
-        return _Config(block_h=16, block_n=16, split_min=16, block_s=4, num_warps=4, num_stages=1)
+        return _Config(block_h=16, block_n=16, split_min=16, block_s=4, merge_block_v=16,
+                       num_warps=4, num_stages=1)
     block_n = 32 if dk <= 640 else 16
-    return _Config(block_h=16, block_n=block_n, split_min=64, block_s=16, num_warps=8,
-                   num_stages=2)
+    return _Config(block_h=16, block_n=block_n, split_min=64, block_s=16, merge_block_v=64,
+                   num_warps=8, num_stages=2)
+
+
+def _rows_per_program(cfg: _Config, rows: int, batch_invariant: bool = False) -> int:
+    """Query rows per split program for ``rows = N * H`` rows per request: ``cfg.block_h`` (16)
+    up to one token's 32 heads, 32 up to 256 rows and 64 above. Each program reads its keys
+    once for all its rows, so at 16 rows a 4-token verify read the cache eight times over; the
+    sweep (``bench_mla_decode.py --block-h``, H100, 8192 keys, docs/performance.md) put 16 first
+    at one token (26.8 against 31.3 µs), 32 at 4 and 8 tokens (49.7 / 82.9 against 62.4 / 113.9)
+    and 64 at 16 (137.8 against 208.9). ``batch_invariant`` (fixed split boundaries) and the
+    interpreter keep ``cfg.block_h``: a row's tile height then never depends on its launch."""
+    if batch_invariant or INTERPRETED or rows <= 32:
+        return cfg.block_h
+    return 32 if rows <= 256 else 64
 
 
 def mla_decode_num_splits(batch: int, rows: int, capacity: int, dk: int,
@@ -121,7 +142,7 @@ def mla_decode_num_splits(batch: int, rows: int, capacity: int, dk: int,
     fewer splits, and larger batches need fewer.
     """
     cfg = _config(dk)
-    row_blocks = triton.cdiv(max(rows, 1), cfg.block_h)
+    row_blocks = triton.cdiv(max(rows, 1), _rows_per_program(cfg, rows))
     by_capacity = triton.cdiv(max(capacity, 1), cfg.split_min)
     # One program per SM fills the device in one wave (sm_count: 8 under the interpreter).
     by_occupancy = sm_count(device) // (max(batch, 1) * row_blocks)
@@ -244,9 +265,10 @@ def _mla_merge_kernel(part_ptr, lse_ptr, pos_ptr, out_ptr, N, H, R, cap, num_spl
                       s_pb, s_pn, s_ob, s_or,
                       V: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_T: tl.constexpr, SPLIT_MIN: tl.constexpr, FIXED_SPLIT: tl.constexpr,
-                      BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr):
+                      BLOCK_S: tl.constexpr, MERGE_V: tl.constexpr, USE_PDL: tl.constexpr):
     b = tl.program_id(0)
     r = tl.program_id(1)
+    v0 = tl.program_id(2) * MERGE_V  # this program's value channels: v0 .. v0 + MERGE_V - 1
     # The partials come from the split kernel just before; positions from earlier still.
     pdl.wait(USE_PDL)
     pdl.launch_dependents(USE_PDL)
@@ -255,11 +277,11 @@ def _mla_merge_kernel(part_ptr, lse_ptr, pos_ptr, out_ptr, N, H, R, cap, num_spl
     limit = tl.minimum(tl.maximum(tl.load(pos_ptr + b * s_pb + (r // H) * s_pn) + 1, 0), cap)
     count = tl.cdiv(limit, chunk)  # splits holding at least one key this row sees
     base = (b * R + r).to(tl.int64) * num_splits
-    offs_v = tl.arange(0, BLOCK_V)
+    offs_v = v0 + tl.arange(0, MERGE_V)
     mask_v = offs_v < V
     m = _NEG
     den = 0.0
-    acc = tl.zeros([BLOCK_V], dtype=tl.float32)
+    acc = tl.zeros([MERGE_V], dtype=tl.float32)
     for s0 in range(0, count, BLOCK_S):
         ss = s0 + tl.arange(0, BLOCK_S)
         ok = ss < count
@@ -376,18 +398,20 @@ def mla_decode_fwd(q: torch.Tensor, kv_buffer: torch.Tensor, req_to_token: torch
                   BLOCK_T=triton.next_power_of_2(n), SPLIT_MIN=cfg.split_min,
                   FIXED_SPLIT=split_len or 0)
     launch = {} if INTERPRETED else dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    grid = (b, triton.cdiv(rows, cfg.block_h), num_splits)
+    block_h = _rows_per_program(cfg, rows, batch_invariant=split_len is not None)
+    grid = (b, triton.cdiv(rows, block_h), num_splits)
     pdl_on = pdl.use_pdl(b * n)  # the query tokens; the same for both launches
     _mla_split_kernel[grid](
         q, kv_buffer, req_to_token, req_pool_indices, positions, part, lse,
         n, rows // n, rows, cap, num_splits, float(scale) * _LOG2E,
         q.stride(0), q.stride(1), kv_buffer.stride(0), req_to_token.stride(0),
         positions.stride(0), positions.stride(1),
-        V=v_dim, DR=rope, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_H=cfg.block_h,
+        V=v_dim, DR=rope, BLOCK_R=max(16, triton.next_power_of_2(rope)), BLOCK_H=block_h,
         PRECISION=precision, USE_PDL=pdl_on, **common, **launch, **pdl.launch_options(pdl_on))
-    _mla_merge_kernel[(b, rows)](
+    merge_v = min(cfg.merge_block_v, common["BLOCK_V"])
+    _mla_merge_kernel[(b, rows, triton.cdiv(v_dim, merge_v))](
         part, lse, positions, out, n, rows // n, rows, cap, num_splits,
         positions.stride(0), positions.stride(1), out.stride(0), out.stride(1),
-        V=v_dim, BLOCK_S=cfg.block_s, USE_PDL=pdl_on, **common,
+        V=v_dim, BLOCK_S=cfg.block_s, MERGE_V=merge_v, USE_PDL=pdl_on, **common,
         **({} if INTERPRETED else dict(num_warps=4)), **pdl.launch_options(pdl_on))
     return out

@@ -15,6 +15,13 @@ scatter, expand, masked fill, gather, sum, div, mul, ...); Ling-3.0-flash has 41
 Selections are made by repeated argmax (the first index wins a tie; ``torch.topk`` leaves ties
 unspecified). ``E`` and ``E / G`` must be powers of two (Flash: 512 experts, 8 groups).
 Decode-sized launches use PDL (:mod:`sgl_kernel.pdl`): the bias is read before the wait.
+
+One warp per program (:data:`NUM_WARPS`): a token's work is ~25 reductions over 512 values
+(group scores, the group picks, k argmaxes), each on the critical path of the decode step; in
+one warp a reduction is register shuffles, across four it also needs shared memory and block
+barriers (timed in ``benchmark/kernels/tune_moe_router.py``). Every reduction picks or adds the
+same values either way (the selections are argmaxes, first index on ties; each weight is one
+``p``), except the renormalising sum of the ``k`` weights, whose order may differ.
 """
 from __future__ import annotations
 
@@ -25,9 +32,11 @@ import triton
 import triton.language as tl
 
 from sgl_kernel import pdl
+from sgl_kernel._triton_mode import compiler_options
 
-__all__ = ["moe_router_topk", "router_kernel_supports", "REFERENCE_NOTE"]
+__all__ = ["moe_router_topk", "router_kernel_supports", "NUM_WARPS", "REFERENCE_NOTE"]
 
+NUM_WARPS = 1  # warps per token's program (module docstring)
 REFERENCE_NOTE = ("reference: sglang.srt.layers.moe.topk.select_experts (the rule of "
                   "docs/model.md §5.1), compared in test/kernels/test_moe_router.py")
 
@@ -93,9 +102,11 @@ def router_kernel_supports(num_experts: int, num_expert_group: int) -> bool:
 def moe_router_topk(router_logits: torch.Tensor, top_k: int,
                     expert_bias: Optional[torch.Tensor] = None, num_expert_group: int = 1,
                     topk_group: int = 1, renormalize: bool = True,
-                    routed_scaling_factor: float = 1.0) -> Tuple[torch.Tensor, torch.Tensor]:
+                    routed_scaling_factor: float = 1.0, num_warps: int = NUM_WARPS
+                    ) -> Tuple[torch.Tensor, torch.Tensor]:
     """``(topk_weights [T, k] fp32, topk_ids [T, k] int64)`` from ``router_logits [T, E]``;
-    the arguments are :func:`~sglang.srt.layers.moe.topk.select_experts`'s."""
+    the arguments are :func:`~sglang.srt.layers.moe.topk.select_experts`'s (``num_warps``:
+    the launch's, for the benchmark)."""
     if router_logits.dim() != 2:
         raise ValueError(f"router_logits must be [T, E], got {tuple(router_logits.shape)}")
     t, e = router_logits.shape
@@ -123,5 +134,6 @@ def moe_router_topk(router_logits: torch.Tensor, top_k: int,
             E=e, G=num_expert_group, PG=e // num_expert_group, TOPK_GROUP=topk_group, K=top_k,
             BLOCK_K=triton.next_power_of_2(top_k), HAS_BIAS=expert_bias is not None,
             GROUPED=num_expert_group > 1 and topk_group < num_expert_group,
-            RENORM=renormalize, USE_PDL=pdl_on, **pdl.launch_options(pdl_on))
+            RENORM=renormalize, USE_PDL=pdl_on, **compiler_options(num_warps, None),
+            **pdl.launch_options(pdl_on))
     return weights, ids
