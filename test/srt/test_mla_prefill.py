@@ -206,6 +206,24 @@ def test_backend_ragged_batch_equals_absorbed(save):
         assert torch.equal(h.cache_rows(slots[1]), seqs[1][2])
 
 
+def test_single_request_returns_the_attention_output_without_a_copy():
+    """A batch of one request (a prefill, or a chunk after a cached prefix) returns SDPA's
+    output as it is, a strided view (no copy into a new [T, H, v]), with the values of the
+    absorbed form."""
+    q_nope, q_rope, rows = random_qkv(11, 11, seed=41)
+    w_kc, w_vc = weights(seed=42)
+    outs = {}
+    for name, threshold in (("normal", 1), ("absorbed", None)):
+        h = Harness(TorchNativeMLABackend(normal_form_min_tokens=threshold))
+        slot = h.new_request()
+        first = h.extend([slot], [q_nope[:6]], [q_rope[:6]], [rows[:6]], w_kc, w_vc)
+        second = h.extend([slot], [q_nope[6:]], [q_rope[6:]], [rows[6:]], w_kc, w_vc)
+        outs[name] = (first, second)
+    for got, ref in zip(outs["normal"], outs["absorbed"]):
+        assert got.shape == ref.shape and not got.is_contiguous()  # SDPA's layout, uncopied
+        assert rel_err(got, ref) < TOL
+
+
 def test_normal_form_selection():
     """EXTEND of >= threshold tokens only; verify, draft extend, decode keep the absorbed form;
     the hybrid wrapper answers for its MLA backend."""

@@ -76,8 +76,9 @@ class AttentionBackend(ABC):
         """MLA prefill in normal form: ``q [T, H, d_n + d_r]`` per-head queries
         (``q_nope ‖ roped q_rope``), ``k [T, r + d_r]`` the new cache rows (as in the absorbed
         contract), ``w_kc [H, d_n, r]`` / ``w_vc [H, r, d_v]`` the up-projections that expand
-        cache rows into keys and values. Returns ``[T, H, d_v]`` (head outputs, not latents).
-        Only called when :meth:`mla_normal_form` said so."""
+        cache rows into keys and values. Returns ``[T, H, d_v]`` (head outputs, not latents;
+        possibly a strided view, last dim contiguous). Only called when :meth:`mla_normal_form`
+        said so."""
         raise NotImplementedError(f"{type(self).__name__} has no normal-form MLA prefill")
 
     # ---- CUDA graphs (SGLang's hook names). The graph runner captures a whole decode round,

@@ -191,9 +191,8 @@ class TorchNativeMLABackend(AttentionBackend):
         if not isinstance(lay, ExtendLayout):
             raise ValueError(f"MLA layer {layer.layer_id}: the normal form runs EXTEND batches "
                              f"with host lengths, got {forward_batch.forward_mode.name}")
-        out = q.new_empty(t, h, dv)
         if t == 0:
-            return out
+            return q.new_empty(0, h, dv)
         buf, req_to_token, new_rows = self._extend_rows(k, layer, forward_batch, save_kv_cache)
         reqs = [r for r in zip(lay.slots, lay.prefix_lens, lay.extend_lens, lay.starts) if r[2]]
         if all(prefix == 0 for _, prefix, _, _ in reqs):
@@ -211,6 +210,15 @@ class TorchNativeMLABackend(AttentionBackend):
         flash_ok = q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and dqk <= 256
         v_width = dqk if flash_ok else dv
         keys, values = mla_expand_kv(rows.to(q.dtype), w_kc, w_vc, v_width)
+        if len(reqs) == 1 and reqs[0][2] == t:
+            # One request holds every row (a prefill): its attention output is the layer's, as
+            # the strided view SDPA leaves (the head gate reads any token and head strides);
+            # copying it into ``out`` wrote [T, H, v] once more (docs/performance.md, "Where an
+            # 8192-token prefill copies").
+            prefix = reqs[0][1]
+            return mla_prefill_attention(q, keys[:prefix + t], values[:prefix + t],
+                                         layer.scaling, q_start=prefix, v_dim=dv)
+        out = q.new_empty(t, h, dv)
         for (_, prefix, n, start), off in zip(reqs, offsets):
             s = prefix + n
             out[start:start + n] = mla_prefill_attention(
