@@ -352,6 +352,24 @@ def test_backend_fla_prefill_matches_torch_on_cuda():
     assert rel_err(outs[1], outs[0]) < FLA_TOL and rel_err(finals[1], finals[0]) < FLA_TOL
 
 
+def test_contiguous_by_words_copies_the_same_bytes():
+    """The copy fla's inputs get: a column block of the fused projection (as [T, H, D] and as
+    [T, H]) moved as 8-byte words, layouts the int64 view refuses (a 2-byte offset, a
+    transposed last dim) by ``contiguous()``; a contiguous tensor is returned as it is."""
+    full = torch.randn(7, 20512, generator=torch.Generator().manual_seed(3)).bfloat16()
+    cases = [full[:, 12320:12320 + 4096].reshape(7, 32, 128),  # the gate f (aligned)
+             full[:, 12288:12320],  # beta's columns
+             full[:, 3:131],  # a 2-byte offset: no int64 view
+             full[:, :64].t(),  # last dim strided: no int64 view
+             torch.randn(5, 10)[:, 2:6]]  # fp32, 8-byte aligned
+    for t in cases:
+        got = fla_kda.contiguous_by_words(t)
+        assert got.is_contiguous() and got.dtype == t.dtype and torch.equal(got, t)
+        assert got.data_ptr() != t.data_ptr()
+    same = full[:2]
+    assert fla_kda.contiguous_by_words(same) is same
+
+
 def test_fla_varlen_offsets_and_slots():
     v = fla_kda.fla_varlen([3, 1, 5], [7, 2, 4], torch.device("cpu"))
     assert v.lens == (3, 1, 5)

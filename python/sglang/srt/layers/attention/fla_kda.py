@@ -14,7 +14,8 @@ from typing import Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["is_available", "chunk_kda_varlen", "FlaVarlen", "fla_varlen", "fla_varlen_captured"]
+__all__ = ["is_available", "chunk_kda_varlen", "contiguous_by_words", "FlaVarlen", "fla_varlen",
+           "fla_varlen_captured"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -73,6 +74,24 @@ def fla_varlen_captured(num_tokens: int, slot: torch.Tensor) -> FlaVarlen:
     cu = torch.arange(0, num_tokens + 1, max(num_tokens, 1), dtype=torch.int64,
                       device=slot.device)
     return FlaVarlen((num_tokens,), cu, None, slot, (), captured=True)
+
+
+def contiguous_by_words(t: torch.Tensor) -> torch.Tensor:
+    """``t.contiguous()``, the same bytes, moved as 8-byte words where ``t``'s layout allows.
+
+    fla makes every input contiguous, and the gate's raw projection is a column block of the
+    fused q|k|v|b|f|g output: a strided 2-byte copy, which torch runs element by element (a
+    quarter of an 8-byte element's work per thread step; docs/performance.md, "Where an
+    8192-token prefill copies"). Viewed as int64 (the last dim contiguous, its bytes, the other
+    strides and the offset multiples of 8, as torch's view checks) the copy moves a quarter of
+    the elements; anything else takes ``contiguous()`` itself."""
+    if t.is_contiguous() or t.element_size() >= 8:
+        return t
+    try:
+        words = t.view(torch.int64)
+    except RuntimeError:  # a layout the int64 view refuses
+        return t.contiguous()
+    return words.contiguous().view(t.dtype)
 
 
 def chunk_kda_varlen(
@@ -137,7 +156,7 @@ def chunk_kda_varlen(
         g, beta = g.float(), beta.float()
     o, final_state = chunk_kda(
         q.contiguous().unsqueeze(0), k.contiguous().unsqueeze(0), v.contiguous().unsqueeze(0),
-        g.contiguous().unsqueeze(0), beta.contiguous().unsqueeze(0),
+        contiguous_by_words(g).unsqueeze(0), contiguous_by_words(beta).unsqueeze(0),
         scale=scale,
         initial_state=initial_state.contiguous(),
         output_final_state=True,
