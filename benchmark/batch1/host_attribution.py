@@ -163,7 +163,7 @@ def recording_syncs(roots: Sequence[str], lib_roots: Sequence[str] = ()
 # gather, a fill): what a prefill can drop by writing its tensors where they are read.
 COPY_OPS = frozenset({"copy_", "clone", "_to_copy", "cat", "stack", "fill_", "zero_",
                       "index_select", "index_copy_", "index_put_", "masked_fill_", "zeros_like",
-                      "new_zeros", "contiguous"})
+                      "new_zeros"})
 
 
 def _bytes_written(func_name: str, args: Sequence[Any], out: Any) -> int:

@@ -40,9 +40,9 @@ The worker is built as ``python -m sglang.bench_one_batch`` builds it (the same 
 no CUDA graphs) and each prefill is bench_one_batch's ``run_once`` with one output token: one
 request of ``--prompt-len`` random ids in a fresh request slot, its KV and state released after.
 One warm-up prefill, ``--timed`` unprofiled timed ones, then one profiled prefill (and with
-``--sync-sites``, ``--copy-sites``, ``--host-profile`` and ``--routing`` more, last: they perturb none of the
-measured ones; ``--routing`` counts the pairs per expert of every MoE layer, to tell whether
-the model routes as uniformly as the MoE tile sweep assumes).
+``--sync-sites``, ``--copy-sites``, ``--host-profile`` and ``--routing`` more, last: they
+perturb none of the measured ones; ``--routing`` counts the pairs per expert of every MoE layer,
+to tell whether the model routes as uniformly as the MoE tile sweep assumes).
 
 Attribution: module forward hooks (installed for the profiled prefill only; no model edits)
 open a profiler range per model component and the innermost range around an op names its
@@ -88,16 +88,17 @@ a shape check) and this repository's N with the most time including callees
 says on which lines.
 
 Copies (``--copy-sites``, any device): one more prefill under a ``TorchDispatchMode`` that
-counts every torch op that only moves or fills memory (``copy_``, ``clone`` (a
-``.contiguous()`` of a strided view), ``_to_copy``, ``cat``, fills, index copies:
-``host_attribution.COPY_OPS``) writing at least ``--copy-min-mb`` (1 MiB), at its call site as for syncs, with the
-MiB written there: ``copy_sites`` (``site``, ``via``, ``op``, ``count``, ``mb``; most bytes
-first) and ``copy_mb``, and the table ``| MiB | ops | op | site | via |``. Kernels launched
-without a torch op (Triton's, a library's own) are not seen.
+counts every torch op that only moves or fills memory (``copy_``, ``clone`` (a ``.contiguous()``
+of a strided view), ``_to_copy``, ``cat``, fills, index copies: ``host_attribution.COPY_OPS``)
+writing at least ``--copy-min-mb`` (1 MiB), at its call site as for syncs, with the MiB written
+there: ``copy_sites`` (``site``, ``via``, ``op``, ``count``, ``mb``; most bytes first) and
+``copy_mb``, and the table ``| MiB | ops | op | site | via |``. Kernels launched without a torch
+op (Triton's, a library's own) are not seen.
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import json
 import os
@@ -105,7 +106,8 @@ import re
 import statistics
 import sys
 import time
-from typing import Any, Callable, Dict, Iterable, List, Optional, Sequence, Tuple
+from typing import (Any, Callable, ContextManager, Dict, Iterable, Iterator, List, Optional,
+                    Sequence, Tuple)
 
 import torch
 from torch import nn
@@ -355,29 +357,44 @@ def profiled_prefill(worker: TpModelWorker, prompt_len: int, seed: int
     return got["prof"].events(), got["wall_ms"]
 
 
-def sync_census(worker: TpModelWorker, prompt_len: int, seed: int) -> Dict[str, Any]:
-    """One unprofiled prefill (as the timed ones run) with torch's sync debug mode on ("warn")
-    around exactly the ``worker.prefill`` call; every synchronising call in it is counted at
-    its ``host_attribution.sync_site``. Returns ``{"sync_sites": count_sync_sites(...), "syncs": total}``.
-    CUDA only: the debug mode is CUDA's."""
-    roots = repo_roots()
-    lib_roots = library_roots()
-    got: Dict[str, List[Tuple[str, Optional[str]]]] = {}
+def _records_of_one_prefill(worker: TpModelWorker, prompt_len: int, seed: int,
+                            recording: Callable[[], ContextManager[List[Any]]]) -> List[Any]:
+    """One unprofiled prefill (as the timed ones run) inside ``recording()``, a context that
+    yields the list it records into, around exactly the ``worker.prefill`` call; that list."""
+    got: Dict[str, List[Any]] = {}
 
     def wrap(prefill: Callable[..., Any]) -> Callable[..., Any]:
         def wrapped(*args: Any, **kwargs: Any) -> Any:
-            with recording_syncs(roots, lib_roots) as records:
+            with recording() as records:
                 got["records"] = records
-                before = torch.cuda.get_sync_debug_mode()  # "default" (0) unless set outside
-                torch.cuda.set_sync_debug_mode("warn")
-                try:
-                    return prefill(*args, **kwargs)
-                finally:  # also on an error: a later sync must not warn
-                    torch.cuda.set_sync_debug_mode(before)
+                return prefill(*args, **kwargs)
         return wrapped
 
     _run_once_around_prefill(worker, prompt_len, seed, wrap)
-    sites = count_sync_sites(got["records"])
+    return got["records"]
+
+
+@contextlib.contextmanager
+def _warning_syncs(roots: List[str], lib_roots: List[str]) -> Iterator[List[Any]]:
+    """``recording_syncs`` with torch's sync debug mode on ("warn") inside it, restored after."""
+    with recording_syncs(roots, lib_roots) as records:
+        before = torch.cuda.get_sync_debug_mode()  # "default" (0) unless set outside
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            yield records
+        finally:  # also on an error: a later sync must not warn
+            torch.cuda.set_sync_debug_mode(before)
+
+
+def sync_census(worker: TpModelWorker, prompt_len: int, seed: int) -> Dict[str, Any]:
+    """One unprofiled prefill with torch's sync debug mode on ("warn") around exactly the
+    ``worker.prefill`` call; every synchronising call in it is counted at its
+    ``host_attribution.sync_site``. Returns ``{"sync_sites": count_sync_sites(...), "syncs":
+    total}``. CUDA only: the debug mode is CUDA's."""
+    roots, lib_roots = repo_roots(), library_roots()
+    records = _records_of_one_prefill(worker, prompt_len, seed,
+                                      lambda: _warning_syncs(roots, lib_roots))
+    sites = count_sync_sites(records)
     return {"sync_sites": sites, "syncs": sum(s["count"] for s in sites)}
 
 
@@ -386,20 +403,12 @@ def copy_census(worker: TpModelWorker, prompt_len: int, seed: int, min_mb: float
     """One unprofiled prefill with every torch op that only copies or fills memory
     (``host_attribution.COPY_OPS``, writing at least ``min_mb`` MiB) counted at its call site:
     the tensors a prefill writes twice. Returns ``{"copy_sites": count_copy_sites(...),
-    "copy_mb": total MiB, "copy_min_mb": min_mb}``. Any device (the ops are seen on the host, by torch's dispatcher)."""
-    roots = repo_roots()
-    lib_roots = library_roots()
-    got: Dict[str, List[Tuple[str, Optional[str], str, int]]] = {}
-
-    def wrap(prefill: Callable[..., Any]) -> Callable[..., Any]:
-        def wrapped(*args: Any, **kwargs: Any) -> Any:
-            with recording_copies(roots, lib_roots, int(min_mb * 2**20)) as records:
-                got["records"] = records
-                return prefill(*args, **kwargs)
-        return wrapped
-
-    _run_once_around_prefill(worker, prompt_len, seed, wrap)
-    sites = count_copy_sites(got["records"])
+    "copy_mb": total MiB, "copy_min_mb": min_mb}``. Any device (the ops are seen on the host,
+    by torch's dispatcher)."""
+    roots, lib_roots = repo_roots(), library_roots()
+    records = _records_of_one_prefill(
+        worker, prompt_len, seed, lambda: recording_copies(roots, lib_roots, int(min_mb * 2**20)))
+    sites = count_copy_sites(records)
     return {"copy_sites": sites, "copy_mb": sum(s["mb"] for s in sites), "copy_min_mb": min_mb}
 
 
@@ -497,7 +506,8 @@ def run_prefill_census(worker: TpModelWorker, prompt_len: int, seed: int, timed:
     more prefill, :func:`sync_census`, whose keys join the result (last: the debug mode's
     warnings and stack walks slow the host, so no measured prefill runs with them).
     ``host_profile`` > 0: then :func:`host_census` with that many functions per table.
-    ``routing``: then :func:`routing_census`. ``copy_sites``: then :func:`copy_census` (writes of at least ``copy_min_mb`` MiB)."""
+    ``routing``: then :func:`routing_census`. ``copy_sites``: then :func:`copy_census` (writes
+    of at least ``copy_min_mb`` MiB)."""
     run_once(worker, 1, prompt_len, 1, seed)  # warm-up: allocator, Triton compiles, autotune
     plain = [run_once(worker, 1, prompt_len, 1, seed)["prefill_latency"] * 1e3
              for _ in range(timed)]

@@ -38,7 +38,8 @@ def sweep_shape(m: int, k: int, block_ms: List[int], warps: List[int], iters: in
     rows = []
     for bm, w in itertools.product(block_ms, warps):
         q, s = per_token_group_quant_fp8(x, block_m=bm, num_warps=w)
-        if not (torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)):
+        same = torch.equal(q.view(torch.uint8), ref_q.view(torch.uint8)) and torch.equal(s, ref_s)
+        if not same:
             raise SystemExit(f"block_m {bm}, {w} warps: the output differs from the default "
                              f"tile's on [{m}, {k}]")
         us = cold_time_us(lambda: per_token_group_quant_fp8(x, block_m=bm, num_warps=w), iters,

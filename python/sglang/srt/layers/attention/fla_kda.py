@@ -85,8 +85,10 @@ def contiguous_by_words(t: torch.Tensor) -> torch.Tensor:
     8192-token prefill copies"). Viewed as int64 (the last dim contiguous, its bytes, the other
     strides and the offset multiples of 8, as torch's view checks) the copy moves a quarter of
     the elements; anything else takes ``contiguous()`` itself."""
-    if t.is_contiguous() or t.element_size() >= 8:
+    if t.is_contiguous():
         return t
+    if t.element_size() >= 8:  # already words
+        return t.contiguous()
     try:
         words = t.view(torch.int64)
     except RuntimeError:  # a layout the int64 view refuses

@@ -215,9 +215,8 @@ class TorchNativeMLABackend(AttentionBackend):
             # the strided view SDPA leaves (the head gate reads any token and head strides);
             # copying it into ``out`` wrote [T, H, v] once more (docs/performance.md, "Where an
             # 8192-token prefill copies").
-            prefix = reqs[0][1]
-            return mla_prefill_attention(q, keys[:prefix + t], values[:prefix + t],
-                                         layer.scaling, q_start=prefix, v_dim=dv)
+            return mla_prefill_attention(q, keys, values, layer.scaling, q_start=reqs[0][1],
+                                         v_dim=dv)
         out = q.new_empty(t, h, dv)
         for (_, prefix, n, start), off in zip(reqs, offsets):
             s = prefix + n
