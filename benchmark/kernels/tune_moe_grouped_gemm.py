@@ -22,6 +22,11 @@ every pair bucket goes into ``--output`` under ``torch.cuda.get_device_name()`` 
 GPUs, shapes, buckets stay); default: the table shipped in the package. A markdown table of the
 winners against the fallback config (and, for fp8, the best time of each inner loop) is printed.
 
+``--shared-expert`` times the launches as the model runs them: one more expert (id E, its own
+weight) that every token is routed to, its rows in the same launch (``shared_w``), so a bucket is
+``tokens x (top-k + 1)`` pairs, and a config must fit the shared expert's code path too (with
+``--weight-tma 1``: a second pipelined K loop, twice the shared memory).
+
 Without CUDA (``TRITON_INTERPRET=1``, fp32, wall-clock times, pass tiny ``--experts`` /
 ``--hidden`` / ``--intermediate``) it is only a smoke run of the script.
 """
@@ -41,7 +46,8 @@ from cold_l2 import capture_graph, kernel_bench_device  # benchmark/kernels/cold
 from sgl_kernel.fp8_act_quant import group_dequantize, per_token_group_quant_fp8
 from sgl_kernel.fp8_blocks import block_dequantize, block_quantize
 from sgl_kernel.moe_grouped_gemm import (CONFIG_PATH, LaunchConfig, config_fields, config_key,
-                                         fallback_config, moe_align, moe_grouped_gemm)
+                                         fallback_config, moe_align, moe_grouped_gemm,
+                                         weight_tma_applies)
 
 
 def label(cfg: LaunchConfig) -> str:
@@ -49,7 +55,8 @@ def label(cfg: LaunchConfig) -> str:
     pre-scaled fp8 weight tiles, ``/il`` for the interleaved SwiGLU tile."""
     return "/".join(str(v) for v in (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
                                      cfg.num_warps, cfg.num_stages)) + (
-        "/pre" if cfg.fp8_prescale else "") + ("/il" if cfg.swiglu_interleave else "")
+        "/pre" if cfg.fp8_prescale else "") + ("/il" if cfg.swiglu_interleave else "") + (
+        "/tma" if cfg.weight_tma else "")
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: Optional[torch.Tensor], ids: torch.Tensor,
@@ -142,6 +149,11 @@ def main() -> None:
     p.add_argument("--swiglu-interleave", type=int, nargs="+", choices=[0, 1], default=[0, 1],
                    help="SwiGLU tile layouts to sweep for the up-projection: 0 a gate and an up "
                         "accumulator, 1 gate and up rows alternating in one tile")
+    p.add_argument("--weight-tma", type=int, nargs="+", choices=[0, 1], default=[0],
+                   help="weight tiles by pointer loads (0) and/or TMA descriptors (1); "
+                        "TMA only where the tile allows it (weight_tma_applies)")
+    p.add_argument("--shared-expert", action="store_true",
+                   help="fold a shared expert into every launch, as the model's MoE does")
     p.add_argument("--iters", type=int, default=20)
     p.add_argument("--output", default=CONFIG_PATH,
                    help="JSON table to merge the winners into (default: the packaged table)")
@@ -162,7 +174,8 @@ def main() -> None:
                 for pre in sorted(set(args.fp8_prescale))]
     print(f"{device_name}, E={e} H={h} I={i} top-{k}, activations {act_dtype}, {len(grid)} "
           f"configs ({len(fp8_grid)} in fp8), median of {args.iters} graph replays; config = "
-          f"BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/num_warps/num_stages[/pre: pre-scaled fp8 tiles]")
+          f"BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/num_warps/num_stages[/pre: pre-scaled fp8 tiles]"
+          f"[/il: interleaved SwiGLU][/tma: TMA weight tiles]")
     torch.manual_seed(0)
     winners: Dict[str, Dict[str, dict]] = {}
     rows: List[Tuple] = []
@@ -179,19 +192,37 @@ def main() -> None:
             else:
                 w = w.to(act_dtype)
             key = config_key(e, n, kk, fp8, act_fp8)
+            shared: dict = {}
+            w_ref, s_ref = w, scale  # with the shared expert as expert e (reference only)
+            if args.shared_expert:
+                sw = torch.randn(1, n, kk, device=dev) / kk ** 0.5
+                if fp8:
+                    sw, s_scale = block_quantize(sw, i if swiglu else None)
+                    shared = dict(shared_w=sw[0], shared_scale=s_scale[0])
+                    s_ref = torch.cat([scale, s_scale])
+                else:
+                    sw = sw.to(act_dtype)
+                    shared = dict(shared_w=sw[0])
+                if swiglu:
+                    shared["shared_limit"] = args.limit
+                w_ref = torch.cat([w, sw])
+            n_experts = e + args.shared_expert
             for tokens in args.tokens:
-                pairs = tokens * k
-                fallback = fallback_config(e, pairs, fp8)
                 ids = torch.rand(tokens, e, device=dev).argsort(-1)[:, :k]
+                if args.shared_expert:
+                    ids = torch.cat([ids, ids.new_full((tokens, 1), e)], dim=1)
+                per_token = ids.shape[1]
+                pairs = tokens * per_token
+                fallback = fallback_config(e, pairs, fp8)
                 x = torch.randn(tokens if swiglu else pairs, kk, device=dev).to(act_dtype)
-                rows_per_x = k if swiglu else 1
+                rows_per_x = per_token if swiglu else 1
                 xs = None
                 if act_fp8:  # the kernel's input: e4m3 rows and their group scales
                     x, xs = per_token_group_quant_fp8(x)
-                    ref = reference(group_dequantize(x, xs), w, scale, ids, rows_per_x, swiglu,
-                                    args.limit, act_dtype)
+                    ref = reference(group_dequantize(x, xs), w_ref, s_ref, ids, rows_per_x,
+                                    swiglu, args.limit, act_dtype)
                 else:
-                    ref = reference(x, w, scale, ids, rows_per_x, swiglu, args.limit)
+                    ref = reference(x, w_ref, s_ref, ids, rows_per_x, swiglu, args.limit)
                 aligns = {}
                 results = []
                 # w8a8 has one inner loop (fp8_prescale does not apply).
@@ -199,16 +230,21 @@ def main() -> None:
                 if swiglu:  # each tile config in each SwiGLU layout asked for
                     configs = [c._replace(swiglu_interleave=bool(il)) for c in configs
                                for il in sorted(set(args.swiglu_interleave))]
+                configs = [c._replace(weight_tma=bool(tma)) for c in configs
+                           for tma in sorted(set(args.weight_tma))]
+                configs = [c for c in configs if not c.weight_tma or weight_tma_applies(
+                    c, swiglu, fp8 and not act_fp8, n // 2 if swiglu else n, w,
+                    shared.get("shared_w"))]
                 for cfg in [fallback] + [c for c in configs if c != fallback]:
                     if cfg.block_m not in aligns:
-                        aligns[cfg.block_m] = moe_align(ids, e, cfg.block_m)
+                        aligns[cfg.block_m] = moe_align(ids, n_experts, cfg.block_m)
                     out = torch.empty(pairs, ref.shape[1], dtype=act_dtype, device=dev)
 
                     def run(cfg=cfg, out=out):
                         return moe_grouped_gemm(x, w, aligns[cfg.block_m], rows_per_x=rows_per_x,
                                                 swiglu=swiglu, swiglu_limit=args.limit,
                                                 w_scale=scale, config=cfg, out=out,
-                                                x_scale=xs)
+                                                x_scale=xs, **shared)
                     try:
                         run()
                     except Exception as exc:  # out of shared memory / registers, bad fp8 tile
@@ -221,6 +257,8 @@ def main() -> None:
                         raise SystemExit(f"{fmt} {proj} {label(cfg)} at {pairs} pairs: rel. "
                                          f"error {err:.2e} vs the fp32 reference")
                     results.append((time_us(run, args.iters, on_cuda), cfg, err))
+                    print(f"    {fmt} {proj} {pairs} pairs {label(cfg)}: {results[-1][0]:.1f} us",
+                          flush=True)
                 fallback_us = results[0][0]
                 best_us, best, err = min(results, key=lambda r: r[0])
                 winners.setdefault(key, {})[str(pairs)] = config_fields(best, fp8, swiglu)

@@ -340,6 +340,55 @@ def test_quantized_output_equals_quantizing_the_output(mgg, fmt, dtype, il):
                              config=cfg._replace(block_n=64), quantize_out=True, **kw)
 
 
+@pytest.mark.parametrize("fmt,dtype,swiglu", [("plain", torch.float32, True),
+                                              ("plain", torch.float16, False),
+                                              ("fp8", torch.float32, True),
+                                              ("w8a8", torch.float32, True),
+                                              ("w8a8", torch.float16, False)])
+def test_weight_tma_tiles_equal_pointer_tiles(mgg, fmt, dtype, swiglu):
+    """``weight_tma``: weight tiles read through a TMA descriptor give the pointer loop's output
+    (same slices, same arithmetic), with the shared expert's own descriptor and a K that no
+    ``block_k`` divides (the descriptor's zero fill past K); configs it cannot serve are
+    refused."""
+    from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
+    from sgl_kernel.fp8_blocks import block_quantize
+
+    t, k, e, i = 12, 3, 5, 128
+    n, kk = (2 * i if swiglu else 256), 208  # K: no block_k divides it; 16-byte rows
+    w, sw = _weights(e, n, kk, torch.float32, 61), _weights(1, n, kk, torch.float32, 62)
+    scale = s_scale = xs = None
+    if fmt != "plain":
+        w, scale = block_quantize(w, split=i if swiglu else None)
+        sw, s_scale = block_quantize(sw, split=i if swiglu else None)
+        s_scale = s_scale[0]
+    else:
+        w, sw = w.to(dtype), sw.to(dtype)
+    sw = sw[0]
+    ids = torch.cat([_routes(t, k, e, seed=63), torch.full((t, 1), e, device=DEVICE)], dim=1)
+    gen = torch.Generator().manual_seed(64)
+    x = torch.randn(t if swiglu else t * (k + 1), kk, generator=gen).to(DEVICE, dtype)
+    kw = dict(shared_w=sw, shared_scale=s_scale, swiglu_limit=2.0 if swiglu else 0.0,
+              shared_limit=3.0 if swiglu else 0.0)
+    if fmt == "w8a8":
+        x, xs = per_token_group_quant_fp8(x)
+        kw.update(x_scale=xs, out_dtype=dtype)
+    cfg = mgg.LaunchConfig(block_n=64, block_k=64 if fmt == "plain" else 128, block_m=16)
+    al = mgg.moe_align(ids, e + 1, 16)
+    outs = [mgg.moe_grouped_gemm(x, w, al, rows_per_x=k + 1 if swiglu else 1, swiglu=swiglu,
+                                 w_scale=scale, config=cfg._replace(weight_tma=tma), **kw)
+            for tma in (False, True)]
+    assert outs[0].abs().max() > 0
+    assert _rel(outs[1], outs[0]) < (1e-6 if dtype == torch.float32 else 1e-3)
+    assert mgg.weight_tma_applies(cfg, swiglu, fmt == "fp8", n // 2 if swiglu else n, w, sw)
+    refused = [cfg._replace(block_n=2 * n)]  # a tile across two experts' rows
+    if swiglu:
+        refused.append(cfg._replace(swiglu_interleave=True))
+    for bad in refused:
+        with pytest.raises(ValueError, match="weight_tma needs"):
+            mgg.moe_grouped_gemm(x, w, al, rows_per_x=k + 1 if swiglu else 1, swiglu=swiglu,
+                                 w_scale=scale, config=bad._replace(weight_tma=True), **kw)
+
+
 def test_rejects_bad_inputs(mgg):
     x = torch.zeros(4, 32, device=DEVICE)
     w = torch.zeros(3, 16, 32, device=DEVICE)
@@ -794,3 +843,53 @@ def test_grouped_gemm_kernel_on_cuda_matches_reference(mgg, prescaled_fp8):
     assert _rel(y, mgg.moe_grouped_gemm_reference(ref, w2_ref, ids, rows_per_x=1,
                                                   swiglu=False)) < 2e-2
     assert _rel(act_il, ref) < 2e-2 and _rel(act_il, act) < 1e-2
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fmt", ["bf16", "w8a8"])
+def test_weight_tma_on_cuda_matches_pointer_tiles(mgg, fmt):
+    """Compiled for the GPU (the TMA path the interpreter only emulates): both GEMMs of the
+    MoE on Ling-width experts with the shared expert as pairs, weight tiles through TMA
+    descriptors against pointer loads, eager and replayed from a CUDA graph."""
+    if not ON_CUDA:
+        pytest.skip("needs CUDA")
+    from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
+    from sgl_kernel.fp8_blocks import block_quantize
+
+    t, k, e, h, i = 256, 8, 32, 2560, 768
+    hidden, w13, w2, _, ids = _moe_inputs(torch.bfloat16, t=t, e=e, h=h, i=i, k=k)
+    sw13, sw2 = w13[0].clone(), w2[0].clone()
+    s13 = s2 = ss13 = ss2 = xs = None
+    x, kw = hidden, {}
+    if fmt == "w8a8":
+        (w13, s13), (w2, s2) = block_quantize(w13.float(), split=i), block_quantize(w2.float())
+        sw13, sw2 = w13[0].clone(), w2[0].clone()
+        ss13, ss2 = s13[0].clone(), s2[0].clone()
+        x, xs = per_token_group_quant_fp8(hidden)
+        kw = dict(x_scale=xs, out_dtype=torch.bfloat16)
+    routes = torch.cat([ids, torch.full((t, 1), e, device="cuda")], dim=1)
+    al = mgg.moe_align(routes, e + 1, 64)
+    cfg = mgg.LaunchConfig(block_n=64, block_k=128 if fmt == "w8a8" else 64, num_warps=4,
+                           num_stages=2, block_m=64, group_m=8)
+
+    def both(tma: bool):
+        c = cfg._replace(weight_tma=tma)
+        act = mgg.moe_grouped_gemm(x, w13, al, rows_per_x=k + 1, swiglu=True, swiglu_limit=7.0,
+                                   w_scale=s13, config=c, shared_w=sw13, shared_scale=ss13,
+                                   shared_limit=7.0, **kw)
+        a_in, a_kw = act, {}
+        if fmt == "w8a8":
+            a_in, a_s = per_token_group_quant_fp8(act)
+            a_kw = dict(x_scale=a_s, out_dtype=torch.bfloat16)
+        return act, mgg.moe_grouped_gemm(a_in, w2, al, rows_per_x=1, swiglu=False, w_scale=s2,
+                                         config=c, shared_w=sw2, shared_scale=ss2, **a_kw)
+
+    ptr, tma = both(False), both(True)
+    for got, ref in zip(tma, ptr):
+        assert ref.abs().max() > 0 and _rel(got, ref) < 1e-2
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        replayed = both(True)
+    graph.replay()
+    for got, ref in zip(replayed, tma):
+        torch.testing.assert_close(got, ref, rtol=0, atol=0)

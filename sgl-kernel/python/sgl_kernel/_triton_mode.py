@@ -51,7 +51,13 @@ class LaunchConfig(NamedTuple):
     ``swiglu_interleave`` (the grouped MoE GEMM's SwiGLU up-projection; ignored elsewhere): the
     tile's ``block_n`` columns alternate gate and up rows of ``block_n / 2`` output columns, so
     one ``tl.dot`` and one fp32 accumulator serve both halves, where the default keeps a gate
-    and an up accumulator of ``block_n`` columns each."""
+    and an up accumulator of ``block_n`` columns each.
+
+    ``weight_tma`` (the grouped MoE GEMM; ignored elsewhere): weight tiles loaded by the Hopper
+    tensor-memory accelerator through a host-built descriptor of the ``[E, N, K]`` weight
+    instead of per-thread pointer loads (the gathered activation rows keep pointer loads: a
+    TMA box reads consecutive rows). Only where a tile never straddles two experts' rows and
+    the weight is used as stored (no interleaved SwiGLU tile, no pre-scaled fp8 tile)."""
 
     block_n: int
     block_k: int
@@ -63,6 +69,7 @@ class LaunchConfig(NamedTuple):
     group_m: int = 1
     fp8_prescale: bool = False
     swiglu_interleave: bool = False
+    weight_tma: bool = False
 
 
 def compiler_options(num_warps: Optional[int], num_stages: Optional[int]) -> dict:

@@ -159,7 +159,8 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
     num_blocks = torch.empty(1, dtype=torch.int32, device=dev)
     if p == 0:  # nothing to sort: no rows, no blocks (the reference's answer, without launches)
         num_blocks.zero_()
-        return MoEAlignment(sorted_pairs, block_expert, num_blocks, block_m, p, num_experts)
+        return MoEAlignment(sorted_pairs, block_expert, num_blocks, block_m, p, num_experts,
+                            topk_ids.shape[0])
     chunk = align_chunk(p)
     num_chunks = triton.cdiv(p, chunk)
     # One spare bin at least (past-the-end pairs), a power of two for tl.arange.
@@ -177,4 +178,5 @@ def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> 
                           **compiler_options(8, None))
     _chunk_scatter[(num_chunks,)](flat, scratch, sorted_pairs, p, num_experts,
                                   CHUNK=chunk, E_BINS=e_bins, **compiler_options(8, None))
-    return MoEAlignment(sorted_pairs, block_expert, num_blocks, block_m, p, num_experts)
+    return MoEAlignment(sorted_pairs, block_expert, num_blocks, block_m, p, num_experts,
+                            topk_ids.shape[0])

@@ -88,6 +88,7 @@ __all__ = ["MoEAlignment", "moe_align", "max_padded_pairs", "moe_grouped_gemm",
            "moe_grouped_gemm_reference", "launch_config", "fallback_config", "config_key",
            "config_fields", "load_config_table", "table_device", "table_entry", "nearest_bucket",
            "select_config", "config_change_points", "launch_int_args", "CONFIG_PATH",
+           "weight_tma_applies",
            "DEFAULT_CONFIG", "LaunchConfig", "quantizes_out"]
 
 logger = logging.getLogger(__name__)
@@ -102,7 +103,9 @@ class MoEAlignment(NamedTuple):
     ``sorted_pairs [max_padded]`` int32: pair ids grouped by expert (stable within an expert),
     each group padded to a multiple of ``block_m`` with the sentinel ``num_pairs``;
     ``block_expert [max_padded // block_m]`` int32: the expert of every ``block_m``-row block
-    (-1 past the used blocks); ``num_blocks [1]`` int32: how many blocks are used."""
+    (-1 past the used blocks); ``num_blocks [1]`` int32: how many blocks are used;
+    ``num_tokens``: the routes' rows ``T`` (a shared expert routed once per token, the last
+    expert id, holds the last ``ceil(T / block_m)`` blocks in use)."""
 
     sorted_pairs: torch.Tensor
     block_expert: torch.Tensor
@@ -110,6 +113,7 @@ class MoEAlignment(NamedTuple):
     block_m: int
     num_pairs: int
     num_experts: int
+    num_tokens: int = 0
 
 
 def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
@@ -149,11 +153,49 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
     block_expert = torch.searchsorted(padded_end, first_row, right=True)
     block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
     num_blocks = (padded_end[-1:] // block_m).to(torch.int32)
-    return MoEAlignment(sorted_pairs, block_expert, num_blocks, block_m, p, num_experts)
+    return MoEAlignment(sorted_pairs, block_expert, num_blocks, block_m, p, num_experts,
+                        topk_ids.shape[0])
+
+
+@triton.jit
+def _k_loop_tma(desc, e_idx, row, up_row0, a_ptrs, xs_ptrs, s_gate, s_up, mask_n, valid, K,
+                stride_sk, acc, acc_up, SWIGLU: tl.constexpr, HAS_SCALE: tl.constexpr,
+                A_SCALE: tl.constexpr, QB: tl.constexpr, DOT_PREC: tl.constexpr,
+                BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The K loop of one program with its weight tiles read through the TMA descriptor
+    ``desc`` of an ``[E, N, K]`` weight (``e_idx``: the expert; ``row``: the tile's first gate
+    row, ``up_row0 + row`` its first up row; reads past K are zeros). The arithmetic is the
+    pointer loop's (per-block product scaling in fp8)."""
+    offs_k = tl.arange(0, BLOCK_K)
+    for k0 in range(0, K, BLOCK_K):
+        mask_k = offs_k < K - k0
+        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+        b = tl.trans(tl.reshape(desc.load([e_idx, row, k0]), [BLOCK_N, BLOCK_K])).to(a.dtype)
+        if A_SCALE:
+            a_s = tl.load(xs_ptrs + k0 // QB, mask=valid, other=0.0)[:, None]
+        else:
+            a_s = 1.0
+        if HAS_SCALE:
+            col = (k0 // QB) * stride_sk
+            acc += tl.dot(a, b, input_precision=DOT_PREC) * a_s * tl.load(
+                s_gate + col, mask=mask_n, other=0.0)[None, :]
+        else:
+            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        if SWIGLU:
+            b_up = tl.trans(tl.reshape(desc.load([e_idx, up_row0 + row, k0]),
+                                       [BLOCK_N, BLOCK_K])).to(a.dtype)
+            if HAS_SCALE:
+                acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * a_s * tl.load(
+                    s_up + col, mask=mask_n, other=0.0)[None, :]
+            else:
+                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
+        a_ptrs += BLOCK_K
+    return acc, acc_up
 
 
 @triton.jit
 def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, os_ptr, ws_ptr, ss_ptr,
+                             w_desc, tail_blocks,
                              pairs_ptr, bexp_ptr, nblk_ptr, N, K, num_pairs, rows_per_x,
                              max_blocks, stride_x, stride_xs, stride_we, stride_wn, stride_o,
                              stride_os, stride_se, stride_sn, stride_sk, up_row, up_scale_row,
@@ -163,6 +205,7 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, os_ptr, ws_pt
                              SWIGLU: tl.constexpr, INTERLEAVE: tl.constexpr,
                              HAS_LIMIT: tl.constexpr,
                              HAS_SCALE: tl.constexpr, PRESCALE: tl.constexpr,
+                             W_TMA: tl.constexpr, PART: tl.constexpr,
                              A_SCALE: tl.constexpr, QB: tl.constexpr,
                              DOT_PREC: tl.constexpr,
                              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -178,9 +221,20 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, os_ptr, ws_pt
     group_rows = tl.minimum(max_blocks - first_m, GROUP_M)
     pid_m = first_m + (pid % per_group) % group_rows
     pid_n = (pid % per_group) // group_rows
-    if pid_m >= tl.load(nblk_ptr):  # past the blocks this batch uses (sizes are worst-case)
+    used = tl.load(nblk_ptr)
+    # PART 1: the blocks before the last tail_blocks (the routed experts' when the shared
+    # expert, the last id, holds those); PART 2: only the last tail_blocks, whose expert is
+    # the one weight this launch was given.
+    if PART == 1:
+        used -= tail_blocks
+    if PART == 2:
+        pid_m += used - tail_blocks
+    if pid_m >= used:  # past the blocks this batch uses (sizes are worst-case)
         return
-    expert = tl.load(bexp_ptr + pid_m).to(tl.int64)
+    if PART == 2:
+        expert = tl.zeros([], dtype=tl.int64)
+    else:
+        expert = tl.load(bexp_ptr + pid_m).to(tl.int64)
     pairs = tl.load(pairs_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = pairs < num_pairs  # padding rows: sentinel ids, neither read nor written
     rows = (pairs // rows_per_x).to(tl.int64)
@@ -212,46 +266,53 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, os_ptr, ws_pt
         s_gate += half * up_scale_row * stride_sn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
-        mask_k = offs_k < K - k0
-        a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
-        mask_b = mask_k[:, None] & mask_n[None, :]
-        if PRESCALE:
-            # This K slice lies in one scale column: each weight row (a column of the tile)
-            # times its scale in fp32, rounded once to x's dtype, as the reference dequantises;
-            # then one running dot (no fp32 scaling of each slice's result).
-            col = (k0 // QB) * stride_sk
-            q_gate = tl.load(b_ptrs, mask=mask_b, other=0.0).to(tl.float32)
-            sc_gate = tl.load(s_gate + col, mask=mask_n, other=0.0)
-            w_gate = (q_gate * sc_gate[None, :]).to(a.dtype)
-            acc = tl.dot(a, w_gate, acc, input_precision=DOT_PREC)
-            if SWIGLU and not INTERLEAVE:  # the up rows of the same columns, own scale rows
-                q_up = tl.load(b_ptrs + up_row, mask=mask_b, other=0.0).to(tl.float32)
-                sc_up = tl.load(s_up + col, mask=mask_n, other=0.0)
-                w_up = (q_up * sc_up[None, :]).to(a.dtype)
-                acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PREC)
-        else:
-            # e4m3 -> x's dtype: exact; with fp8 activations (w8a8) no conversion at all.
-            b = tl.load(b_ptrs, mask=mask_b, other=0.0).to(a.dtype)
-            if A_SCALE:  # the slice's activation scale per row (one 128-column group)
-                a_s = tl.load(xs_ptrs + k0 // QB, mask=valid, other=0.0)[:, None]
-            else:
-                a_s = 1.0
-            if HAS_SCALE:  # this K slice lies in one scale column: scale its sum per output row
+    if W_TMA:  # the weight through its descriptor (a shared expert: a launch of its own)
+        row = pid_n * BLOCK_N
+        e32 = expert.to(tl.int32)  # descriptor coordinates are 32-bit
+        acc, acc_up = _k_loop_tma(w_desc, e32, row, N, a_ptrs, xs_ptrs, s_gate, s_up, mask_n,
+                                  valid, K, stride_sk, acc, acc_up, SWIGLU, HAS_SCALE, A_SCALE,
+                                  QB, DOT_PREC, BLOCK_N, BLOCK_K)
+    else:  # pointer loads of the weight tiles
+        for k0 in range(0, K, BLOCK_K):
+            mask_k = offs_k < K - k0
+            a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
+            mask_b = mask_k[:, None] & mask_n[None, :]
+            if PRESCALE:
+                # This K slice lies in one scale column: each weight row (a column of the tile)
+                # times its scale in fp32, rounded once to x's dtype, as the reference dequantises;
+                # then one running dot (no fp32 scaling of each slice's result).
                 col = (k0 // QB) * stride_sk
-                acc += tl.dot(a, b, input_precision=DOT_PREC) * a_s * tl.load(
-                    s_gate + col, mask=mask_n, other=0.0)[None, :]
+                q_gate = tl.load(b_ptrs, mask=mask_b, other=0.0).to(tl.float32)
+                sc_gate = tl.load(s_gate + col, mask=mask_n, other=0.0)
+                w_gate = (q_gate * sc_gate[None, :]).to(a.dtype)
+                acc = tl.dot(a, w_gate, acc, input_precision=DOT_PREC)
+                if SWIGLU and not INTERLEAVE:  # the up rows of the same columns, own scale rows
+                    q_up = tl.load(b_ptrs + up_row, mask=mask_b, other=0.0).to(tl.float32)
+                    sc_up = tl.load(s_up + col, mask=mask_n, other=0.0)
+                    w_up = (q_up * sc_up[None, :]).to(a.dtype)
+                    acc_up = tl.dot(a, w_up, acc_up, input_precision=DOT_PREC)
             else:
-                acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
-            if SWIGLU and not INTERLEAVE:  # the up rows of the same columns, up_row further on
-                b_up = tl.load(b_ptrs + up_row, mask=mask_b, other=0.0).to(a.dtype)
-                if HAS_SCALE:
-                    acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * a_s * tl.load(
-                        s_up + col, mask=mask_n, other=0.0)[None, :]
+                # e4m3 -> x's dtype: exact; with fp8 activations (w8a8) no conversion at all.
+                b = tl.load(b_ptrs, mask=mask_b, other=0.0).to(a.dtype)
+                if A_SCALE:  # the slice's activation scale per row (one 128-column group)
+                    a_s = tl.load(xs_ptrs + k0 // QB, mask=valid, other=0.0)[:, None]
                 else:
-                    acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
-        a_ptrs += BLOCK_K
-        b_ptrs += BLOCK_K
+                    a_s = 1.0
+                if HAS_SCALE:  # this K slice lies in one scale column: scale its sum per output row
+                    col = (k0 // QB) * stride_sk
+                    acc += tl.dot(a, b, input_precision=DOT_PREC) * a_s * tl.load(
+                        s_gate + col, mask=mask_n, other=0.0)[None, :]
+                else:
+                    acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+                if SWIGLU and not INTERLEAVE:  # the up rows of the same columns, up_row further on
+                    b_up = tl.load(b_ptrs + up_row, mask=mask_b, other=0.0).to(a.dtype)
+                    if HAS_SCALE:
+                        acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * a_s * tl.load(
+                            s_up + col, mask=mask_n, other=0.0)[None, :]
+                    else:
+                        acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
+            a_ptrs += BLOCK_K
+            b_ptrs += BLOCK_K
     offs_o = pid_n * TILE_OUT + tl.arange(0, TILE_OUT)
     if SWIGLU:
         if INTERLEAVE:  # [BLOCK_M, BLOCK_N] -> the even (gate) and odd (up) columns
@@ -336,7 +397,8 @@ def _from_fields(fields: dict) -> LaunchConfig:
                         num_warps=int(fields["num_warps"]), num_stages=int(fields["num_stages"]),
                         block_m=int(fields["block_m"]), group_m=int(fields.get("group_m", 1)),
                         fp8_prescale=bool(fields.get("fp8_prescale", False)),
-                        swiglu_interleave=bool(fields.get("swiglu_interleave", False)))
+                        swiglu_interleave=bool(fields.get("swiglu_interleave", False)),
+                        weight_tma=bool(fields.get("weight_tma", False)))
 
 
 def config_fields(cfg: LaunchConfig, fp8: bool = False, swiglu: bool = False) -> dict:
@@ -344,6 +406,7 @@ def config_fields(cfg: LaunchConfig, fp8: bool = False, swiglu: bool = False) ->
     ``fp8_prescale`` (bf16 records leave it out: the kernel ignores it there), for a SwiGLU
     up-projection (``swiglu``) also its tile layout ``swiglu_interleave``."""
     names = _FIELDS + (_FP8_FIELDS if fp8 else ()) + (_SWIGLU_FIELDS if swiglu else ())
+    names += ("weight_tma",) if cfg.weight_tma else ()  # absent reads as pointer loads
     return {name: getattr(cfg, name) for name in names}
 
 
@@ -618,26 +681,77 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
     prec = "ieee" if x.dtype == torch.float32 else None
     interleave = swiglu and bool(config.swiglu_interleave)
     tile_out = config.block_n // 2 if interleave else config.block_n
-    grid = (max_blocks * triton.cdiv(n_out, tile_out),)
     os_ = out_scale if quantize_out else placeholder(x.device)
     ws = shared_w if has_shared else placeholder(x.device)
     ss = shared_scale if has_shared and fp8 else placeholder(x.device)
-    _moe_grouped_gemm_kernel[grid](
-        x, w, scale, xs, out, os_, ws, ss, align.sorted_pairs, align.block_expert,
-        align.num_blocks, n_out, k, p, rows_per_x, max_blocks, x.stride(0),
-        xs.stride(0) if act_fp8 else 0, w.stride(0), w.stride(1),
-        out.stride(0), os_.stride(0) if quantize_out else 0,
-        scale.stride(0) if fp8 else 0, scale.stride(1) if fp8 else 0,
-        scale.stride(2) if fp8 else 0, n_out * w.stride(1), -(-n_out // QBLOCK), limit,
-        e, s_limit, HAS_SHARED=has_shared,
-        ACT_DT=_TL_DTYPES[out_dtype], QUANT_OUT=quantize_out, FMAX=FP8_MAX,
-        ROUND_E4M3=INTERPRETED, SWIGLU=swiglu, INTERLEAVE=interleave, HAS_LIMIT=has_limit,
-        HAS_SCALE=fp8,
-        PRESCALE=fp8 and not act_fp8 and bool(config.fp8_prescale), A_SCALE=act_fp8,
-        QB=QBLOCK, DOT_PREC=prec,
-        BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
-        GROUP_M=config.group_m, **compiler_options(config.num_warps, config.num_stages))
+    w_tma = bool(config.weight_tma)
+    if w_tma and not weight_tma_applies(config, swiglu, fp8 and not act_fp8, n_out, w,
+                                        shared_w):
+        raise ValueError(f"moe_grouped_gemm: weight_tma needs tiles inside one expert's rows "
+                         f"({n_out} output rows, block_n {config.block_n}), the weight as stored "
+                         f"(no interleaved SwiGLU tile, no pre-scaled fp8 tile) and 16-byte "
+                         f"aligned rows")
+    if w_tma and has_shared and align.num_tokens < 1:
+        raise ValueError("moe_grouped_gemm: weight_tma with a shared expert needs the "
+                         "alignment's num_tokens (moe_align records it)")
+    tiles_n = triton.cdiv(n_out, tile_out)
+
+    def launch(weight, w_scale_, limit_, part, blocks, tail, fold_shared):
+        _moe_grouped_gemm_kernel[(blocks * tiles_n,)](
+            x, weight, w_scale_, xs, out, os_, ws, ss,
+            _weight_descriptor(weight, config) if w_tma else None, tail, align.sorted_pairs,
+            align.block_expert, align.num_blocks, n_out, k, p, rows_per_x, blocks, x.stride(0),
+            xs.stride(0) if act_fp8 else 0, weight.stride(0), weight.stride(1),
+            out.stride(0), os_.stride(0) if quantize_out else 0,
+            w_scale_.stride(0) if fp8 else 0, w_scale_.stride(1) if fp8 else 0,
+            w_scale_.stride(2) if fp8 else 0, n_out * weight.stride(1), -(-n_out // QBLOCK),
+            limit_, e, s_limit, HAS_SHARED=fold_shared,
+            ACT_DT=_TL_DTYPES[out_dtype], QUANT_OUT=quantize_out, FMAX=FP8_MAX,
+            ROUND_E4M3=INTERPRETED, SWIGLU=swiglu, INTERLEAVE=interleave, HAS_LIMIT=has_limit,
+            HAS_SCALE=fp8,
+            PRESCALE=fp8 and not act_fp8 and bool(config.fp8_prescale), W_TMA=w_tma,
+            PART=part, A_SCALE=act_fp8, QB=QBLOCK, DOT_PREC=prec,
+            BLOCK_M=config.block_m, BLOCK_N=config.block_n, BLOCK_K=config.block_k,
+            GROUP_M=config.group_m, **compiler_options(config.num_warps, config.num_stages))
+
+    if w_tma and has_shared:
+        # One descriptor per launch: the routed experts' blocks, then the shared expert's
+        # (the last id: its T pairs are the last ceil(T / block_m) blocks in use) with its
+        # own weight, scales and clamp. Choosing a descriptor per program inside one launch
+        # would compile the pipelined K loop twice (twice the shared memory).
+        tail = -(-align.num_tokens // align.block_m)
+        launch(w, scale, limit, 1, max_blocks, tail, False)
+        launch(shared_w.unsqueeze(0), shared_scale.unsqueeze(0) if fp8 else scale, s_limit, 2,
+               tail, tail, False)
+    else:
+        launch(w, scale, limit, 0, max_blocks, 0, has_shared)
     return (out, out_scale) if quantize_out else out
+
+
+def weight_tma_applies(config: LaunchConfig, swiglu: bool, prescale_possible: bool, n_out: int,
+                       w: torch.Tensor, shared_w: Optional[torch.Tensor] = None) -> bool:
+    """Whether ``config`` may read the weight ``w [E, N, K]`` through a TMA descriptor
+    (``LaunchConfig.weight_tma``): every column tile inside one expert's rows (``block_n``
+    divides the ``n_out`` output rows), the weight tile used as stored (no interleaved SwiGLU
+    tile; no pre-scaled fp8 tile where the weight-only fp8 loop could take one:
+    ``prescale_possible``), and the rows 16-byte aligned (a TMA descriptor's rule), the shared
+    expert's too."""
+    if n_out % config.block_n or (swiglu and config.swiglu_interleave):
+        return False
+    if prescale_possible and config.fp8_prescale:
+        return False
+    return all(t.data_ptr() % 16 == 0 and all(st * t.element_size() % 16 == 0
+                                               for st in t.stride()[:-1])
+               for t in ([w] if shared_w is None else [w, shared_w]))
+
+
+def _weight_descriptor(w: torch.Tensor, config: LaunchConfig):
+    """The TMA descriptor of ``w [E, N, K]`` whose box is one ``[block_n, block_k]`` weight
+    tile of one expert (reads past K are zeros)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(w, list(w.shape), list(w.stride()),
+                            [1, config.block_n, config.block_k])
 
 
 def quantizes_out(config: LaunchConfig, swiglu: bool) -> bool:
