@@ -302,14 +302,16 @@ def test_interleaved_swiglu_tile_matches_two_accumulators(mgg, fmt, dtype, tol, 
     assert _rel(one, two) < tol  # per output column the same arithmetic
 
 
-@pytest.mark.parametrize("fmt,dtype,il", [("w8a8", torch.float32, False),
-                                          ("w8a8", torch.float16, True),
-                                          ("fp8", torch.float16, False),
-                                          ("plain", torch.float32, False)])
-def test_quantized_output_equals_quantizing_the_output(mgg, fmt, dtype, il):
+@pytest.mark.parametrize("fmt,dtype,il,block_n", [("w8a8", torch.float32, False, 128),
+                                                  ("w8a8", torch.float16, True, 256),
+                                                  ("w8a8", torch.float32, False, 256),
+                                                  ("fp8", torch.float16, False, 128),
+                                                  ("plain", torch.float32, False, 128)])
+def test_quantized_output_equals_quantizing_the_output(mgg, fmt, dtype, il, block_n):
     """``quantize_out``: the epilogue's e4m3 rows and group scales are bit for bit
     ``per_token_group_quant_fp8`` of the plain output (``I = 160``: a full and a partial
-    group; interleaved tiles of 256 columns too); tiles of another width are refused."""
+    group; interleaved tiles of 256 columns, and tiles of two groups); tiles of a part of a
+    group are refused."""
     from sgl_kernel.fp8_act_quant import per_token_group_quant_fp8
     from sgl_kernel.fp8_blocks import block_quantize
 
@@ -323,8 +325,7 @@ def test_quantized_output_equals_quantizing_the_output(mgg, fmt, dtype, il):
         xq, xs = per_token_group_quant_fp8(x)
         x, kw = xq, dict(x_scale=xs, out_dtype=dtype)
     ids = _routes(t, k, e, seed=53)
-    cfg = mgg.LaunchConfig(block_n=256 if il else 128, block_k=64, block_m=16,
-                           swiglu_interleave=il)
+    cfg = mgg.LaunchConfig(block_n=block_n, block_k=64, block_m=16, swiglu_interleave=il)
     al = mgg.moe_align(ids, e, 16)
     plain = mgg.moe_grouped_gemm(x, w13, al, rows_per_x=k, swiglu=True, swiglu_limit=2.0,
                                  w_scale=s13, config=cfg, **kw)
@@ -335,7 +336,7 @@ def test_quantized_output_equals_quantizing_the_output(mgg, fmt, dtype, il):
     assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(scale, scale_ref)
     assert not mgg.quantizes_out(cfg._replace(block_n=64), swiglu=True)
-    with pytest.raises(ValueError, match="quantize_out needs tiles of 128"):
+    with pytest.raises(ValueError, match="quantize_out needs tiles of whole 128"):
         mgg.moe_grouped_gemm(x, w13, al, rows_per_x=k, swiglu=True, w_scale=s13,
                              config=cfg._replace(block_n=64), quantize_out=True, **kw)
 
@@ -887,6 +888,14 @@ def test_weight_tma_on_cuda_matches_pointer_tiles(mgg, fmt):
     ptr, tma = both(False), both(True)
     for got, ref in zip(tma, ptr):
         assert ref.abs().max() > 0 and _rel(got, ref) < 1e-2
+    if fmt == "w8a8":  # the model's tile: 256 columns, two activation groups quantised inside
+        wide = cfg._replace(block_n=256, num_warps=8, num_stages=3, weight_tma=True)
+        up = dict(rows_per_x=k + 1, swiglu=True, swiglu_limit=7.0, w_scale=s13, config=wide,
+                  shared_w=sw13, shared_scale=ss13, shared_limit=7.0, **kw)
+        q, q_scale = mgg.moe_grouped_gemm(x, w13, al, quantize_out=True, **up)
+        q_ref, scale_ref = per_token_group_quant_fp8(mgg.moe_grouped_gemm(x, w13, al, **up))
+        assert torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
+        assert torch.equal(q_scale, scale_ref)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         replayed = both(True)

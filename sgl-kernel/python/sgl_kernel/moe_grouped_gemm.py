@@ -332,13 +332,19 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, os_ptr, ws_pt
     out_ptrs = out_ptr + pairs.to(tl.int64)[:, None] * stride_o + offs_o[None, :]
     mask_o = valid[:, None] & (offs_o < N)[None, :]
     if QUANT_OUT:
-        # The down-projection's input quantised here (TILE_OUT is one 128-column group): the
-        # result rounded to the model dtype, as the unfused path stores it, then
-        # fp8_act_quant's rule on that group; columns past N are zero and leave amax alone.
+        # The down-projection's input quantised here (TILE_OUT is GROUPS whole 128-column
+        # groups): the result rounded to the model dtype, as the unfused path stores it, then
+        # fp8_act_quant's rule on each group (a row-major reshape makes each group a row);
+        # columns past N are zero and leave amax alone.
+        GROUPS: tl.constexpr = TILE_OUT // QB
         r = tl.where(mask_o, result.to(ACT_DT).to(tl.float32), 0.0)
-        q, q_scale = quantize_groups(r, FMAX, ROUND_E4M3)
-        tl.store(out_ptrs, q.to(out_ptr.dtype.element_ty), mask=mask_o)
-        tl.store(os_ptr + pairs.to(tl.int64) * stride_os + pid_n, q_scale, mask=valid)
+        q, q_scale = quantize_groups(tl.reshape(r, [BLOCK_M * GROUPS, QB]), FMAX, ROUND_E4M3)
+        tl.store(out_ptrs, tl.reshape(q, [BLOCK_M, TILE_OUT]).to(out_ptr.dtype.element_ty),
+                 mask=mask_o)
+        groups = pid_n * GROUPS + tl.arange(0, GROUPS)
+        tl.store(os_ptr + pairs.to(tl.int64)[:, None] * stride_os + groups[None, :],
+                 tl.reshape(q_scale, [BLOCK_M, GROUPS]),
+                 mask=valid[:, None] & (groups * QB < N)[None, :])
     else:
         tl.store(out_ptrs, result.to(ACT_DT), mask=mask_o)
 
@@ -590,8 +596,8 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
     the result, rounded to that dtype as it would be stored, is quantised per row and
     128-column group by :mod:`sgl_kernel.fp8_act_quant`'s rule inside the epilogue, and
     ``(q float8_e4m3fn [P, N_out], scale fp32 [P, ceil(N_out / 128)])`` is returned: bit for
-    bit ``per_token_group_quant_fp8`` of the plain output, without storing it. Needs a tile of
-    128 output columns (:func:`quantizes_out`); ``out`` is not taken.
+    bit ``per_token_group_quant_fp8`` of the plain output, without storing it. Needs tiles of
+    whole 128-column groups (:func:`quantizes_out`); ``out`` is not taken.
 
     ``shared_w [N, K]`` (with ``shared_scale`` for block fp8, and its own SwiGLU clamp
     ``shared_limit``): one more expert, id ``E`` in ``align`` (aligned over ``E + 1``
@@ -664,8 +670,8 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
                          f"{align.block_m}")
     _check_config(config, fp8)
     if quantize_out and not quantizes_out(config, swiglu):
-        raise ValueError(f"moe_grouped_gemm: quantize_out needs tiles of {QBLOCK} output "
-                         f"columns (one activation group), got block_n {config.block_n}"
+        raise ValueError(f"moe_grouped_gemm: quantize_out needs tiles of whole {QBLOCK}-column "
+                         f"activation groups, got block_n {config.block_n}"
                          f"{' interleaved' if swiglu and config.swiglu_interleave else ''}")
     max_blocks = align.block_expert.shape[0]
     if p == 0 or n_out == 0 or max_blocks == 0:
@@ -756,9 +762,9 @@ def _weight_descriptor(w: torch.Tensor, config: LaunchConfig):
 
 def quantizes_out(config: LaunchConfig, swiglu: bool) -> bool:
     """Whether :func:`moe_grouped_gemm` with ``config`` can quantise its output in the
-    epilogue (``quantize_out``): each program's output tile is one 128-column group."""
+    epilogue (``quantize_out``): each program's output tile is whole 128-column groups."""
     tile_out = config.block_n // 2 if swiglu and config.swiglu_interleave else config.block_n
-    return tile_out == QBLOCK
+    return tile_out % QBLOCK == 0
 
 
 def moe_grouped_gemm_reference(x: torch.Tensor, w: torch.Tensor, topk_ids: torch.Tensor, *,
