@@ -63,6 +63,13 @@ row's activation scale and the column's weight scale. The activations' rounding 
 numerics the weight-only path and the torch-native reference do not have; the reference takes
 the dequantised activations (``x_scale`` given) and so checks the kernel, not the rounding.
 
+Weight tiles by TMA (``LaunchConfig.weight_tma``, a table entry's choice): the ``[BLOCK_N,
+BLOCK_K]`` weight tile comes through a host-built TMA descriptor of ``w`` instead of per-thread
+pointer loads (the gathered rows of ``x`` keep pointer loads); the arithmetic is the same. A
+descriptor is chosen per launch, not per program, so with a shared expert the launch is split
+in two: the routed experts' row blocks, then the shared expert's (the last id, whose ``T``
+rows are the last ``ceil(T / block_m)`` blocks in use; ``MoEAlignment.num_tokens``).
+
 Tiles (and the fp8 inner loop) come from a per-GPU table (``configs/moe_grouped_gemm.json``,
 written by ``benchmark/kernels/tune_moe_grouped_gemm.py``) through :func:`launch_config`. Reference:
 :func:`moe_grouped_gemm_reference`.
