@@ -165,6 +165,30 @@ def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlig
 
 
 @triton.jit
+def _act_scale(xs_ptrs, k0, valid, A_SCALE: tl.constexpr, QB: tl.constexpr):
+    """w8a8: the K slice's activation scale per row (one 128-column group); else 1."""
+    if A_SCALE:
+        a_s = tl.load(xs_ptrs + k0 // QB, mask=valid, other=0.0)[:, None]
+    else:
+        a_s = 1.0
+    return a_s
+
+
+@triton.jit
+def _add_slice(acc, a, b, a_s, scale_ptrs, mask_n, HAS_SCALE: tl.constexpr,
+               DOT_PREC: tl.constexpr):
+    """``acc`` plus one K slice's product: in block fp8 (the slice lies in one scale column)
+    its sum times the rows' activation scales ``a_s`` and the columns' weight scales at
+    ``scale_ptrs``; otherwise one running dot."""
+    if HAS_SCALE:
+        acc += tl.dot(a, b, input_precision=DOT_PREC) * a_s * tl.load(
+            scale_ptrs, mask=mask_n, other=0.0)[None, :]
+    else:
+        acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+    return acc
+
+
+@triton.jit
 def _k_loop_tma(desc, e_idx, row, up_row0, a_ptrs, xs_ptrs, s_gate, s_up, mask_n, valid, K,
                 stride_sk, acc, acc_up, SWIGLU: tl.constexpr, HAS_SCALE: tl.constexpr,
                 A_SCALE: tl.constexpr, QB: tl.constexpr, DOT_PREC: tl.constexpr,
@@ -178,24 +202,13 @@ def _k_loop_tma(desc, e_idx, row, up_row0, a_ptrs, xs_ptrs, s_gate, s_up, mask_n
         mask_k = offs_k < K - k0
         a = tl.load(a_ptrs, mask=valid[:, None] & mask_k[None, :], other=0.0)
         b = tl.trans(tl.reshape(desc.load([e_idx, row, k0]), [BLOCK_N, BLOCK_K])).to(a.dtype)
-        if A_SCALE:
-            a_s = tl.load(xs_ptrs + k0 // QB, mask=valid, other=0.0)[:, None]
-        else:
-            a_s = 1.0
-        if HAS_SCALE:
-            col = (k0 // QB) * stride_sk
-            acc += tl.dot(a, b, input_precision=DOT_PREC) * a_s * tl.load(
-                s_gate + col, mask=mask_n, other=0.0)[None, :]
-        else:
-            acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+        a_s = _act_scale(xs_ptrs, k0, valid, A_SCALE, QB)
+        col = (k0 // QB) * stride_sk
+        acc = _add_slice(acc, a, b, a_s, s_gate + col, mask_n, HAS_SCALE, DOT_PREC)
         if SWIGLU:
             b_up = tl.trans(tl.reshape(desc.load([e_idx, up_row0 + row, k0]),
                                        [BLOCK_N, BLOCK_K])).to(a.dtype)
-            if HAS_SCALE:
-                acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * a_s * tl.load(
-                    s_up + col, mask=mask_n, other=0.0)[None, :]
-            else:
-                acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
+            acc_up = _add_slice(acc_up, a, b_up, a_s, s_up + col, mask_n, HAS_SCALE, DOT_PREC)
         a_ptrs += BLOCK_K
     return acc, acc_up
 
@@ -301,23 +314,13 @@ def _moe_grouped_gemm_kernel(x_ptr, w_ptr, s_ptr, xs_ptr, out_ptr, os_ptr, ws_pt
             else:
                 # e4m3 -> x's dtype: exact; with fp8 activations (w8a8) no conversion at all.
                 b = tl.load(b_ptrs, mask=mask_b, other=0.0).to(a.dtype)
-                if A_SCALE:  # the slice's activation scale per row (one 128-column group)
-                    a_s = tl.load(xs_ptrs + k0 // QB, mask=valid, other=0.0)[:, None]
-                else:
-                    a_s = 1.0
-                if HAS_SCALE:  # this K slice lies in one scale column: scale its sum per output row
-                    col = (k0 // QB) * stride_sk
-                    acc += tl.dot(a, b, input_precision=DOT_PREC) * a_s * tl.load(
-                        s_gate + col, mask=mask_n, other=0.0)[None, :]
-                else:
-                    acc = tl.dot(a, b, acc, input_precision=DOT_PREC)
+                a_s = _act_scale(xs_ptrs, k0, valid, A_SCALE, QB)
+                col = (k0 // QB) * stride_sk
+                acc = _add_slice(acc, a, b, a_s, s_gate + col, mask_n, HAS_SCALE, DOT_PREC)
                 if SWIGLU and not INTERLEAVE:  # the up rows of the same columns, up_row further on
                     b_up = tl.load(b_ptrs + up_row, mask=mask_b, other=0.0).to(a.dtype)
-                    if HAS_SCALE:
-                        acc_up += tl.dot(a, b_up, input_precision=DOT_PREC) * a_s * tl.load(
-                            s_up + col, mask=mask_n, other=0.0)[None, :]
-                    else:
-                        acc_up = tl.dot(a, b_up, acc_up, input_precision=DOT_PREC)
+                    acc_up = _add_slice(acc_up, a, b_up, a_s, s_up + col, mask_n, HAS_SCALE,
+                                        DOT_PREC)
             a_ptrs += BLOCK_K
             b_ptrs += BLOCK_K
     offs_o = pid_n * TILE_OUT + tl.arange(0, TILE_OUT)
