@@ -11,7 +11,8 @@ constexprs of its real launches:
   tile layouts), block-fp8 experts with both fp8 inner loops (per-block product scaling,
   pre-scaled tiles) and on fp8 activations (w8a8), up-projection (SwiGLU, both layouts) and
   down-projection, the up-projection quantising its output and both with the shared expert as
-  pairs; the w8a8 ones at the table's 65536-pair tile spill no register;
+  pairs; the w8a8 ones at the table's 65536-pair tile spill no register; and the w8a8 tiles
+  with their weight through a TMA descriptor (the routed and the shared expert's launch);
 * ``fp8_gemm._block_fp8_gemm_kernel`` with both inner loops (plain and swapped tiles), its
   w8a8 variant (``A_SCALE``: e4m3 activations and weight on the fp8 wgmma, plain and swapped)
   and its one-pass ``_dequantize_kernel``;
@@ -84,7 +85,7 @@ import triton.language as tl
 
 base = dict(QB=128, DOT_PREC=None, BLOCK_M=64, BLOCK_N=128, GROUP_M=8, A_SCALE=False,
             INTERLEAVE=False, ACT_DT=tl.bfloat16, QUANT_OUT=False, FMAX=448.0,
-            ROUND_E4M3=False, HAS_SHARED=False)
+            ROUND_E4M3=False, HAS_SHARED=False, W_TMA=False, PART=0, w_desc=None)
 ptrs = dict(x_ptr="*bf16", w_ptr="*bf16", s_ptr="*fp32", xs_ptr="*fp32", out_ptr="*bf16",
             os_ptr="*fp32", ws_ptr="*bf16", ss_ptr="*fp32", pairs_ptr="*i32", bexp_ptr="*i32",
             nblk_ptr="*i32")
@@ -119,6 +120,18 @@ for swiglu, il, quant, shared in ((True, False, False, False), (True, True, Fals
                 PRESCALE=False, A_SCALE=True, BLOCK_K=128, QUANT_OUT=quant, HAS_SHARED=shared),
                 floats, aligned, num_warps=8, num_stages=3)
     assert spill_bytes(out) == 0, name
+# The H100 table's 73728-pair tiles: weight tiles through a TMA descriptor, the routed
+# experts' launch (PART 1) and the shared expert's (PART 2), the up-projection's 256 columns
+# quantised in the epilogue (two groups).
+tma = dict(base, W_TMA=True, HAS_SCALE=True, PRESCALE=False, A_SCALE=True, BLOCK_K=128)
+for swiglu, part in ((True, 1), (True, 2), (False, 1)):
+    block_n, warps, stages = (256, 8, 3) if swiglu else (128, 4, 4)
+    desc = {"w_desc": f"tensordesc<fp8e4nv[1, {block_n}, 128]>"}
+    consts = {k: v for k, v in dict(tma, SWIGLU=swiglu, HAS_LIMIT=swiglu, QUANT_OUT=swiglu,
+                                    PART=part, BLOCK_N=block_n).items() if k != "w_desc"}
+    name = f"w8a8 TMA {'up+SwiGLU quantised out' if swiglu else 'down'} part {part}"
+    out = build(name, kernel, {**(w8a8_q if swiglu else w8a8), **desc}, consts, floats,
+                aligned, num_warps=warps, num_stages=stages)
 """
 
 _FP8_GEMM = _PRELUDE + r"""
@@ -204,7 +217,7 @@ for rq in (512, 128):
 
 # module -> (script, variants compiled, of which GEMMs: Hopper's wgmma expected in their PTX,
 # of which w8a8: the wgmma on e4m3 operands).
-CASES = {"moe_grouped_gemm": (_MOE, 11, 11, 5), "fp8_gemm": (_FP8_GEMM, 7, 6, 2),
+CASES = {"moe_grouped_gemm": (_MOE, 14, 14, 8), "fp8_gemm": (_FP8_GEMM, 7, 6, 2),
          "fp8_act_quant": (_FP8_ACT_QUANT, 1, 0, 0), "kda_prefill_conv": (_KDA_CONV, 3, 0, 0),
          "rmsnorm": (_RMSNORM, 4, 0, 0), "mla_rope": (_MLA_ROPE, 2, 0, 0)}
 
