@@ -85,9 +85,11 @@ def test_moe_grouped_gemm_sweep_runs_and_writes_its_table(tmp_path):
                   "--intermediate", "48", "--topk", "2", "--tokens", "8", "--block-m", "16",
                   "--block-n", "32", "--block-k", "32", "--group-m", "1", "--num-warps", "4",
                   "--num-stages", "1", "--iters", "1", "--dtype", "w8a8", "--weight-tma", "0",
-                  "1", "--output", str(out), TRITON_INTERPRET="1")
+                  "1", "--shared-expert", "--output", str(out), TRITON_INTERPRET="1")
     shapes = json.loads(out.read_text())["CPU (Triton interpreter)"]
     assert sum(key.endswith("dtype=w8a8") for key in shapes) == 2 and len(shapes) == 6
+    # --shared-expert: one more pair a token (8 x (2 + 1)), checked against the reference
+    assert all(list(b) == ["24"] for key, b in shapes.items() if key.endswith("dtype=w8a8"))
     # TMA weight tiles only where they apply: not on the up-projection's 48 output columns
     # (no 32-column tile fits them)
     assert "/tma" not in re.search(r"^\s+w8a8 up .*$", stdout, re.MULTILINE).group(0)
