@@ -25,7 +25,7 @@ winners against the fallback config (and, for fp8, the best time of each inner l
 ``--shared-expert`` times the launches as the model runs them: one more expert (id E, its own
 weight) that every token is routed to, its rows in the same launch (``shared_w``), so a bucket is
 ``tokens x (top-k + 1)`` pairs, and a config must fit the shared expert's code path too (with
-``--weight-tma 1``: a second pipelined K loop, twice the shared memory).
+TMA weight tiles its rows are a second launch, timed with the first).
 
 Without CUDA (``TRITON_INTERPRET=1``, fp32, wall-clock times, pass tiny ``--experts`` /
 ``--hidden`` / ``--intermediate``) it is only a smoke run of the script.
@@ -52,7 +52,8 @@ from sgl_kernel.moe_grouped_gemm import (CONFIG_PATH, LaunchConfig, config_field
 
 def label(cfg: LaunchConfig) -> str:
     """``BLOCK_M/BLOCK_N/BLOCK_K/GROUP_M/num_warps/num_stages``, ``/pre`` appended for
-    pre-scaled fp8 weight tiles, ``/il`` for the interleaved SwiGLU tile."""
+    pre-scaled fp8 weight tiles, ``/il`` for the interleaved SwiGLU tile, ``/tma`` for weight
+    tiles through a TMA descriptor."""
     return "/".join(str(v) for v in (cfg.block_m, cfg.block_n, cfg.block_k, cfg.group_m,
                                      cfg.num_warps, cfg.num_stages)) + (
         "/pre" if cfg.fp8_prescale else "") + ("/il" if cfg.swiglu_interleave else "") + (
