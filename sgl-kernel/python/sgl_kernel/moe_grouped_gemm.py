@@ -712,7 +712,7 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
                          "alignment's num_tokens (moe_align records it)")
     tiles_n = triton.cdiv(n_out, tile_out)
 
-    def launch(weight, w_scale_, limit_, part, blocks, tail, fold_shared):
+    def launch(weight, w_scale_, limit_, part, blocks, tail):
         _moe_grouped_gemm_kernel[(blocks * tiles_n,)](
             x, weight, w_scale_, xs, out, os_, ws, ss,
             _weight_descriptor(weight, config) if w_tma else None, tail, align.sorted_pairs,
@@ -721,7 +721,7 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
             out.stride(0), os_.stride(0) if quantize_out else 0,
             w_scale_.stride(0) if fp8 else 0, w_scale_.stride(1) if fp8 else 0,
             w_scale_.stride(2) if fp8 else 0, n_out * weight.stride(1), -(-n_out // QBLOCK),
-            limit_, e, s_limit, HAS_SHARED=fold_shared,
+            limit_, e, s_limit, HAS_SHARED=has_shared and part == 0,
             ACT_DT=_TL_DTYPES[out_dtype], QUANT_OUT=quantize_out, FMAX=FP8_MAX,
             ROUND_E4M3=INTERPRETED, SWIGLU=swiglu, INTERLEAVE=interleave, HAS_LIMIT=has_limit,
             HAS_SCALE=fp8,
@@ -736,11 +736,11 @@ def moe_grouped_gemm(x: torch.Tensor, w: torch.Tensor, align: MoEAlignment, *, r
         # own weight, scales and clamp. Choosing a descriptor per program inside one launch
         # would compile the pipelined K loop twice (twice the shared memory).
         tail = -(-align.num_tokens // align.block_m)
-        launch(w, scale, limit, 1, max_blocks, tail, False)
+        launch(w, scale, limit, 1, max_blocks, tail)
         launch(shared_w.unsqueeze(0), shared_scale.unsqueeze(0) if fp8 else scale, s_limit, 2,
-               tail, tail, False)
-    else:
-        launch(w, scale, limit, 0, max_blocks, 0, has_shared)
+               tail, tail)
+    else:  # one launch; a shared expert's rows pick their weight per program
+        launch(w, scale, limit, 0, max_blocks, 0)
     return (out, out_scale) if quantize_out else out
 
 
