@@ -132,9 +132,13 @@ def mla_expand_kv(rows: torch.Tensor, w_kc: torch.Tensor, w_vc: torch.Tensor,
         raise ValueError(f"mla_expand_kv: v_width {width} < v head dim {dv}")
     s = rows.shape[0]
     latent, k_rope = rows.split([r, dr], dim=-1)
-    # All heads in one matmul each: [S, r] @ [r, H * d] (w_kc's [H * d_n, r] view is free).
-    k_nope = (latent @ w_kc.to(rows.dtype).reshape(h * dn, r).t()).view(s, h, dn)
-    k = torch.cat([k_nope, k_rope.unsqueeze(1).expand(s, h, dr)], dim=-1)
+    # All heads in one matmul each: [S, r] @ [r, H * d]. The key's weight gets d_r zero rows
+    # after each head's d_n, so the product lands in k's layout with zeros where the rope part
+    # goes, and one broadcast copy fills those: a concatenation would write the whole key a
+    # second time (the largest copy of an MLA layer's prefill, docs/performance.md).
+    w_k = F.pad(w_kc.to(rows.dtype), (0, 0, 0, dr)).reshape(h * (dn + dr), r)
+    k = (latent @ w_k.t()).view(s, h, dn + dr)
+    k[..., dn:] = k_rope.unsqueeze(1)
     w_v = w_vc.to(rows.dtype).transpose(0, 1)  # [r, H, d_v]
     if width > dv:
         # Zero weight columns give exactly zero value channels: padding V costs no extra copy.
