@@ -396,3 +396,16 @@ def test_graph_node_kinds_reads_a_debug_dump():
     assert {k: v for k, v in kinds.items() if k != "other_label"} == {
         "KERNEL": 2, "MEMSET": 1, "MEMCPY": 1, "other": 1}
     assert kinds["other_label"] == "7\\n_Z3fooPf"
+
+
+def test_launch_overhead_benchmark_names_what_it_needs_without_cuda(monkeypatch):
+    """The launch-path timing is GPU-only: on CPU it exits with the reason, not a traceback."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "bench_launch_overhead", ROOT / "benchmark/kernels/bench_launch_overhead.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    monkeypatch.setattr(bench.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit, match="needs a CUDA device"):
+        bench.main(["--launches", "10"])
