@@ -45,10 +45,36 @@ def test_gpu_call_survives_a_stage_that_names_served_variant(tmp_path):
                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
                               "OUT": str(tmp_path / "out"), "SCRATCH": str(tmp_path / "scratch"),
-                              "TRITON_CACHE_DIR": str(tmp_path / "triton")})
+                              "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+                              "TRITON_CACHE_IN": str(tmp_path / "none.txz")})
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("== gpu_prefill.sh STAGE=none") == 2, out.stdout
     assert "packed" in out.stdout and (tmp_path / "out" / "logs.tgz").exists()
+
+
+@pytest.mark.skipif(shutil.which("xz") is None, reason="needs xz")
+def test_gpu_call_returns_the_triton_cache_as_xz(tmp_path):
+    """``TRITON_CACHE_OUT=1``: the cache comes back as ``triton_cache.txz``, whose unpacked
+    files equal the cache's (the form a later call carries as ``.triton_cache.txz``)."""
+    cache = tmp_path / "triton" / "abc123"
+    cache.mkdir(parents=True)
+    (cache / "k.cubin").write_bytes(bytes(range(256)) * 64)
+    (cache / "__grp__k.json").write_text('{"child_paths": {}}')
+    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_call.sh"),
+                          "20 gpu_prefill.sh STAGE=none"],
+                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                              "OUT": str(tmp_path / "out"), "SCRATCH": str(tmp_path / "scratch"),
+                              "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+                              "TRITON_CACHE_IN": str(tmp_path / "none.txz"),  # not the repo's
+                              "TRITON_CACHE_OUT": "1"})
+    assert out.returncode == 0 and "Triton cache:" in out.stdout, out.stdout + out.stderr
+    back = tmp_path / "back"
+    back.mkdir()
+    subprocess.run(["tar", "xf", str(tmp_path / "out" / "triton_cache.txz"), "-C", str(back)],
+                   check=True, env={"PATH": "/usr/bin:/bin"})
+    assert (back / "abc123" / "k.cubin").read_bytes() == (cache / "k.cubin").read_bytes()
+    assert (back / "abc123" / "__grp__k.json").read_text() == '{"child_paths": {}}'
 
 
 @pytest.mark.parametrize("script", ["gpu_graphs.sh", "gpu_prefill.sh", "gpu_guide.sh"])
