@@ -22,6 +22,8 @@
 #                   prompts, default 4) against the fp8 42-layer server without speculation and
 #                   with NEXTN (SPECS, default "0 3"); one JSON line per run in $OUT/served.jsonl;
 #                   SERVED_ARGS adds server flags (SERVED_ARGS="--prefill-cuda-graph-tokens 8192");
+#                   SERVED_LENS="1024:128:6 8192:1024:2" (input:output:prompts, one benchmark
+#                   each per server) replaces the seed's workload;
 #                   SERVED_VARIANTS, comma-separated flag lists, runs one server per list in turn
 #                   (SERVED_VARIANTS=",--mem-fraction-static 0.85": defaults, then that flag);
 #                   a list's leading VAR=value words are that server's environment, e.g.
@@ -165,11 +167,15 @@ served)
     # shellcheck disable=SC2086  # flag lists
     serve_with "${envs[@]}" -- 30710 "$OUT/server_fp8_$steps$tag.log" $FLASH42 \
       --cuda-graph-max-bs 4 $spec "${flags[@]}" || continue
-    timeout ${BENCH_TIMEOUT:-200} python3 -m sglang.bench_serving --backend sglang --port 30710 \
-      --dataset-name random-ids --random-input-len 8192 --random-output-len 1024 \
-      --random-range-ratio 1.0 --num-prompts ${PROMPTS:-4} --max-concurrency 1 --disable-tqdm \
-      --output-details --output-file "$OUT/served.jsonl" 2>&1 | tee "$OUT/bench_fp8_$steps$tag.log" \
-      | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Accept"
+    for lens in ${SERVED_LENS:-8192:1024:${PROMPTS:-4}}; do
+      IFS=: read -r in_len out_len prompts <<< "$lens"
+      timeout ${BENCH_TIMEOUT:-200} python3 -m sglang.bench_serving --backend sglang \
+        --port 30710 --dataset-name random-ids --random-input-len "$in_len" \
+        --random-output-len "$out_len" --random-range-ratio 1.0 --num-prompts "$prompts" \
+        --max-concurrency 1 --disable-tqdm --output-details --output-file "$OUT/served.jsonl" \
+        2>&1 | tee "$OUT/bench_fp8_$steps${tag}_$in_len.log" \
+        | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Accept"
+    done
     grep -E "request slots|pools:|Prefill warm-up" "$OUT/server_fp8_$steps$tag.log" | head -3
     stop_server
   done
