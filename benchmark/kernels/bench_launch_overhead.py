@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 import time
+from pathlib import Path
 from typing import Callable, Dict, List
 
 import torch
@@ -124,13 +125,17 @@ def _print_profile(fn: Callable[[], object], calls: int) -> None:
 
 
 def _count_kernels(fn: Callable[[], object]) -> int:
-    """Device kernels one call of ``fn`` launches (torch profiler)."""
+    """Device work items (kernels, copies, memsets) one call of ``fn`` launches, as the
+    censuses count them (``benchmark/batch1/census_common.device_events``)."""
     from torch.profiler import ProfilerActivity, profile
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "batch1"))
+    from census_common import device_events
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
+    return len(device_events(prof.events()))
 
 
 def main(argv: List[str] = None) -> List[Dict[str, object]]:
