@@ -176,7 +176,8 @@ served)
         2>&1 | tee "$OUT/bench_fp8_$steps${tag}_$in_len.log" \
         | grep -E "Output token throughput|Mean TTFT|Mean TPOT|Accept"
     done
-    grep -E "request slots|pools:|Prefill warm-up" "$OUT/server_fp8_$steps$tag.log" | head -3
+    grep -E "request slots|pools:|Prefill warm-up|Prefill CUDA graphs|CUDA graphs captured" \
+      "$OUT/server_fp8_$steps$tag.log" | head -6
     stop_server
   done
   done

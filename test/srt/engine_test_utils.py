@@ -34,9 +34,13 @@ def write_checkpoint(path: str, with_tokenizer: bool = False, **config_overrides
 
 
 def server_args(model_path: str, **kw: Any) -> ServerArgs:
-    """CPU fp32 server args for tests (small pools, fixed seed)."""
+    """CPU fp32 server args for tests (small pools, fixed seed). Prefills run eagerly unless a
+    test asks for prefill graphs: the GPU gates compare the decode graphs' tokens with an eager
+    run's exactly, and a padded prefill replay rounds differently from the eager prefill of the
+    same prompt in bf16 (test_prefill_graphs.py gates the prefill graphs, within a tolerance)."""
     defaults = dict(model_path=model_path, device="cpu", dtype="float32", random_seed=0,
-                    max_total_tokens=2048, max_running_requests=8, log_level="warning")
+                    max_total_tokens=2048, max_running_requests=8, log_level="warning",
+                    prefill_cuda_graph_tokens=[])
     defaults.update(kw)
     return ServerArgs(**defaults)
 

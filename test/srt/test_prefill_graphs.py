@@ -23,7 +23,14 @@ import torch
 from sglang.srt.configs.model_config import BUNDLED_MODEL_DIR, ModelConfig
 from sglang.srt.model_executor.forward_batch_info import CaptureHiddenMode, ForwardBatch
 from sglang.srt.model_executor.model_runner import ModelRunner
-from sglang.srt.model_executor.prefill_graph_runner import PrefillGraphRunner, prefill_graph_buckets
+from sglang.srt.model_executor import cuda_graph_runner
+from sglang.srt.model_executor.prefill_graph_runner import (
+    PrefillGraphRunner,
+    auto_prefill_graph_tokens,
+    init_prefill_graphs_from_args,
+    prefill_graph_buckets,
+)
+from sglang.srt.server_args import ServerArgs, prepare_server_args
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # test/srt/conftest.py
 
@@ -360,6 +367,99 @@ def test_bucket_filter():
     assert prefill_graph_buckets([1024, 8, 8, 0, 512, 99999], max_tokens=4096,
                                  graph_token_limit=None) == [8, 512, 1024]
     assert prefill_graph_buckets([1024, 8, 512], max_tokens=4096, graph_token_limit=16) == [8]
+
+
+# ------------------------------------------------------------------------------ default sizes
+@pytest.mark.parametrize("before,per_size,chunk,want", [
+    (12, 1, 8192, [1024, 2048, 4096, 8192]),  # the default decode ladder: past 4 already
+    (4, 2, 8192, [1024, 2048, 4096, 8192]),
+    (0, 1, 8192, [1024, 2048, 8192]),  # room for 3: smallest, largest, then from small up
+    (1, 1, 8192, [1024, 8192]),  # --cuda-graph-max-bs 1: 1 + 2 = 3 graphs
+    (2, 1, 8192, [1024]),
+    (1, 2, 8192, [1024]),  # NEXTN: a size is the target's graph and the MTP layer's
+    (2, 2, 8192, []),
+    (3, 1, 8192, []),
+    (12, 1, 2048, [1024, 2048]),  # no size above the chunk
+    (12, 1, 3000, [1024, 2048, 3000]),
+    (12, 1, 512, [512]),
+    (12, 1, -1, [1024, 2048, 4096, 8192]),  # chunking off
+    (1, 1, 3000, [1024, 3000]),
+])
+def test_default_sizes_follow_the_chunk_and_the_graph_count(before, per_size, chunk, want):
+    tokens, why = auto_prefill_graph_tokens(chunk_tokens=chunk, graphs_before=before,
+                                            graphs_per_size=per_size)
+    assert tokens == want and why
+
+
+class _Runner:
+    def __init__(self, device: str):
+        self.device, self.tp_rank, self.asked = torch.device(device), 0, []
+
+    def init_prefill_graphs(self, tokens, **keywords):
+        self.asked.append((list(tokens), keywords))
+        return self
+
+
+class _Worker:
+    def __init__(self, plan):
+        self.plan = plan
+
+    def prefill_graph_plan(self):
+        return self.plan
+
+
+def _args(*argv: str) -> ServerArgs:
+    args = prepare_server_args(list(argv))
+    args.disable_cuda_graph = False  # resolved off on a CPU-only machine; the runners decide
+    return args
+
+
+def test_the_default_sizes_reach_every_cuda_runner_of_the_plan(monkeypatch):
+    monkeypatch.setattr(cuda_graph_runner, "_captured", 1)  # one decode graph
+    target, draft = _Runner("cuda"), _Runner("cuda")
+    modes = dict(capture_modes=(CaptureHiddenMode.FULL,))
+    init_prefill_graphs_from_args(_Worker([(target, {})]), _args())
+    assert target.asked == [([1024, 8192], {})]
+    target.asked = []
+    init_prefill_graphs_from_args(_Worker([(target, modes), (draft, {})]), _args())
+    assert target.asked == [([1024], modes)] and draft.asked == [([1024], {})]
+    monkeypatch.setattr(cuda_graph_runner, "_captured", 12)
+    target.asked = []
+    init_prefill_graphs_from_args(_Worker([(target, {})]),
+                                  _args("--chunked-prefill-size", "4096"))
+    assert target.asked == [([1024, 2048, 4096], {})]
+
+
+def test_given_sizes_none_and_cpu_runners(monkeypatch):
+    monkeypatch.setattr(cuda_graph_runner, "_captured", 1)
+    gpu, cpu = _Runner("cuda"), _Runner("cpu")
+    init_prefill_graphs_from_args(_Worker([(gpu, {})]),
+                                  _args("--prefill-cuda-graph-tokens", "16", "4096", "8192"))
+    assert gpu.asked == [([16, 4096, 8192], {})]  # given: taken as they are, also the 4th graph
+    gpu.asked = []
+    assert init_prefill_graphs_from_args(
+        _Worker([(gpu, {})]), _args("--prefill-cuda-graph-tokens", "none")) == []
+    assert init_prefill_graphs_from_args(_Worker([(cpu, {})]), _args()) == []
+    # Bit-exact speculation: a plain and a speculative server must prefill alike (eagerly),
+    # unless sizes are given.
+    assert init_prefill_graphs_from_args(
+        _Worker([(gpu, {})]), _args("--enable-deterministic-inference")) == []
+    init_prefill_graphs_from_args(_Worker([(gpu, {})]), _args(
+        "--enable-deterministic-inference", "--prefill-cuda-graph-tokens", "1024"))
+    assert gpu.asked == [([1024], {})]
+    gpu.asked = []
+    off = _args()
+    off.disable_cuda_graph = True
+    assert init_prefill_graphs_from_args(_Worker([(gpu, {})]), off) == []
+    assert gpu.asked == [] and cpu.asked == []
+
+
+def test_none_is_a_word_of_its_own():
+    assert prepare_server_args([]).prefill_cuda_graph_tokens is None
+    assert prepare_server_args(["--prefill-cuda-graph-tokens", "None"]).prefill_cuda_graph_tokens == []
+    assert ServerArgs(prefill_cuda_graph_tokens="none").prefill_cuda_graph_tokens == []
+    with pytest.raises(ValueError, match="the word 'none' alone"):
+        ServerArgs(prefill_cuda_graph_tokens=[1024, "none"])
 
 
 # ------------------------------------------------------------------------------ through the engine

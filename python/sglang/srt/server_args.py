@@ -111,7 +111,9 @@ class ServerArgs(*arg_classes()):
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: Optional[int] = None  # None: max of cuda_graph_bs, else a small cap
     cuda_graph_bs: Optional[List[int]] = None  # None: upstream's buckets up to cuda_graph_max_bs
-    prefill_cuda_graph_tokens: Optional[List[int]] = None  # None: prefills run eagerly
+    # None: engine_defaults.DEFAULT_PREFILL_CUDA_GRAPH_TOKENS, fitted to the decode graphs at
+    # start-up (prefill_graph_runner.auto_prefill_graph_tokens); [] or "none": every prefill eager
+    prefill_cuda_graph_tokens: Optional[List[int]] = None
     attention_backend: Optional[str] = None
     flashinfer_allreduce_fusion_backend: Optional[str] = None
     kda_prefill_impl: str = "auto"
@@ -221,6 +223,11 @@ class ServerArgs(*arg_classes()):
         # default, 48 slots, left no KV cache for Ling-3.0-flash fp8 on one H200).
         if self.cuda_graph_max_bs is None:
             self.cuda_graph_max_bs = self._default_cuda_graph_max_bs()
+        pgt = self.prefill_cuda_graph_tokens
+        words = [pgt] if isinstance(pgt, str) else pgt
+        if isinstance(words, (list, tuple)) and len(words) == 1 and isinstance(words[0], str) \
+                and words[0].strip().lower() == "none":
+            self.prefill_cuda_graph_tokens = []  # "none" (the CLI's word): every prefill eager
 
     def _default_cuda_graph_max_bs(self) -> int:
         """As upstream, the largest of ``--cuda-graph-bs`` when given; otherwise a small cap
@@ -272,8 +279,8 @@ class ServerArgs(*arg_classes()):
         pgt = self.prefill_cuda_graph_tokens
         if pgt is not None and (not isinstance(pgt, (list, tuple))
                                 or not all(is_int(t) and t >= 1 for t in pgt)):
-            raise ValueError(f"--prefill-cuda-graph-tokens must be a list of integers >= 1, "
-                             f"got {pgt!r}")
+            raise ValueError(f"--prefill-cuda-graph-tokens must be a list of integers >= 1 or "
+                             f"the word 'none' alone, got {pgt!r}")
         int_at_least("--port", self.port, 1)
         if self.port > 65535:
             raise ValueError(f"--port must be <= 65535, got {self.port}")

@@ -27,6 +27,7 @@ from sglang.srt.configs.engine_defaults import (
     DEFAULT_CUDA_GRAPH_MAX_BS,
     DEFAULT_MAX_RUNNING_REQUESTS,
     DEFAULT_MEM_FRACTION_STATIC,
+    DEFAULT_PREFILL_CUDA_GRAPH_TOKENS,
     DEVICE_CHOICES,
     DTYPE_CHOICES,
     FLASHINFER_ALLREDUCE_FUSION_BACKEND_CHOICES,
@@ -97,6 +98,17 @@ _REGISTERED_ATTR = "sglang_registered_default"
 _NEGATIVE_NUMBER = re.compile(r"^-\d+$|^-\d*\.\d+$")
 # A help text that already states its default ("%(default)s", "default: ...", "(default ...").
 _SAYS_DEFAULT = re.compile(r"%\(default\)|\bdefault:|\(default\b", re.IGNORECASE)
+
+
+def _token_count_or_none(text: str) -> Any:
+    """One value of ``--prefill-cuda-graph-tokens``: an integer, or the word ``none``
+    (``ServerArgs`` turns ``["none"]`` into no sizes and rejects it beside numbers)."""
+    if text.strip().lower() == "none":
+        return "none"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected token counts or 'none', got {text!r}")
 
 
 def _flag(group: Any, *names: str, words: Optional[str] = None, **kwargs: Any) -> argparse.Action:
@@ -262,13 +274,17 @@ def _kernel_flags(g: Any, d: Dict[str, Any]) -> None:
                 "speculative decoding",
           help="Batch sizes to capture; a batch replays the smallest captured size that holds "
                "it.")
-    _flag(g, "--prefill-cuda-graph-tokens", type=int, nargs="+",
-          default=d["prefill_cuda_graph_tokens"], words="none: prefills run eagerly",
+    _flag(g, "--prefill-cuda-graph-tokens", type=_token_count_or_none, nargs="+", metavar="N",
+          default=d["prefill_cuda_graph_tokens"],
+          words=f"{' '.join(map(str, DEFAULT_PREFILL_CUDA_GRAPH_TOKENS))}, each at most "
+                "--chunked-prefill-size; fewer when the decode graphs are fewer than 4 (the "
+                "process stays below 4 graphs); none with --enable-deterministic-inference",
           help="Token counts at which a one-request prefill is captured as a CUDA graph of the "
                "whole forward (not upstream's piecewise graphs). A fresh prompt of up to the "
                "largest count replays the smallest count that holds it, padded at its end; "
                "other prefills (several requests, a cached prefix, input logprobs) run "
-               "eagerly. CUDA only; none with --disable-cuda-graph.")
+               "eagerly. 'none': every prefill runs eagerly. CUDA only; none with "
+               "--disable-cuda-graph.")
 
 
 def _logging_flags(g: Any, d: Dict[str, Any]) -> None:

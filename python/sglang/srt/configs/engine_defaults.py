@@ -22,6 +22,7 @@ __all__ = [
     "CPU_DEFAULT_MAX_TOTAL_TOKENS",
     "DEFAULT_CUDA_GRAPH_MAX_BS",
     "SPECULATIVE_CUDA_GRAPH_MAX_BS",
+    "DEFAULT_PREFILL_CUDA_GRAPH_TOKENS",
     "default_cuda_graph_batch_sizes",
     "DTYPE_CHOICES",
     "DTYPE_ALIASES",
@@ -79,6 +80,14 @@ CPU_DEFAULT_MAX_TOTAL_TOKENS = 16384
 # Both are further capped by --max-running-requests and by the request slots.
 DEFAULT_CUDA_GRAPH_MAX_BS = 64
 SPECULATIVE_CUDA_GRAPH_MAX_BS = 16
+# Prompt sizes whose one-request prefill is captured as a CUDA graph when
+# --prefill-cuda-graph-tokens is not given (on CUDA; each capped at --chunked-prefill-size, and
+# fewer of them where the decode graphs leave less room below the graph count that slows every
+# replay: model_executor/prefill_graph_runner.py, auto_prefill_graph_tokens). An eager prefill of
+# the large models is bound by its host's launches up to thousands of tokens, so replaying a
+# padded graph is faster for short prompts and no slower for long ones (docs/performance.md,
+# "Prefill graphs on the default decode ladder" and "Host time per launch").
+DEFAULT_PREFILL_CUDA_GRAPH_TOKENS = (1024, 2048, 4096, 8192)
 
 
 def default_cuda_graph_batch_sizes(max_bs: int, speculative: bool = False) -> List[int]:

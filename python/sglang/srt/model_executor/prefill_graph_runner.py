@@ -43,7 +43,13 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, NamedTuple, Optiona
 
 import torch
 
-from sglang.srt.model_executor.cuda_graph_runner import new_graph, record_failed_capture
+from sglang.srt.configs.engine_defaults import DEFAULT_PREFILL_CUDA_GRAPH_TOKENS
+from sglang.srt.model_executor.cuda_graph_runner import (
+    SLOW_REPLAY_GRAPH_COUNT,
+    captured_graph_count,
+    new_graph,
+    record_failed_capture,
+)
 from sglang.srt.model_executor.forward_batch_info import (
     CaptureHiddenMode,
     ForwardBatch,
@@ -56,7 +62,7 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 __all__ = ["PrefillGraphRunner", "PrefillGraphKey", "TokenInputs", "prefill_graph_buckets",
-           "init_prefill_graphs_from_args"]
+           "auto_prefill_graph_tokens", "init_prefill_graphs_from_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -74,17 +80,77 @@ class PrefillGraphKey(NamedTuple):
 TokenInputs = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
 
 
+def auto_prefill_graph_tokens(*, chunk_tokens: Optional[int], graphs_before: int,
+                              graphs_per_size: int,
+                              ladder: Sequence[int] = DEFAULT_PREFILL_CUDA_GRAPH_TOKENS,
+                              slow_count: int = SLOW_REPLAY_GRAPH_COUNT) -> Tuple[List[int], str]:
+    """The prefill sizes to capture when ``--prefill-cuda-graph-tokens`` is not given, and why.
+
+    ``ladder`` capped at ``chunk_tokens`` (``--chunked-prefill-size``; None or < 1: no
+    chunking), since no prefill step is longer. Then the graph count: a process that has
+    captured ``slow_count`` graphs replays every graph more slowly (cuda_graph_runner.py,
+    ``SLOW_REPLAY_GRAPH_COUNT``). When the graphs captured so far (``graphs_before``: the
+    decode graphs) are fewer, only as many sizes are kept as stay below it, ``graphs_per_size``
+    graphs each (one per runner of the round worker's prefill plan): the smallest first (short
+    prompts are the ones whose eager prefill waits on the host), then the largest (a long
+    prompt padded up to it replays about as fast as it runs eagerly), then the others from small
+    to large. When the decode graphs are past the count already, every size is kept: more graphs
+    cost their replays nothing more.
+    """
+    cap = chunk_tokens if chunk_tokens is not None and chunk_tokens >= 1 else None
+    sizes = sorted({min(int(t), cap) if cap is not None else int(t) for t in ladder})
+    if graphs_before >= slow_count:
+        return sizes, (f"{graphs_before} graphs were captured before them, past the "
+                       f"{slow_count} that slow every replay already")
+    room = max(0, slow_count - 1 - graphs_before) // max(1, graphs_per_size)
+    if room >= len(sizes):
+        return sizes, (f"{graphs_before + len(sizes) * graphs_per_size} graphs in all, below "
+                       f"the {slow_count} that slow every replay")
+    preference = sizes[:1] + sizes[-1:] + sizes[1:-1]
+    kept = sorted(preference[:room])
+    return kept, (f"{graphs_before} decode graphs and {graphs_per_size} graph(s) a size leave "
+                  f"room for {room} of {sizes} below the {slow_count} graphs that slow every "
+                  f"replay (give --prefill-cuda-graph-tokens to choose)")
+
+
 def init_prefill_graphs_from_args(worker: Any, server_args: object) -> List["PrefillGraphRunner"]:
-    """The prefill graphs ``--prefill-cuda-graph-tokens`` asks for, on CUDA unless
-    ``--disable-cuda-graph``: for each ``(runner, keywords)`` of the round worker's
-    ``prefill_graph_plan()``, ``runner.init_prefill_graphs(tokens, **keywords)``. Empty when
-    there are none. Call it after any eager warm-up (a replay is no warm-up)."""
-    tokens = getattr(server_args, "prefill_cuda_graph_tokens", None)
-    if not tokens or getattr(server_args, "disable_cuda_graph", False):
+    """The prefill graphs of ``server_args`` on CUDA unless ``--disable-cuda-graph``: for each
+    ``(runner, keywords)`` of the round worker's ``prefill_graph_plan()``,
+    ``runner.init_prefill_graphs(tokens, **keywords)``. ``tokens``: ``--prefill-cuda-graph-tokens``
+    when given (an empty list: none), else :func:`auto_prefill_graph_tokens`. Empty when there
+    are none. Call it after the decode graphs (the automatic sizes count them) and after any
+    eager warm-up (a replay is no warm-up)."""
+    if getattr(server_args, "disable_cuda_graph", False):
         return []
-    return [runner.init_prefill_graphs(tokens, **keywords)
-            for runner, keywords in worker.prefill_graph_plan()
+    plan = [(runner, keywords) for runner, keywords in worker.prefill_graph_plan()
             if torch.device(runner.device).type == "cuda"]
+    if not plan:
+        return []
+    tokens = getattr(server_args, "prefill_cuda_graph_tokens", None)
+    if tokens is None:
+        tokens, why = _default_tokens(plan, server_args)
+        if getattr(plan[0][0], "tp_rank", 0) == 0:
+            logger.info("Prefill CUDA graphs by default: token counts %s (%s)", tokens, why)
+    if not tokens:
+        return []
+    return [runner.init_prefill_graphs(tokens, **keywords) for runner, keywords in plan]
+
+
+def _default_tokens(plan: List[Tuple[Any, Dict[str, Any]]],
+                    server_args: object) -> Tuple[List[int], str]:
+    """The sizes (and why) when ``--prefill-cuda-graph-tokens`` is not given, for the CUDA
+    runners and keywords of ``plan``."""
+    if getattr(server_args, "enable_deterministic_inference", False):
+        # A padded replay rounds differently from the eager prefill of the same prompt, and the
+        # default sizes depend on the decode graphs, which differ between a speculative server
+        # and a plain one: bit-exact speculation needs both to prefill alike, i.e. eagerly.
+        return [], ("none with --enable-deterministic-inference: eager prefills are the same "
+                    "in every server; --prefill-cuda-graph-tokens captures some")
+    per_size = sum(len(keywords.get("capture_modes", (CaptureHiddenMode.NULL,)))
+                   for _, keywords in plan)
+    return auto_prefill_graph_tokens(
+        chunk_tokens=getattr(server_args, "chunked_prefill_size", None),
+        graphs_before=captured_graph_count(), graphs_per_size=per_size)
 
 
 def prefill_graph_buckets(requested: Sequence[int], *, max_tokens: int,
