@@ -72,7 +72,7 @@ try:  # run as a script, benchmark/batch1 is on sys.path; imported by file path 
     from census_common import unclaimed_device_events
     from census_common import install_range_hooks, is_top_level_op as _is_top_level_op
     from graph_ab import start_request
-    from weight_floor import decode_step_bytes
+    from weight_floor import FP8_BLOCK_BYTES, decode_step_bytes
 except ImportError:
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     from census_common import activities as _activities
@@ -80,7 +80,7 @@ except ImportError:
     from census_common import unclaimed_device_events
     from census_common import install_range_hooks, is_top_level_op as _is_top_level_op
     from graph_ab import start_request
-    from weight_floor import decode_step_bytes
+    from weight_floor import FP8_BLOCK_BYTES, decode_step_bytes
 
 PREFIX = "census::"  # phase ranges
 CATEGORY_PREFIX = "census-category::"  # category ranges
@@ -206,21 +206,30 @@ def category_census(events: Sequence[Any], steps: int, cuda: bool
 # Floors
 # ============================================================================================
 def _forward_floor_bytes(cfg: Any, context: int, weight_bytes: int, tokens: int,
-                         norms: int, eh_proj: bool) -> Dict[str, float]:
-    """Bytes of one forward of ``tokens`` tokens per category: ``decode_step_bytes`` plus what it
-    leaves out, ``norms`` RMSNorm weights, the embedding rows and (MTP) ``eh_proj`` [H, 2H]."""
-    parts = decode_step_bytes(cfg, context, weight_bytes, tokens)
+                         norms: int, eh_proj: bool,
+                         quant_bytes: Optional[float] = None) -> Dict[str, float]:
+    """Bytes of one forward of ``tokens`` tokens per category: ``decode_step_bytes`` (with
+    ``quant_bytes`` per weight of the quantised projections) plus what it leaves out, ``norms``
+    RMSNorm weights, the embedding rows and (MTP) ``eh_proj`` [H, 2H] (quantised as the
+    projections are)."""
+    parts = decode_step_bytes(cfg, context, weight_bytes, tokens, quant_bytes=quant_bytes)
     out = {c: float(sum(parts[p] for p in FLOOR_PARTS.get(c, ()))) for c in CATEGORIES}
     h = cfg.hidden_size
+    proj_bytes = weight_bytes if quant_bytes is None else quant_bytes
     out["norms"] += norms * h * weight_bytes
-    out["other"] += tokens * h * weight_bytes + (2 * h * h * weight_bytes if eh_proj else 0)
+    out["other"] += tokens * h * weight_bytes + (2 * h * h * proj_bytes if eh_proj else 0)
     return out
 
 
 def category_floor_bytes(cfg: Any, context: int, weight_bytes: int,
                          nextn_draft_tokens: Optional[int] = None,
-                         verify_tokens: int = 1) -> Dict[str, float]:
+                         verify_tokens: int = 1, quant_bytes: Optional[float] = None,
+                         draft_quant_bytes: Optional[float] = None) -> Dict[str, float]:
     """Bytes one iteration must read, per census category.
+
+    ``quant_bytes`` / ``draft_quant_bytes``: bytes per weight of the target's / the MTP
+    layer's quantised projections (``weight_floor.FP8_BLOCK_BYTES`` for block fp8; None: the
+    model dtype's ``weight_bytes``), as :func:`weight_floor.decode_step_bytes` takes them.
 
     Plain decode: one target forward of one token. NEXTN with ``N = nextn_draft_tokens``: the
     target verify of ``N`` tokens, ``N - 2`` MTP decode forwards and one MTP extend of ``N``
@@ -233,7 +242,8 @@ def category_floor_bytes(cfg: Any, context: int, weight_bytes: int,
                          f"{weight_bytes}")
     target_tokens = nextn_draft_tokens or verify_tokens
     total = _forward_floor_bytes(cfg, context, weight_bytes, target_tokens,
-                                 2 * cfg.num_hidden_layers + 1, eh_proj=False)
+                                 2 * cfg.num_hidden_layers + 1, eh_proj=False,
+                                 quant_bytes=quant_bytes)
     if nextn_draft_tokens:
         if nextn_draft_tokens < 2:
             raise ValueError(f"a NEXTN chain has >= 2 tokens, got {nextn_draft_tokens}")
@@ -242,10 +252,18 @@ def category_floor_bytes(cfg: Any, context: int, weight_bytes: int,
                                   first_k_dense_replace=0)
         draft = [1] * (nextn_draft_tokens - 2) + [nextn_draft_tokens]
         for tokens in draft:
-            part = _forward_floor_bytes(mtp, context, weight_bytes, tokens, 5, eh_proj=True)
+            part = _forward_floor_bytes(mtp, context, weight_bytes, tokens, 5, eh_proj=True,
+                                        quant_bytes=draft_quant_bytes)
             for c in CATEGORIES:
                 total[c] += part[c]
     return total
+
+
+def _quant_bytes(runner: Any) -> Optional[float]:
+    """Bytes per weight of ``runner``'s quantised projections: block fp8 when its model holds
+    e4m3 weights (``--quantization fp8`` or an fp8 checkpoint), else None (the model dtype)."""
+    fp8 = any(p.dtype == torch.float8_e4m3fn for p in runner.model.parameters())
+    return FP8_BLOCK_BYTES if fp8 else None
 
 
 # ============================================================================================
@@ -497,10 +515,12 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     algo = server_args.speculative_algorithm
     runner = sched.tp_worker.model_runner
     cfg = sched.model_config.hf_config
+    draft_runner = getattr(sched.round_worker, "draft_runner", None)
     floors = category_floor_bytes(
         cfg, context, torch.empty((), dtype=runner.dtype).element_size(),
         sched.round_worker.round_tokens if algo == "NEXTN" else None,
-        verify_tokens=per_step)
+        verify_tokens=per_step, quant_bytes=_quant_bytes(runner),
+        draft_quant_bytes=_quant_bytes(draft_runner) if draft_runner is not None else None)
     for c in CATEGORIES:
         result["categories"][c]["floor_us"] = floors[c] / (args.bandwidth_tbs * 1e6)
     result["total"]["floor_us"] = sum(r["floor_us"] for r in result["categories"].values())

@@ -162,6 +162,31 @@ def test_floor_bytes_of_a_nextn_round_add_the_mtp_layer():
         rc.category_floor_bytes(cfg, 0, 2)
 
 
+def test_floor_bytes_of_fp8_weights_count_a_byte_per_projection_weight():
+    """Block-fp8 projections and experts read about one byte a weight (the scales' share
+    besides); the router, lm_head, norms and caches stay in the model dtype."""
+    cfg = _tiny_config()
+    bf16 = rc.category_floor_bytes(cfg, 100, 2, nextn_draft_tokens=4)
+    fp8 = rc.category_floor_bytes(cfg, 100, 2, nextn_draft_tokens=4,
+                                  quant_bytes=wf.FP8_BLOCK_BYTES,
+                                  draft_quant_bytes=wf.FP8_BLOCK_BYTES)
+    target = wf.decode_step_bytes(cfg, 100, 2, 4, quant_bytes=wf.FP8_BLOCK_BYTES)
+    assert fp8["KDA"] == pytest.approx(target["kda_weights"] + target["kda_state"])
+    for c in ("lm_head", "router", "norms"):
+        assert fp8[c] == bf16[c]
+    for c in ("routed experts + combine", "dense MLP"):
+        assert fp8[c] == pytest.approx(bf16[c] * wf.FP8_BLOCK_BYTES / 2)
+    # The MTP layer's own projections (eh_proj among them) follow draft_quant_bytes.
+    target_only = rc.category_floor_bytes(cfg, 100, 2, nextn_draft_tokens=4,
+                                          quant_bytes=wf.FP8_BLOCK_BYTES)
+    assert target_only["other"] - fp8["other"] == pytest.approx(
+        3 * 2 * cfg.hidden_size ** 2 * (2 - wf.FP8_BLOCK_BYTES))
+    weights = torch.nn.Linear(4, 4)
+    assert rc._quant_bytes(SimpleNamespace(model=weights)) is None
+    weights.weight.data = weights.weight.data.to(torch.float8_e4m3fn)
+    assert rc._quant_bytes(SimpleNamespace(model=weights)) == wf.FP8_BLOCK_BYTES
+
+
 def _event(name, parent=None, device=DeviceType.CPU, kernels=(), us=0.0, annotation=False,
            start=0.0, end=None):
     """A profiler event: host (with the kernels it launched) or device, spanning
