@@ -373,8 +373,8 @@ def test_bucket_filter():
 @pytest.mark.parametrize("before,per_size,chunk,want", [
     (12, 1, 8192, [1024, 2048, 4096, 8192]),  # the default decode ladder: past 4 already
     (4, 2, 8192, [1024, 2048, 4096, 8192]),
-    (0, 1, 8192, [1024, 2048, 8192]),  # room for 3: smallest, largest, then from small up
-    (1, 1, 8192, [1024, 8192]),  # --cuda-graph-max-bs 1: 1 + 2 = 3 graphs
+    (0, 1, 8192, [1024, 2048, 4096]),  # room for 3: the smallest sizes
+    (1, 1, 8192, [1024, 2048]),  # --cuda-graph-max-bs 1: 1 + 2 = 3 graphs
     (2, 1, 8192, [1024]),
     (1, 2, 8192, [1024]),  # NEXTN: a size is the target's graph and the MTP layer's
     (2, 2, 8192, []),
@@ -383,7 +383,7 @@ def test_bucket_filter():
     (12, 1, 3000, [1024, 2048, 3000]),
     (12, 1, 512, [512]),
     (12, 1, -1, [1024, 2048, 4096, 8192]),  # chunking off
-    (1, 1, 3000, [1024, 3000]),
+    (1, 1, 3000, [1024, 2048]),
 ])
 def test_default_sizes_follow_the_chunk_and_the_graph_count(before, per_size, chunk, want):
     tokens, why = auto_prefill_graph_tokens(chunk_tokens=chunk, graphs_before=before,
@@ -419,7 +419,7 @@ def test_the_default_sizes_reach_every_cuda_runner_of_the_plan(monkeypatch):
     target, draft = _Runner("cuda"), _Runner("cuda")
     modes = dict(capture_modes=(CaptureHiddenMode.FULL,))
     init_prefill_graphs_from_args(_Worker([(target, {})]), _args())
-    assert target.asked == [([1024, 8192], {})]
+    assert target.asked == [([1024, 2048], {})]
     target.asked = []
     init_prefill_graphs_from_args(_Worker([(target, modes), (draft, {})]), _args())
     assert target.asked == [([1024], modes)] and draft.asked == [([1024], {})]

@@ -91,11 +91,12 @@ def auto_prefill_graph_tokens(*, chunk_tokens: Optional[int], graphs_before: int
     captured ``slow_count`` graphs replays every graph more slowly (cuda_graph_runner.py,
     ``SLOW_REPLAY_GRAPH_COUNT``). When the graphs captured so far (``graphs_before``: the
     decode graphs) are fewer, only as many sizes are kept as stay below it, ``graphs_per_size``
-    graphs each (one per runner of the round worker's prefill plan): the smallest first (short
-    prompts are the ones whose eager prefill waits on the host), then the largest (a long
-    prompt padded up to it replays about as fast as it runs eagerly), then the others from small
-    to large. When the decode graphs are past the count already, every size is kept: more graphs
-    cost their replays nothing more.
+    graphs each (one per runner of the round worker's prefill plan), the smallest ones: short
+    prompts are the ones whose eager prefill waits on the host, while a long prompt's eager
+    prefill is about as fast as its replay, and a mid-size prompt padded up to a far larger size
+    replays slower than it runs eagerly (docs/performance.md, "Prefill graphs by default").
+    When the decode graphs are past the count already, every size is kept: more graphs cost
+    their replays nothing more.
     """
     cap = chunk_tokens if chunk_tokens is not None and chunk_tokens >= 1 else None
     sizes = sorted({min(int(t), cap) if cap is not None else int(t) for t in ladder})
@@ -106,8 +107,7 @@ def auto_prefill_graph_tokens(*, chunk_tokens: Optional[int], graphs_before: int
     if room >= len(sizes):
         return sizes, (f"{graphs_before + len(sizes) * graphs_per_size} graphs in all, below "
                        f"the {slow_count} that slow every replay")
-    preference = sizes[:1] + sizes[-1:] + sizes[1:-1]
-    kept = sorted(preference[:room])
+    kept = sizes[:room]
     return kept, (f"{graphs_before} decode graphs and {graphs_per_size} graph(s) a size leave "
                   f"room for {room} of {sizes} below the {slow_count} graphs that slow every "
                   f"replay (give --prefill-cuda-graph-tokens to choose)")
