@@ -277,8 +277,9 @@ def _kernel_flags(g: Any, d: Dict[str, Any]) -> None:
     _flag(g, "--prefill-cuda-graph-tokens", type=_token_count_or_none, nargs="+", metavar="N",
           default=d["prefill_cuda_graph_tokens"],
           words=f"{' '.join(map(str, DEFAULT_PREFILL_CUDA_GRAPH_TOKENS))}, each at most "
-                "--chunked-prefill-size; fewer when the decode graphs are fewer than 4 (the "
-                "process stays below 4 graphs); none with --enable-deterministic-inference",
+                "--chunked-prefill-size; only the smallest that keep the process below 4 CUDA "
+                "graphs when the decode graphs are fewer; none with "
+                "--enable-deterministic-inference",
           help="Token counts at which a one-request prefill is captured as a CUDA graph of the "
                "whole forward (not upstream's piecewise graphs). A fresh prompt of up to the "
                "largest count replays the smallest count that holds it, padded at its end; "

@@ -82,11 +82,11 @@ DEFAULT_CUDA_GRAPH_MAX_BS = 64
 SPECULATIVE_CUDA_GRAPH_MAX_BS = 16
 # Prompt sizes whose one-request prefill is captured as a CUDA graph when
 # --prefill-cuda-graph-tokens is not given (on CUDA; each capped at --chunked-prefill-size, and
-# fewer of them where the decode graphs leave less room below the graph count that slows every
-# replay: model_executor/prefill_graph_runner.py, auto_prefill_graph_tokens). An eager prefill of
-# the large models is bound by its host's launches up to thousands of tokens, so replaying a
-# padded graph is faster for short prompts and no slower for long ones (docs/performance.md,
-# "Prefill graphs on the default decode ladder" and "Host time per launch").
+# only the smallest of them where the decode graphs leave less room below the graph count that
+# slows every replay: model_executor/prefill_graph_runner.py, auto_prefill_graph_tokens). An
+# eager prefill of the large models is bound by its host's launches up to thousands of tokens;
+# with sizes a factor two apart a padded replay beats it for short and mid-size prompts and
+# matches it for long ones (docs/performance.md, "Prefill graphs by default").
 DEFAULT_PREFILL_CUDA_GRAPH_TOKENS = (1024, 2048, 4096, 8192)
 
 
