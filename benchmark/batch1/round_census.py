@@ -261,8 +261,10 @@ def category_floor_bytes(cfg: Any, context: int, weight_bytes: int,
 
 def _quant_bytes(runner: Any) -> Optional[float]:
     """Bytes per weight of ``runner``'s quantised projections: block fp8 when its model holds
-    e4m3 weights (``--quantization fp8`` or an fp8 checkpoint), else None (the model dtype)."""
-    fp8 = any(p.dtype == torch.float8_e4m3fn for p in runner.model.parameters())
+    e4m3 weights (``--quantization fp8`` or an fp8 checkpoint), else (or without a runner)
+    None: the model dtype."""
+    fp8 = runner is not None and any(p.dtype == torch.float8_e4m3fn
+                                     for p in runner.model.parameters())
     return FP8_BLOCK_BYTES if fp8 else None
 
 
@@ -520,7 +522,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         cfg, context, torch.empty((), dtype=runner.dtype).element_size(),
         sched.round_worker.round_tokens if algo == "NEXTN" else None,
         verify_tokens=per_step, quant_bytes=_quant_bytes(runner),
-        draft_quant_bytes=_quant_bytes(draft_runner) if draft_runner is not None else None)
+        draft_quant_bytes=_quant_bytes(draft_runner))
     for c in CATEGORIES:
         result["categories"][c]["floor_us"] = floors[c] / (args.bandwidth_tbs * 1e6)
     result["total"]["floor_us"] = sum(r["floor_us"] for r in result["categories"].values())

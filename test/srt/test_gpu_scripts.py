@@ -35,18 +35,24 @@ def test_gpu_call_refuses_a_bad_stage_before_running_any(tmp_path, stages, messa
     assert not any(scratch.iterdir())
 
 
+def _gpu_call_in(tmp_path, *stages: str, **env: str) -> subprocess.CompletedProcess:
+    """``gpu_call.sh`` run from ``tmp_path`` with its outputs, scratch and Triton cache there and
+    no carried cache unpacked (``TRITON_CACHE_IN`` names a file that does not exist, not the
+    repository's); ``env`` adds variables."""
+    return subprocess.run(["bash", str(ROOT / "scripts" / "gpu_call.sh"), *stages],
+                          capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
+                               "OUT": str(tmp_path / "out"), "SCRATCH": str(tmp_path / "scratch"),
+                               "TRITON_CACHE_DIR": str(tmp_path / "triton"),
+                               "TRITON_CACHE_IN": str(tmp_path / "none.txz"), **env})
+
+
 def test_gpu_call_survives_a_stage_that_names_served_variant(tmp_path):
     """After each stage gpu_call.sh kills the servers it may have left; a stage whose own
     words name ``benchmark/batch1/served_variant.py`` (``SERVE_MAIN=...``) must not match
     gpu_call.sh itself, so the next stage still runs and the logs are packed."""
     stage = "20 gpu_prefill.sh STAGE=none SERVE_MAIN=benchmark/batch1/served_variant.py"
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_call.sh"), stage,
-                          "20 gpu_prefill.sh STAGE=none"],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-                              "OUT": str(tmp_path / "out"), "SCRATCH": str(tmp_path / "scratch"),
-                              "TRITON_CACHE_DIR": str(tmp_path / "triton"),
-                              "TRITON_CACHE_IN": str(tmp_path / "none.txz")})
+    out = _gpu_call_in(tmp_path, stage, "20 gpu_prefill.sh STAGE=none")
     assert out.returncode == 0, out.stdout + out.stderr
     assert out.stdout.count("== gpu_prefill.sh STAGE=none") == 2, out.stdout
     assert "packed" in out.stdout and (tmp_path / "out" / "logs.tgz").exists()
@@ -60,14 +66,7 @@ def test_gpu_call_returns_the_triton_cache_as_xz(tmp_path):
     cache.mkdir(parents=True)
     (cache / "k.cubin").write_bytes(bytes(range(256)) * 64)
     (cache / "__grp__k.json").write_text('{"child_paths": {}}')
-    out = subprocess.run(["bash", str(ROOT / "scripts" / "gpu_call.sh"),
-                          "20 gpu_prefill.sh STAGE=none"],
-                         capture_output=True, text=True, timeout=120, cwd=tmp_path,
-                         env={"PATH": "/usr/bin:/bin", "HOME": str(tmp_path),
-                              "OUT": str(tmp_path / "out"), "SCRATCH": str(tmp_path / "scratch"),
-                              "TRITON_CACHE_DIR": str(tmp_path / "triton"),
-                              "TRITON_CACHE_IN": str(tmp_path / "none.txz"),  # not the repo's
-                              "TRITON_CACHE_OUT": "1"})
+    out = _gpu_call_in(tmp_path, "20 gpu_prefill.sh STAGE=none", TRITON_CACHE_OUT="1")
     assert out.returncode == 0 and "Triton cache:" in out.stdout, out.stdout + out.stderr
     back = tmp_path / "back"
     back.mkdir()
