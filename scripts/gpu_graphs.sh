@@ -57,6 +57,9 @@
 #                 KDA commit, context write; a one-probe SPS table, flat: every draft verified,
 #                 so that the confidence head and the planner run). BLOCKS / NEXTN / CENSUS split
 #                 it over calls when one call does not hold it.
+#   STAGE=small_m the small-M GEMM's block-fp8 tiles on the decode step's dense shapes (cold L2,
+#                 rows 1 / 4 / 16): BLOCK_N 32 / 64, steps of 1 / 2 / 4 scale blocks, K splits
+#                 1 / 4 / 8 (SMALLM_ARGS replaces these sweep flags), into $OUT/small_m.log
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
 # FUSED=0 runs the in-process benchmarks (graph_ab, round_census, top_kernels) with the torch
 # norms and routers (--kernel-choices rmsnorm=0,router=0; the gates and servers keep the
@@ -97,6 +100,12 @@ kernels)
     > "$OUT/tune_kda_recurrent.log" 2>&1; tail -6 "$OUT/tune_kda_recurrent.log" )
   timeout ${NEXTN_TIMEOUT:-150} python3 -m pytest -q -s -m gpu test/srt/test_nextn.py -p no:cacheprovider \
     2>&1 | tee "$OUT/nextn_gpu.log" | grep -E "differing|passed|failed|Error" | cut -c1-300
+  ;;
+small_m)
+  ( cd benchmark/kernels && timeout ${SMALLM_TIMEOUT:-240} python3 tune_small_m_gemm.py --fp8 \
+    --rows 1 4 16 --iters 10 --shapes "kda qkvbfg" "attn out" "mla q" "dense gate_up" \
+    "dense down" ${SMALLM_ARGS:---block-n 32 64 --block-k 128 256 512 --num-stages 4 --split-k 1 4 8} \
+    > "$OUT/small_m.log" 2>&1; grep -E "ranking|^\| [a-z]" "$OUT/small_m.log" | cut -c1-400 )
   ;;
 fusion)
   # One device call does not hold it all: FUSION_GATES=0 skips the gates, FUSION_SETTINGS picks

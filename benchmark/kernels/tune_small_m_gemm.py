@@ -81,8 +81,8 @@ def main() -> None:
     name_dev = torch.cuda.get_device_name() if on_cuda else "CPU (Triton interpreter)"
     print(f"{name_dev}, {dt}{' (block-fp8 weights)' if args.fp8 else ''}, cold L2, "
           f"{args.iters} iters; config = "
-          "BLOCK_N/BLOCK_K/num_warps/num_stages/split_k/swap_ab (a block-fp8 tile steps one "
-          "128-column block: its BLOCK_K is 128)")
+          "BLOCK_N/BLOCK_K/num_warps/num_stages/split_k/swap_ab (a block-fp8 tile steps whole "
+          "128-column scale blocks: BLOCK_K rounds down to a multiple of 128)")
     summary: List[str] = []
     for name in args.shapes:
         n, k = FLASH_SHAPES[name]

@@ -92,12 +92,20 @@ def test_block_fp8_weight_matches_the_fp32_dequantised_reference(dtype, tol):
     assert got.dtype == dtype
     assert _rel(got, small_m_gemm_reference(x, w, w_scale=scale)) < tol
     assert torch.equal(small_m_gemm(x[4:5], w, w_scale=scale), got[4:5])
-    # Any asked tile width steps one scale block at a time; split over K ranges of blocks.
+    # A tile steps whole scale blocks (64 columns asked: one block); split over K ranges.
     for cfg in (LaunchConfig(16, 64, 4, 1), LaunchConfig(32, 256, 4, 1, 2),
-                LaunchConfig(16, 128, 4, 1, 3), LaunchConfig(32, 128, 4, 1, 2, True)):
+                LaunchConfig(16, 128, 4, 1, 3), LaunchConfig(32, 128, 4, 1, 2, True),
+                LaunchConfig(16, 512, 4, 1, 1, True)):
         other = small_m_gemm(x, w, w_scale=scale, config=cfg)
         assert _rel(other, small_m_gemm_reference(x, w, w_scale=scale)) < tol
         assert torch.equal(small_m_gemm(x[1:2], w, w_scale=scale, config=cfg), other[1:2])
+    # Several blocks a step (the last one past K here) add the blocks' sums in the order one
+    # block a step does: the same bits, so the step width is free to tune.
+    for split, widths in ((1, (256, 384, 512)), (2, (256,))):
+        one = small_m_gemm(x, w, w_scale=scale, config=LaunchConfig(32, 128, 4, 1, split))
+        for bk in widths:
+            cfg = LaunchConfig(32, bk, 4, 1, split)
+            assert torch.equal(small_m_gemm(x, w, w_scale=scale, config=cfg), one), (split, bk)
     with pytest.raises(ValueError, match="block scales"):
         small_m_gemm(x, w)
     # Two pieces of 70 rows, each on its own grid: the row -> scale-row map.
@@ -244,6 +252,14 @@ def test_gated_norm_prologue_matches_norm_then_product(dtype, tol):
                        got[3:4])
     with pytest.raises(ValueError, match="gated_norm"):
         small_m_gemm(x, w, gated_norm=pro._replace(head_dim=48))
+    # A block-fp8 weight normalises one scale block of x at a time, also when a step spans
+    # several blocks: the same bits as one block a step.
+    from sgl_kernel.fp8_blocks import block_quantize
+    w8, s8 = (z.to(DEVICE) for z in block_quantize(w.float().cpu()))
+    one = small_m_gemm(x, w8, w_scale=s8, gated_norm=pro, config=LaunchConfig(16, 128, 4, 1))
+    assert _rel(one, small_m_gemm_reference(x, w8, w_scale=s8, gated_norm=pro)) < tol
+    assert torch.equal(small_m_gemm(x, w8, w_scale=s8, gated_norm=pro,
+                                    config=LaunchConfig(16, 256, 4, 1)), one)
 
 
 def test_model_row_bound_matches_the_kernels():

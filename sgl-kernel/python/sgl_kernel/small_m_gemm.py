@@ -107,20 +107,29 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
     else:
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        x = _load_x(x_rows, z_rows, nw_ptr, offs_k, mask_m, k_hi, eps, NORM_D, GATE_ACT, BLOCK_M,
-                    BLOCK_K)
-        w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < k_hi)[None, :],
-                    other=0.0)
-        if HAS_SCALE:  # block fp8 (BLOCK_K = one scale block): raw e4m3 values, exact in x's
-            # dtype, through the tensor cores; the block's fp32 sum times its scales.
-            w = w.to(x.dtype)
-            scale = tl.load(s_rows + k0 // QB, mask=mask_n, other=0.0)
-            if SWAP_AB:
-                acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION) * scale[:, None]
-            else:
-                acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
+        if HAS_SCALE:  # block fp8: raw e4m3 values, exact in x's dtype, through the tensor
+            # cores; each scale block's fp32 sum times its scales, added block after block. A
+            # step of BLOCK_K // QB blocks adds them in the same order as one block a step does
+            # (bit for bit the same sums), but puts that many weight tiles of one step in flight.
+            for j in tl.static_range(BLOCK_K // QB):
+                offs_k = k0 + j * QB + tl.arange(0, QB)
+                x = _load_x(x_rows, z_rows, nw_ptr, offs_k, mask_m, k_hi, eps, NORM_D, GATE_ACT,
+                            BLOCK_M, QB)
+                w = tl.load(w_rows + offs_k[None, :],
+                            mask=mask_n[:, None] & (offs_k < k_hi)[None, :], other=0.0)
+                w = w.to(x.dtype)
+                scale = tl.load(s_rows + k0 // QB + j, mask=mask_n & (k0 + j * QB < k_hi),
+                                other=0.0)
+                if SWAP_AB:
+                    acc += tl.dot(w, tl.trans(x), input_precision=DOT_PRECISION) * scale[:, None]
+                else:
+                    acc += tl.dot(x, tl.trans(w), input_precision=DOT_PRECISION) * scale[None, :]
         else:
+            offs_k = k0 + tl.arange(0, BLOCK_K)
+            x = _load_x(x_rows, z_rows, nw_ptr, offs_k, mask_m, k_hi, eps, NORM_D, GATE_ACT,
+                        BLOCK_M, BLOCK_K)
+            w = tl.load(w_rows + offs_k[None, :], mask=mask_n[:, None] & (offs_k < k_hi)[None, :],
+                        other=0.0)
             x = x.to(w.dtype)  # e.g. bf16 activations into an fp32 router gate: no cast launch
             if SWAP_AB:
                 acc = tl.dot(w, tl.trans(x), acc, input_precision=DOT_PRECISION)
@@ -276,8 +285,8 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
     if m == 0 or n == 0:
         return out
     cfg = config or launch_config(n, k, w.dtype, x.device)
-    if fp8 and cfg.block_k != QBLOCK:  # one scale block per step: its sum is scaled
-        cfg = cfg._replace(block_k=QBLOCK)
+    if fp8 and (cfg.block_k < QBLOCK or cfg.block_k % QBLOCK):  # whole scale blocks a step
+        cfg = cfg._replace(block_k=max(QBLOCK, cfg.block_k // QBLOCK * QBLOCK))
     norm_d, act, z, nw, eps = 0, 1, x, x, 0.0
     if gated_norm is not None:
         z, nw, eps, norm_d, act_name = gated_norm
@@ -288,7 +297,7 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
                              f"power-of-two head width dividing K, a [head] weight and sigmoid / "
                              f"swish, got {tuple(z.shape)}, {norm_d}, {tuple(nw.shape)}, "
                              f"{act_name!r}")
-        if cfg.block_k % norm_d:
+        if (QBLOCK if fp8 else cfg.block_k) % norm_d:  # fp8 normalises one block at a time
             if fp8:
                 raise ValueError(f"small_m_gemm: a block-fp8 weight's gated_norm heads must "
                                  f"divide {QBLOCK}, got {norm_d}")
