@@ -60,6 +60,10 @@
 #   STAGE=small_m the small-M GEMM's block-fp8 tiles on the decode step's dense shapes (cold L2,
 #                 rows 1 / 4 / 16): BLOCK_N 32 / 64, steps of 1 / 2 / 4 scale blocks, K splits
 #                 1 / 4 / 8 (SMALLM_ARGS replaces these sweep flags), into $OUT/small_m.log
+#   STAGE=mla_splits MLA decode attention at 8192 keys, 1 and 4 query tokens (cold L2, graph
+#                 replay of split + merge) per "rows per program:key splits" of MLA_VARIANTS
+#                 (default 16:64,32:64,16:128,32:128,32:96; the kernel's rule is 16:64 at one
+#                 token) into $OUT/mla_splits.log
 # KERNELS (default "triton"): the MoE / KDA-decode / attention kernel set of the A/B stages;
 # FUSED=0 runs the in-process benchmarks (graph_ab, round_census, top_kernels) with the torch
 # norms and routers (--kernel-choices rmsnorm=0,router=0; the gates and servers keep the
@@ -106,6 +110,15 @@ small_m)
     --rows 1 4 16 --iters 10 --shapes "kda qkvbfg" "attn out" "mla q" "dense gate_up" \
     "dense down" ${SMALLM_ARGS:---block-n 32 64 --block-k 128 256 512 --num-stages 4 --split-k 1 4 8} \
     > "$OUT/small_m.log" 2>&1; grep -E "ranking|^\| [a-z]" "$OUT/small_m.log" | cut -c1-400 )
+  ;;
+mla_splits)
+  IFS=, read -ra variants <<< "${MLA_VARIANTS:-16:64,32:64,16:128,32:128,32:96}"
+  for v in "${variants[@]}"; do
+    echo "== rows per program ${v%%:*}, splits ${v##*:}"
+    ( cd benchmark/kernels && timeout 60 python3 bench_mla_decode.py --contexts 8192 --tokens 1 4 \
+      --iters 30 --block-h "${v%%:*}" --splits "${v##*:}" 2>&1 | tee -a "$OUT/mla_splits.log" \
+      | grep -E "^\| 1 " )
+  done
   ;;
 fusion)
   # One device call does not hold it all: FUSION_GATES=0 skips the gates, FUSION_SETTINGS picks

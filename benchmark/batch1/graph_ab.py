@@ -315,6 +315,25 @@ def _full_memory_ab(sched: Scheduler, keep_mib: int, steps: int) -> List[Dict[st
     return rows
 
 
+def patch_small_m_fp8_tile(block_n: int, block_k: int, num_stages: int) -> None:
+    """Make :func:`sgl_kernel.small_m_gemm.launch_config` give block-fp8 weights this tile (its
+    K split from the kernel's own rule for the tile); other weights keep theirs. Patched on the
+    module, which the kernel's wrapper reads at every call, before the model is built."""
+    import sgl_kernel.small_m_gemm as smg
+
+    base = smg.launch_config
+
+    def launch_config(n: int, k: int, weight_dtype: torch.dtype = torch.bfloat16, device=None):
+        cfg = base(n, k, weight_dtype, device)
+        if weight_dtype != torch.float8_e4m3fn:
+            return cfg
+        programs = smg.split_target_programs(smg.sm_count(device))
+        return cfg._replace(block_n=block_n, block_k=block_k, num_stages=num_stages,
+                            split_k=smg._split_for(n, k, block_n, block_k, programs))
+
+    smg.launch_config = launch_config
+
+
 def default_label(algorithm: Optional[str], nextn_steps: Optional[int], proposed: int) -> str:
     """The rows' label without ``--label``: ``plain``, ``nextn<steps>``, ``dspark<drafts per
     round>`` or the algorithm's name in lower case."""
@@ -346,8 +365,15 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     parser.add_argument("--full-memory-ab", type=int, default=None, metavar="KEEP_MIB",
                         help="Also time graph + overlap with all but KEEP_MIB MiB of the free "
                              "device memory taken, against before and after (module docstring).")
+    parser.add_argument("--small-m-fp8-tile", type=str, default=None, metavar="N/K/STAGES",
+                        help="Replace the small-M GEMM's block-fp8 tile (BLOCK_N, BLOCK_K, "
+                             "num_stages; the K split follows the kernel's rule for the new "
+                             "tile) in this process: the in-model A/B of a swept tile "
+                             "(benchmark/kernels/tune_small_m_gemm.py --fp8).")
     add_kernel_choices_arg(parser)
     args = parser.parse_args(argv)
+    if args.small_m_fp8_tile:
+        patch_small_m_fp8_tile(*(int(v) for v in args.small_m_fp8_tile.split("/")))
     server_args = ServerArgs.from_cli_args(args)
     server_args.kernel_choices = kernel_choices_from_args(args)  # read by the target's runner
     sched = Scheduler(server_args)
@@ -378,7 +404,7 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     extra: Dict[str, Any] = {"replay_ms": _replay_ms(sched, args.replays),
                              "memory": _memory_report(sched),
                              "kernel_choices": sched.tp_worker.model_runner.kernel_choices
-                             .describe()}
+                             .describe(), "small_m_fp8_tile": args.small_m_fp8_tile}
     if args.trace_dir:
         sched.round_worker.graph_runner = runner
         extra.update(_idle_share(sched, args.steps, args.trace_dir))

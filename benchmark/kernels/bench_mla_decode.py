@@ -6,6 +6,7 @@ attention, what ``TorchNativeMLABackend`` runs) vs the Triton split-K kernel
     python benchmark/kernels/bench_mla_decode.py [--contexts 1024 8192] [--tokens 1 4] [--iters 50]
     python benchmark/kernels/bench_mla_decode.py --config 32 64 8 2  # BLOCK_N SPLIT_MIN warps stages
     python benchmark/kernels/bench_mla_decode.py --merge-block-v 512  # one merge program per row
+    python benchmark/kernels/bench_mla_decode.py --block-h 32 --splits 128  # rows, key splits
     python benchmark/kernels/bench_mla_decode.py --smoke  # tiny dims (on CPU: Triton interpreter)
 
 Each timed call is preceded by a write of a buffer larger than L2, so the cache rows come from
@@ -75,6 +76,9 @@ def main(argv: Optional[List[str]] = None) -> None:
     p.add_argument("--merge-block-v", type=int, default=0,
                    help="value channels per merge program (default: the kernel's; 512: one "
                         "program per query row, the merge before its V split)")
+    p.add_argument("--splits", type=int, default=0,
+                   help="key splits per request at every shape, in place of the kernel's rule "
+                        "(above MAX_SPLITS too: the bound is raised for this run)")
     p.add_argument("--smoke", action="store_true",
                    help="tiny dims, one iteration; on CPU in Triton's interpreter (a test runs it)")
     args = p.parse_args(argv)
@@ -97,6 +101,9 @@ def main(argv: Optional[List[str]] = None) -> None:
         mod._config = lambda dk: dataclasses.replace(base(dk), merge_block_v=args.merge_block_v)
     if args.block_h:  # every row count, in place of the kernel's rule
         mod._rows_per_program = lambda cfg, rows, batch_invariant=False: args.block_h
+    if args.splits:  # the scratch is sized from the splits, the merge loops over them
+        mod.MAX_SPLITS = max(mod.MAX_SPLITS, args.splits)
+        mod.mla_decode_num_splits = lambda *shape, **kw: args.splits
     torch.manual_seed(0)
     b, heads, v = args.batch, args.heads, args.kv_lora_rank
     dk = v + args.rope_dim

@@ -299,6 +299,31 @@ def test_graph_ab_times_a_dspark_round(tmp_path):
                for r in rows), stdout
 
 
+def test_graph_ab_patches_the_small_m_fp8_tile_only(monkeypatch):
+    """``graph_ab.py --small-m-fp8-tile N/K/STAGES``: block-fp8 weights get the tile and the
+    kernel's K split for it; other weights keep their launch config; the kernel takes it."""
+    import importlib.util
+
+    import torch
+    import sgl_kernel.small_m_gemm as smg
+    from sgl_kernel.fp8_blocks import block_quantize
+
+    monkeypatch.setattr(smg, "launch_config", smg.launch_config)  # restored after the test
+    spec = importlib.util.spec_from_file_location("graph_ab", ROOT / "benchmark/batch1/graph_ab.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    bf16 = smg.launch_config(2560, 4096, torch.bfloat16)
+    mod.patch_small_m_fp8_tile(32, 512, 3)
+    cfg = smg.launch_config(2560, 4096, torch.float8_e4m3fn)
+    want = smg._split_for(2560, 4096, 32, 512, smg.split_target_programs(smg.sm_count(None)))
+    assert (cfg.block_n, cfg.block_k, cfg.num_stages, cfg.split_k) == (32, 512, 3, want)
+    assert smg.launch_config(2560, 4096, torch.bfloat16) == bf16
+    w, scale = block_quantize(torch.randn(40, 640) / 25)
+    x = torch.randn(2, 640)
+    assert (smg.small_m_gemm(x, w, w_scale=scale) - smg.small_m_gemm_reference(
+        x, w, w_scale=scale)).abs().max() < 1e-4
+
+
 def test_ablation_summary_groups_seeds_by_loss(tmp_path):
     """summarize_ablation.py --by-loss: runs that differ only in their seed form one row with
     the mean, sample standard deviation and range of their accept lengths."""
