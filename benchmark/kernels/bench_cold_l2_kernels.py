@@ -492,7 +492,7 @@ def bench_moe_align(env: Env) -> Iterator[Case]:
         yield Case("moe_align", f"block_m {block_m}", t,
                    lambda ids=ids, b=block_m: moe_align_triton(ids, e, b)[:3],
                    lambda ids=ids, b=block_m: moe_align(ids, e, b)[:3],
-                   "moe_grouped_gemm.moe_align",
+                   "moe_align.moe_align",
                    nbytes(ids) + nbytes(out.sorted_pairs, out.block_expert, out.num_blocks))
 
 

@@ -1,5 +1,5 @@
 """Sweep of ``sgl_kernel.moe_grouped_gemm`` tile configs on Ling-3.0-flash's expert shapes; writes
-the per-GPU table that ``moe_grouped_gemm.launch_config`` reads.
+the per-GPU table that ``moe_grouped_gemm_configs.launch_config`` reads.
 
     python benchmark/kernels/tune_moe_grouped_gemm.py [--dtype bf16 fp8 w8a8] \\
         [--tokens 128 256 512 1024 2048 4096 8192] [--fp8-prescale 0 1] \\
@@ -18,7 +18,7 @@ one tile; ``LaunchConfig.swiglu_interleave``, both by default), is checked again
 graph replay of one launch (median of ``--iters`` replays, CUDA events; the experts' bytes, GBs
 at Ling's size, are far beyond L2, so every call streams them from HBM). The fastest config of
 every pair bucket goes into ``--output`` under ``torch.cuda.get_device_name()`` and
-``moe_grouped_gemm.config_key(E, N, K, dtype)``, merged into what the file already holds (other
+``moe_grouped_gemm_configs.config_key(E, N, K, dtype)``, merged into what the file already holds (other
 GPUs, shapes, buckets stay); default: the table shipped in the package. A markdown table of the
 winners against the fallback config (and, for fp8, the best time of each inner loop) is printed.
 
@@ -45,9 +45,10 @@ import torch
 from cold_l2 import capture_graph, kernel_bench_device  # benchmark/kernels/cold_l2.py
 from sgl_kernel.fp8_act_quant import group_dequantize, per_token_group_quant_fp8
 from sgl_kernel.fp8_blocks import block_dequantize, block_quantize
-from sgl_kernel.moe_grouped_gemm import (CONFIG_PATH, LaunchConfig, config_fields, config_key,
-                                         fallback_config, moe_align, moe_grouped_gemm,
+from sgl_kernel.moe_grouped_gemm import (LaunchConfig, moe_align, moe_grouped_gemm,
                                          weight_tma_applies)
+from sgl_kernel.moe_grouped_gemm_configs import (CONFIG_PATH, config_fields, config_key,
+                                                 fallback_config)
 
 
 def label(cfg: LaunchConfig) -> str:

@@ -1,5 +1,5 @@
 """sgl_kernel.moe_align: the three-launch expert sort returns exactly the torch reference's
-alignment (``moe_grouped_gemm.moe_align``), field by field, and the grouped MoE gives the same
+alignment (``moe_align.moe_align``), field by field, and the grouped MoE gives the same
 bits with it; ``KernelChoices.moe_align_kernel`` reaches the MoE layers."""
 from __future__ import annotations
 
@@ -64,7 +64,7 @@ CASES = [
 
 @pytest.mark.parametrize("t,k,e,block_m,kind", CASES)
 def test_matches_torch_alignment(ma, t, k, e, block_m, kind):
-    from sgl_kernel.moe_grouped_gemm import moe_align
+    from sgl_kernel.moe_align import moe_align
 
     ids = _routes(t, k, e, seed=t * 7 + e, hot=e // 2 if kind == "hot" else None,
                   skip=(1, 4) if kind == "skip" else (),
@@ -77,7 +77,7 @@ def test_many_chunks_and_block_tiles(ma, monkeypatch, t, k, e, block_m):
     """Small chunks and block tiles (module constants read per call) so that a cheap case
     crosses many chunk boundaries (the running per-expert offsets) and block-table tiles (the
     carried running maximum), as a Ling prefill of thousands of tokens does."""
-    from sgl_kernel.moe_grouped_gemm import moe_align
+    from sgl_kernel.moe_align import moe_align
 
     monkeypatch.setattr(ma, "MAX_CHUNK", 16)
     monkeypatch.setattr(ma, "BLOCK_TILE", 4)
@@ -151,7 +151,7 @@ def test_ling_prefill_on_cuda_and_in_a_graph(ma, block_m):
     """8192 tokens x top-8 over 512 experts (64 chunks, the block table over several tiles at
     block_m 16): equal to the reference eagerly, and replayed from a CUDA graph after other
     routes (skewed: one expert on every token) are copied into the captured input."""
-    from sgl_kernel.moe_grouped_gemm import moe_align
+    from sgl_kernel.moe_align import moe_align
 
     t, k, e = 8192, 8, 512
     ids = _routes(t, k, e, seed=1, device="cuda")

@@ -27,6 +27,14 @@ def mgg():
     return module
 
 
+@pytest.fixture(scope="module")
+def tiles():
+    """The kernel's launch configurations (the per-GPU table and its lookup)."""
+    import sgl_kernel.moe_grouped_gemm_configs as module
+
+    return module
+
+
 def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-12))
 
@@ -57,10 +65,12 @@ def _routes(t: int, k: int, e: int, seed: int, skew: bool = True) -> torch.Tenso
 def test_align_invariants(mgg, t, k, e, block_m):
     """Every pair exactly once, grouped by expert (stable), groups padded to ``block_m`` with the
     sentinel, each block's expert and the used block count right, sizes from shapes only."""
+    from sgl_kernel.moe_align import max_padded_pairs
+
     ids = _routes(t, k, e, seed=t + e, skew=e > 4)
     al = mgg.moe_align(ids, e, block_m)
     p = t * k
-    assert al.sorted_pairs.shape == (mgg.max_padded_pairs(p, e, block_m),)
+    assert al.sorted_pairs.shape == (max_padded_pairs(p, e, block_m),)
     assert al.block_expert.shape == (al.sorted_pairs.shape[0] // block_m,)
     assert al.sorted_pairs.dtype == al.block_expert.dtype == al.num_blocks.dtype == torch.int32
     pairs = al.sorted_pairs.cpu().long()
@@ -181,7 +191,7 @@ def test_block_fp8_weights_match_the_dequantised_reference(mgg, dtype, tol, i, b
     (torch.float32, 1e-5, 48, (16, 64, 64)), (torch.float16, 1e-3, 48, (16, 32, 32)),
     (torch.float16, 1e-3, 160, None),
 ])
-def test_prescaled_fp8_tiles_match_dequantise_then_matmul(mgg, dtype, tol, i, cfg):
+def test_prescaled_fp8_tiles_match_dequantise_then_matmul(tiles, mgg, dtype, tol, i, cfg):
     """``fp8_prescale``: up + SwiGLU and down on block-fp8 experts equal the reference on the
     weight dequantised to x's dtype (``fp8_blocks.block_dequantize``: fp32 ``q * scale`` rounded
     once). ``I = 48``: gate and up rows on separate scale rows; K = H = 192 and K = I: partial
@@ -262,7 +272,7 @@ def test_fp8_activations_match_the_dequantised_reference(mgg, out_dtype, tol, i,
     ("fp8", torch.float32, 1e-5, 160, (16, 64, 64)), ("fp8 pre", torch.float16, 1e-3, 48, None),
     ("w8a8", torch.float32, 1e-5, 160, (16, 64, 128)),
 ])
-def test_interleaved_swiglu_tile_matches_two_accumulators(mgg, fmt, dtype, tol, i, cfg):
+def test_interleaved_swiglu_tile_matches_two_accumulators(tiles, mgg, fmt, dtype, tol, i, cfg):
     """``swiglu_interleave``: gate and up rows alternating in one tile give the SwiGLU of the
     two-accumulator tile and of the reference, for plain, block-fp8 (both inner loops; ``I =
     160``: a tile across two scale rows) and w8a8 experts, with ragged column tiles."""
@@ -390,7 +400,7 @@ def test_weight_tma_tiles_equal_pointer_tiles(mgg, fmt, dtype, swiglu):
                                  w_scale=scale, config=bad._replace(weight_tma=True), **kw)
 
 
-def test_rejects_bad_inputs(mgg):
+def test_rejects_bad_inputs(tiles, mgg):
     x = torch.zeros(4, 32, device=DEVICE)
     w = torch.zeros(3, 16, 32, device=DEVICE)
     ids = torch.zeros(4, 2, dtype=torch.int64, device=DEVICE)
@@ -423,24 +433,24 @@ def test_rejects_bad_inputs(mgg):
     with pytest.raises(ValueError, match="out_dtype"):
         mgg.moe_grouped_gemm(x8, q, al, rows_per_x=2, swiglu=False, w_scale=ws, x_scale=xs)
     with pytest.raises(ValueError, match="block-fp8 weights"):
-        mgg.config_key(3, 16, 32, False, act_fp8=True)
+        tiles.config_key(3, 16, 32, False, act_fp8=True)
 
 
-def test_launch_config_table_lookup(mgg, tmp_path, monkeypatch):
+def test_launch_config_table_lookup(tiles, mgg, tmp_path, monkeypatch):
     """Table entries by device name, shape key and the nearest pair bucket; the fallback
     without an entry; the interpreter's own small tiles; the shipped table parses."""
     import json
 
-    assert isinstance(mgg.load_config_table(), dict)  # the packaged file
-    key = mgg.config_key(512, 1536, 2560, False)
+    assert isinstance(tiles.load_config_table(), dict)  # the packaged file
+    key = tiles.config_key(512, 1536, 2560, False)
     assert key == "E=512,N=1536,K=2560,dtype=bf16"
     entry = {"block_m": 32, "block_n": 64, "block_k": 64, "group_m": 4, "num_warps": 4,
              "num_stages": 3}
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"_format": "x", "Fake GPU": {key: {
         "1024": entry, "16384": {**entry, "block_m": 128}}}}))
-    monkeypatch.setattr(mgg, "INTERPRETED", False)
-    monkeypatch.setattr(mgg, "_device_name", lambda index: "Fake GPU")
+    monkeypatch.setattr(tiles, "INTERPRETED", False)
+    monkeypatch.setattr(tiles, "_device_name", lambda index: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     cuda = torch.device("cuda", 0)
 
@@ -450,41 +460,41 @@ def test_launch_config_table_lookup(mgg, tmp_path, monkeypatch):
     assert pick(2048).block_m == 32 and pick(2048).group_m == 4
     assert pick(8192).block_m == 128 and pick(100).block_m == 32
     # No entry: the fallback, its row block sized to the mean group (2048 / 512 = 4 rows).
-    assert pick(2048, fp8=True) == mgg.DEFAULT_CONFIG._replace(block_k=128, block_m=16)
-    assert pick(65536, n=1024) == mgg.DEFAULT_CONFIG
+    assert pick(2048, fp8=True) == tiles.DEFAULT_CONFIG._replace(block_k=128, block_m=16)
+    assert pick(65536, n=1024) == tiles.DEFAULT_CONFIG
     assert not pick(2048, fp8=True).fp8_prescale  # the fallback keeps per-block scaling
-    fp8_key = mgg.config_key(512, 1536, 2560, True)
-    assert mgg.config_fields(pick(2048)) == entry  # bf16 records: no fp8 field
+    fp8_key = tiles.config_key(512, 1536, 2560, True)
+    assert tiles.config_fields(pick(2048)) == entry  # bf16 records: no fp8 field
     path.write_text(json.dumps({"Fake GPU": {key: {"1024": entry}, fp8_key: {
         "1024": entry, "8192": {**entry, "fp8_prescale": True}}}}))
-    mgg.load_config_table.cache_clear()
+    tiles.load_config_table.cache_clear()
     assert not pick(1024, fp8=True).fp8_prescale  # a record without the field: per-block
     assert pick(8192, fp8=True).fp8_prescale
-    assert mgg.config_fields(pick(8192, fp8=True), fp8=True) == {**entry, "fp8_prescale": True}
+    assert tiles.config_fields(pick(8192, fp8=True), fp8=True) == {**entry, "fp8_prescale": True}
     # The SwiGLU tile layout: read where stored, written for up-projection records only.
     assert not pick(1024, fp8=True).swiglu_interleave
     path.write_text(json.dumps({"Fake GPU": {key: {"1024": {**entry, "swiglu_interleave": True}}}}))
-    mgg.load_config_table.cache_clear()
+    tiles.load_config_table.cache_clear()
     assert pick(1024).swiglu_interleave
-    assert mgg.config_fields(pick(1024)) == entry
-    assert mgg.config_fields(pick(1024), swiglu=True) == {**entry, "swiglu_interleave": True}
+    assert tiles.config_fields(pick(1024)) == entry
+    assert tiles.config_fields(pick(1024), swiglu=True) == {**entry, "swiglu_interleave": True}
     # The w8a8 entry is its own key; without one, the fp8 fallback (not the fp8 entry).
-    w8a8_key = mgg.config_key(512, 1536, 2560, True, act_fp8=True)
+    w8a8_key = tiles.config_key(512, 1536, 2560, True, act_fp8=True)
     assert w8a8_key.endswith("dtype=w8a8")
     assert mgg.launch_config(512, 1536, 2560, 8192, True, cuda, table_path=str(path),
-                             act_fp8=True) == mgg.fallback_config(512, 8192, True)
+                             act_fp8=True) == tiles.fallback_config(512, 8192, True)
     path.write_text(json.dumps({"Fake GPU": {w8a8_key: {"8192": {**entry, "block_m": 128}}}}))
-    mgg.load_config_table.cache_clear()
+    tiles.load_config_table.cache_clear()
     assert mgg.launch_config(512, 1536, 2560, 8192, True, cuda, table_path=str(path),
                              act_fp8=True).block_m == 128
-    mgg.load_config_table.cache_clear()
+    tiles.load_config_table.cache_clear()
     assert pick(16384, n=1024).block_m == 32
-    monkeypatch.setattr(mgg, "INTERPRETED", True)
+    monkeypatch.setattr(tiles, "INTERPRETED", True)
     small = mgg.launch_config(6, 96, 64, 40, device=torch.device("cpu"), swiglu=True)
     assert (small.block_m, small.block_n, small.block_k) == (16, 64, 64)
 
 
-def test_table_device_falls_back_to_the_same_model(mgg, tmp_path, caplog):
+def test_table_device_falls_back_to_the_same_model(tiles, mgg, tmp_path, caplog):
     """A GPU missing from the table takes the tiles of its model's entry (the same vendor and
     first word with a digit), one warning per GPU name; another model, or a name without a
     model number, takes none."""
@@ -492,72 +502,72 @@ def test_table_device_falls_back_to_the_same_model(mgg, tmp_path, caplog):
     import logging
 
     names = ["NVIDIA H200", "NVIDIA H100 80GB HBM3"]
-    assert mgg.table_device(names, "NVIDIA H100 80GB HBM3") == "NVIDIA H100 80GB HBM3"
-    assert mgg.table_device(names, "NVIDIA H100 PCIe") == "NVIDIA H100 80GB HBM3"
-    assert mgg.table_device(names, "NVIDIA H200 NVL") == "NVIDIA H200"
-    assert mgg.table_device(names, "NVIDIA GH200 480GB") is None
-    assert mgg.table_device(names, "NVIDIA") is None and mgg.table_device([], "NVIDIA H200") is None
+    assert tiles.table_device(names, "NVIDIA H100 80GB HBM3") == "NVIDIA H100 80GB HBM3"
+    assert tiles.table_device(names, "NVIDIA H100 PCIe") == "NVIDIA H100 80GB HBM3"
+    assert tiles.table_device(names, "NVIDIA H200 NVL") == "NVIDIA H200"
+    assert tiles.table_device(names, "NVIDIA GH200 480GB") is None
+    assert tiles.table_device(names, "NVIDIA") is None and tiles.table_device([], "NVIDIA H200") is None
     # The model is the first word with a digit, not the second word.
     consumer = ["NVIDIA GeForce RTX 4090"]
-    assert mgg.table_device(consumer, "NVIDIA GeForce RTX 3090") is None
-    assert mgg.table_device(consumer, "NVIDIA GeForce RTX 4090 D") == "NVIDIA GeForce RTX 4090"
-    key = mgg.config_key(512, 1536, 2560, False)
+    assert tiles.table_device(consumer, "NVIDIA GeForce RTX 3090") is None
+    assert tiles.table_device(consumer, "NVIDIA GeForce RTX 4090 D") == "NVIDIA GeForce RTX 4090"
+    key = tiles.config_key(512, 1536, 2560, False)
     entry = {"1024": {"block_m": 32, "block_n": 64, "block_k": 64, "group_m": 4,
                       "num_warps": 4, "num_stages": 3}}
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"NVIDIA H100 80GB HBM3": {key: entry}}))
-    mgg.load_config_table.cache_clear()
-    mgg._note_table_device.cache_clear()
-    with caplog.at_level(logging.WARNING, logger=mgg.__name__):
+    tiles.load_config_table.cache_clear()
+    tiles._note_table_device.cache_clear()
+    with caplog.at_level(logging.WARNING, logger=tiles.__name__):
         for _ in range(3):
-            assert mgg.table_entry(512, 1536, 2560, False, "NVIDIA H100 PCIe", str(path)) == entry
-            assert mgg.table_entry(512, 1536, 2560, False, "NVIDIA H100 80GB HBM3",
+            assert tiles.table_entry(512, 1536, 2560, False, "NVIDIA H100 PCIe", str(path)) == entry
+            assert tiles.table_entry(512, 1536, 2560, False, "NVIDIA H100 80GB HBM3",
                                    str(path)) == entry
-            assert mgg.table_entry(512, 1536, 2560, False, "NVIDIA A100-SXM4-80GB",
+            assert tiles.table_entry(512, 1536, 2560, False, "NVIDIA A100-SXM4-80GB",
                                    str(path)) is None
     said = [r.getMessage() for r in caplog.records]
     assert len(said) == 2, said  # one per GPU name without tiles of its own, none for the H100
     assert "'NVIDIA H100 PCIe'" in said[0] and "'NVIDIA H100 80GB HBM3'" in said[0]
     assert "'NVIDIA A100-SXM4-80GB'" in said[1] and "fallback tiles" in said[1]
-    mgg.load_config_table.cache_clear()
+    tiles.load_config_table.cache_clear()
 
 
-def test_plan_helpers_agree_with_launch_config(mgg, tmp_path, monkeypatch):
+def test_plan_helpers_agree_with_launch_config(tiles, mgg, tmp_path, monkeypatch):
     """select_config is launch_config's choice without a GPU; config_change_points finds every
     pair count where that choice changes (brute force; two buckets with equal tiles are one
     config), with and without a table entry; launch_int_args is the kernel's max_blocks."""
     import json
 
-    key = mgg.config_key(512, 1536, 2560, False)
-    tiles = {"block_m": 32, "block_n": 128, "block_k": 128, "group_m": 8, "num_warps": 8,
-             "num_stages": 4}
-    table = {"1024": tiles, "8192": tiles, "32768": {**tiles, "block_m": 128},
-             "65536": {**tiles, "block_m": 128, "num_stages": 3}}
+    key = tiles.config_key(512, 1536, 2560, False)
+    fields = {"block_m": 32, "block_n": 128, "block_k": 128, "group_m": 8, "num_warps": 8,
+              "num_stages": 4}
+    table = {"1024": fields, "8192": fields, "32768": {**fields, "block_m": 128},
+             "65536": {**fields, "block_m": 128, "num_stages": 3}}
     path = tmp_path / "t.json"
     path.write_text(json.dumps({"Fake GPU": {key: table}}))
-    monkeypatch.setattr(mgg, "INTERPRETED", False)
-    monkeypatch.setattr(mgg, "_device_name", lambda index: "Fake GPU")
+    monkeypatch.setattr(tiles, "INTERPRETED", False)
+    monkeypatch.setattr(tiles, "_device_name", lambda index: "Fake GPU")
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     cuda = torch.device("cuda", 0)
-    entry = mgg.table_entry(512, 1536, 2560, False, "Fake GPU", str(path))
-    assert entry == table and mgg.table_entry(512, 1536, 2560, True, "Fake GPU", str(path)) is None
+    entry = tiles.table_entry(512, 1536, 2560, False, "Fake GPU", str(path))
+    assert entry == table and tiles.table_entry(512, 1536, 2560, True, "Fake GPU", str(path)) is None
     hi = 70000
     for fp8, buckets in ((False, entry), (True, None)):
-        picks = [mgg.select_config(buckets, 512, p, fp8) for p in range(hi + 1)]
+        picks = [tiles.select_config(buckets, 512, p, fp8) for p in range(hi + 1)]
         for p in range(1, hi + 1, 97):
             assert picks[p] == mgg.launch_config(512, 1536, 2560, p, fp8, cuda,
                                                  table_path=str(path))
         brute = [p for p in range(1025, hi + 1) if picks[p] != picks[p - 1]]
-        assert mgg.config_change_points(buckets, 512, fp8, 1024, hi) == brute
+        assert tiles.config_change_points(buckets, 512, fp8, 1024, hi) == brute
         # The table: 1024 and 8192 share their tiles, then 32768, then 65536; without an
         # entry the fallback's row block: 16 -> 32 -> 64.
         assert len(brute) == 2
-    assert mgg.config_change_points(entry, 512, False, 1024, hi)[0] == 16385  # 8192 | 32768
+    assert tiles.config_change_points(entry, 512, False, 1024, hi)[0] == 16385  # 8192 | 32768
     gen = torch.Generator().manual_seed(0)
     for t, k, e, block_m in ((3, 2, 6, 16), (40, 8, 512, 32), (300, 8, 64, 128)):
         ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)])
         al = mgg.moe_align(ids, e, block_m)
-        assert mgg.launch_int_args(t * k, e, block_m) == (t * k, al.block_expert.shape[0])
+        assert tiles.launch_int_args(t * k, e, block_m) == (t * k, al.block_expert.shape[0])
 
 
 # ------------------------------------------------------------------------------ the MoE block
@@ -810,7 +820,7 @@ def test_grouped_moe_on_ling_shapes_on_cuda(mgg, fp8, act_fp8):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("prescaled_fp8", [False, True])
-def test_grouped_gemm_kernel_on_cuda_matches_reference(mgg, prescaled_fp8):
+def test_grouped_gemm_kernel_on_cuda_matches_reference(tiles, mgg, prescaled_fp8):
     """The kernel alone in bf16 on a Ling-width expert slice (fewer experts so the per-pair
     reference fits), with the table's / fallback tiles; and block-fp8 experts with pre-scaled
     tiles against the reference on the weights dequantised to bf16 (``I = 768``: 6 scale rows
@@ -820,7 +830,7 @@ def test_grouped_gemm_kernel_on_cuda_matches_reference(mgg, prescaled_fp8):
     t, k, e, h, i = 96, 8, 32, 2560, 768
     hidden, w13, w2, _, ids = _moe_inputs(torch.bfloat16, t=t, e=e, h=h, i=i, k=k)
     al = mgg.moe_align(ids, e, 64)
-    cfg, s13, s2 = mgg.DEFAULT_CONFIG, None, None
+    cfg, s13, s2 = tiles.DEFAULT_CONFIG, None, None
     if prescaled_fp8:
         from sgl_kernel.fp8_blocks import block_dequantize, block_quantize
 

@@ -56,7 +56,7 @@ def test_grouped_gemv_sweep_runs_and_ranks_configs():
 def test_moe_grouped_gemm_sweep_runs_and_writes_its_table(tmp_path):
     """benchmark/kernels/tune_moe_grouped_gemm.py on tiny shapes in the interpreter (about 10 s):
     every config checked against the fp32 reference, a winner per format, projection and pair
-    bucket merged into the --output table in the format moe_grouped_gemm.launch_config reads."""
+    bucket merged into the --output table in the format moe_grouped_gemm_configs.launch_config reads."""
     out = tmp_path / "table.json"
     out.write_text(json.dumps({"Other GPU": {"kept": {}}}))
     stdout = _run("kernels/tune_moe_grouped_gemm.py", "--experts", "6", "--hidden", "64",

@@ -30,7 +30,7 @@ from sglang.srt.model_executor import prefill_warmup as pw
 from sglang.srt.model_executor.model_runner import ModelRunner
 from sglang.test.runner_utils import greedy_logits
 
-mgg = pytest.importorskip("sgl_kernel.moe_grouped_gemm")  # pure table helpers (imports triton)
+tiles = pytest.importorskip("sgl_kernel.moe_grouped_gemm_configs")  # pure table helpers (imports triton)
 
 H200 = "NVIDIA H200"
 PROMPT = [3, 141, 59, 265, 358, 97, 93, 238, 46, 264, 338, 327]
@@ -46,8 +46,8 @@ def _grouped_gemms(cfg, fp8: bool, device_name: str = H200,
     """The up and down grouped GEMMs of a config's experts, with ``device_name``'s table;
     ``shared``: the shared expert rides them as pairs."""
     e, i, h = cfg.num_experts, cfg.moe_intermediate_size, cfg.hidden_size
-    return tuple(pw.GroupedGemm(f"{which} {mgg.config_key(e, n, k, fp8)}", e, fp8,
-                                mgg.table_entry(e, n, k, fp8, device_name), shared)
+    return tuple(pw.GroupedGemm(f"{which} {tiles.config_key(e, n, k, fp8)}", e, fp8,
+                                tiles.table_entry(e, n, k, fp8, device_name), shared)
                  for which, n, k in (("up", 2 * i, h), ("down", h, i)))
 
 
@@ -82,8 +82,8 @@ def _reached(paths: pw.PrefillPaths, t: int) -> Set[Hashable]:
     if paths.moe_gemms and t * paths.top_k > paths.moe_small_m_pairs:  # the routed pairs
         for g in paths.moe_gemms:  # each GEMM's own pairs (the shared expert's included)
             pairs = t * (paths.top_k + int(g.shared_pairs))
-            c = mgg.select_config(g.table, g.num_experts, pairs, g.fp8)
-            ints = mgg.launch_int_args(pairs, g.num_experts + int(g.shared_pairs), c.block_m)
+            c = tiles.select_config(g.table, g.num_experts, pairs, g.fp8)
+            ints = tiles.launch_int_args(pairs, g.num_experts + int(g.shared_pairs), c.block_m)
             out.add(("moe", g.name, c, tuple(cls(v) for v in ints)))
     return out
 
@@ -119,18 +119,18 @@ def test_flash_preset_plan_at_default_flags(fp8, shared):
     _check_plan(paths, bound, shapes)
     k = paths.top_k
     kg = k + int(shared)
-    launched = {(g.name, mgg.select_config(g.table, g.num_experts, sum(s) * kg, g.fp8))
+    launched = {(g.name, tiles.select_config(g.table, g.num_experts, sum(s) * kg, g.fp8))
                 for s in shapes for g in paths.moe_gemms if sum(s) * k > SMALL_M_MAX_PAIRS}
     for g in paths.moe_gemms:
         assert g.table is not None  # the shipped table has H200 entries for bf16 and fp8
         tokens = range(SMALL_M_MAX_PAIRS // k + 1, bound + 1)  # every grouped batch to 8192
         pairs = [t * kg for t in tokens]
-        wanted = {mgg.select_config(g.table, g.num_experts, p, g.fp8) for p in pairs}
+        wanted = {tiles.select_config(g.table, g.num_experts, p, g.fp8) for p in pairs}
         assert {c for name, c in launched if name == g.name} == wanted
         # bf16: buckets 1024 and 8192 share their tiles; fp8: two buckets, two tiles
         assert len(wanted) == (2 if fp8 else 3)
         # so every bucket a batch up to the bound selects has its tiles launched
-        buckets = {mgg.nearest_bucket(g.table, p) for p in pairs}
+        buckets = {tiles.nearest_bucket(g.table, p) for p in pairs}
         assert buckets == set(g.table) == ({"8192", "65536"} if fp8
                                            else {"1024", "8192", "32768", "65536"})
     if fp8:  # the block-fp8 dense path starts above the small-M rows: both sides run

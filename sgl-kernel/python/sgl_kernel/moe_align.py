@@ -1,12 +1,13 @@
-"""The expert sort of the grouped MoE GEMM in three Triton launches: :func:`moe_align_triton`.
+"""The expert sort of the grouped MoE GEMM (:mod:`sgl_kernel.moe_grouped_gemm`): the pairs of a
+batch's routes sorted by expert, each expert's group padded to the GEMM's row block
+(:class:`MoEAlignment`), in two forms.
 
-Returns exactly what :func:`sgl_kernel.moe_grouped_gemm.moe_align` (the torch reference: 28
-torch ops, among them counts, cumsums, a stable argsort that CUDA runs as a multi-pass radix
-sort, gathers, a scatter, a searchsorted) returns: the same
-:class:`~sgl_kernel.moe_grouped_gemm.MoEAlignment`, bit for bit, stable order within an expert
-included. The pairs ``p = t * k + slot`` are cut into chunks
-of ``CHUNK`` consecutive pair ids, and the work follows the one data dependency there is (a
-pair's destination needs every earlier chunk's counts):
+:func:`moe_align` is the torch form and the reference (28 torch ops, among them counts,
+cumsums, a stable argsort that CUDA runs as a multi-pass radix sort, gathers, a scatter, a
+searchsorted). :func:`moe_align_triton` returns exactly the same :class:`MoEAlignment` in three
+Triton launches, bit for bit, stable order within an expert included: the pairs
+``p = t * k + slot`` are cut into chunks of ``CHUNK`` consecutive pair ids, and the work follows
+the one data dependency there is (a pair's destination needs every earlier chunk's counts):
 
 1. ``_chunk_counts`` (one program per chunk): the chunk's per-expert counts
    (``tl.histogram``) into a scratch row; the programs also fill the outputs with their
@@ -25,17 +26,80 @@ capturable. Imports torch and triton only (with this package's own modules).
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 import triton
 import triton.language as tl
 
 from sgl_kernel._triton_mode import compiler_options
-from sgl_kernel.moe_grouped_gemm import MoEAlignment, max_padded_pairs
 
-__all__ = ["moe_align_triton", "align_chunk", "REFERENCE_NOTE"]
+__all__ = ["MoEAlignment", "moe_align", "max_padded_pairs", "moe_align_triton", "align_chunk",
+           "REFERENCE_NOTE"]
 
-REFERENCE_NOTE = ("sgl_kernel.moe_grouped_gemm.moe_align (torch ops) is the reference: "
+REFERENCE_NOTE = ("sgl_kernel.moe_align.moe_align (torch ops) is the reference: "
                   "moe_align_triton returns the same MoEAlignment, bit for bit")
+
+
+class MoEAlignment(NamedTuple):
+    """The expert-sorted pair list of one batch's routes (all on the routes' device).
+
+    ``sorted_pairs [max_padded]`` int32: pair ids grouped by expert (stable within an expert),
+    each group padded to a multiple of ``block_m`` with the sentinel ``num_pairs``;
+    ``block_expert [max_padded // block_m]`` int32: the expert of every ``block_m``-row block
+    (-1 past the used blocks); ``num_blocks [1]`` int32: how many blocks are used;
+    ``num_tokens``: the routes' rows ``T`` (a shared expert routed once per token, the last
+    expert id, holds the last ``ceil(T / block_m)`` blocks in use)."""
+
+    sorted_pairs: torch.Tensor
+    block_expert: torch.Tensor
+    num_blocks: torch.Tensor
+    block_m: int
+    num_pairs: int
+    num_experts: int
+    num_tokens: int = 0
+
+
+def max_padded_pairs(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Rows of the padded list in the worst case: at most ``min(E, P)`` groups are non-empty,
+    each padded by at most ``block_m - 1``; the total is a multiple of ``block_m``."""
+    bound = num_pairs + min(num_experts, num_pairs) * (block_m - 1)
+    return bound // block_m * block_m
+
+
+def moe_align(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
+    """Sort the pairs ``p = t * k + slot`` of ``topk_ids [T, k]`` by expert and pad each expert's
+    group to a multiple of ``block_m`` (see :class:`MoEAlignment`).
+
+    Torch ops only and no value read on the host (counts by ``scatter_add_``, not
+    ``bincount``, whose CUDA form reads the maximum on the host): capturable in a CUDA graph.
+    Output sizes depend on ``T * k``, ``num_experts`` and ``block_m`` only."""
+    if topk_ids.dim() != 2 or block_m < 1 or num_experts < 1:
+        raise ValueError(f"moe_align: expected topk_ids [T, k], num_experts >= 1, block_m >= 1; "
+                         f"got {tuple(topk_ids.shape)}, {num_experts}, {block_m}")
+    dev = topk_ids.device
+    flat = topk_ids.reshape(-1).long()
+    p = flat.numel()
+    padded_len = max_padded_pairs(p, num_experts, block_m)
+    counts = torch.zeros(num_experts, dtype=torch.long, device=dev)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + (block_m - 1)) // block_m * block_m
+    padded_end = padded.cumsum(0)
+    start = counts.cumsum(0) - counts  # first sorted position of each expert
+    order = torch.argsort(flat, stable=True)  # pair ids in expert order
+    expert_of = flat[order]
+    # Sorted position i of expert e moves to e's padded group at the same offset i - start[e].
+    dest = (padded_end - padded)[expert_of] + torch.arange(p, device=dev) - start[expert_of]
+    sorted_pairs = torch.full((padded_len,), p, dtype=torch.int32, device=dev)
+    sorted_pairs.scatter_(0, dest, order.to(torch.int32))
+    # A block's expert: the first whose padded group ends after the block's first row.
+    first_row = torch.arange(0, padded_len, block_m, device=dev)
+    block_expert = torch.searchsorted(padded_end, first_row, right=True)
+    block_expert = torch.where(block_expert < num_experts, block_expert, -1).to(torch.int32)
+    num_blocks = (padded_end[-1:] // block_m).to(torch.int32)
+    return MoEAlignment(sorted_pairs, block_expert, num_blocks, block_m, p, num_experts,
+                        topk_ids.shape[0])
+
 
 # Pair ids per chunk at most: a chunk is sorted in registers by one program (bitonic, so a
 # power of two); 1024 keeps the sort cheap while a Ling prefill (8192 tokens x top-8) needs
@@ -139,7 +203,7 @@ def _chunk_scatter(ids_ptr, offsets_ptr, pairs_ptr, num_pairs, num_experts,
 
 
 def moe_align_triton(topk_ids: torch.Tensor, num_experts: int, block_m: int) -> MoEAlignment:
-    """:func:`sgl_kernel.moe_grouped_gemm.moe_align` in three Triton launches (the module
+    """:func:`moe_align` in three Triton launches (the module
     docstring): the same :class:`MoEAlignment`, bit for bit. ``topk_ids [T, k]`` holds expert
     ids in ``[0, num_experts)`` (int32 or int64); any device Triton runs on (CUDA, or the CPU
     under ``TRITON_INTERPRET=1``). No host read; sizes depend on ``T * k``, ``num_experts`` and

@@ -26,7 +26,7 @@ knows (:func:`default_kernel_choices`):
   the decode step is not measured).
 * ``moe_align_kernel`` (the expert sort of the Triton MoE's grouped GEMM path, above the
   small-M batches, as three Triton launches: ``sgl_kernel.moe_align``, instead of the torch
-  ops of ``moe_grouped_gemm.moe_align``, a multi-pass radix sort among them; the same
+  ops of ``moe_align.moe_align``, a multi-pass radix sort among them; the same
   alignment bit for bit): on with the Triton MoE backend on CUDA, where it took the 42-layer
   fp8 prefill of 1024 tokens from about 2550 MoE kernels to 474 (docs/performance.md, "Prefill
   census, 2026-12-05"). Only the Triton MoE backend's grouped GEMM path reads it.

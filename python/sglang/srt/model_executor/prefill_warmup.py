@@ -28,7 +28,7 @@ bounds) are chosen so that every kernel variant a prefill batch can reach is lau
 * between two of those counts, a count equal to 1, an odd one and a multiple of 16 where the
   range holds them (Triton's integer specialisations);
 * for the grouped GEMM, every class of its batch-dependent integer arguments
-  (:func:`sgl_kernel.moe_grouped_gemm.launch_int_args`) under each tile configuration;
+  (:func:`sgl_kernel.moe_grouped_gemm_configs.launch_int_args`) under each tile configuration;
 * one request and two requests (fla's varlen path over several sequences; the per-request
   loops of the MLA prefill), on both sides of the MLA normal-form threshold.
 
@@ -76,7 +76,7 @@ class TokenBoundary:
 class GroupedGemm:
     """One of the MoE prefill's grouped GEMMs (``sgl_kernel.moe_grouped_gemm``): its name in the
     plan, its expert count, whether its weight is block fp8, and the tile table's entry for its
-    weight on this GPU (:func:`sgl_kernel.moe_grouped_gemm.table_entry`; None: no entry, the
+    weight on this GPU (:func:`sgl_kernel.moe_grouped_gemm_configs.table_entry`; None: no entry, the
     kernel's fallback tiles). ``shared_pairs``: the shared expert rides it as one more expert
     (``fused_moe_grouped(..., shared_weights=...)``), so a token brings ``top_k + 1`` pairs
     and the pairs are aligned over ``num_experts + 1`` experts."""
@@ -154,7 +154,7 @@ def _regions(paths: PrefillPaths, max_tokens: int) -> List[Tuple[int, int]]:
     """``[lo, hi]`` token ranges over which no path of ``paths`` changes (1 alone is one)."""
     cuts = {1} | {b.last_lower for b in paths.boundaries()}
     if paths.moe_gemms and paths.top_k > 0:
-        from sgl_kernel.moe_grouped_gemm import config_change_points
+        from sgl_kernel.moe_grouped_gemm_configs import config_change_points
 
         for g in paths.moe_gemms:
             k = g.pairs_per_token(paths.top_k)
@@ -186,7 +186,7 @@ def _candidates(paths: PrefillPaths, max_tokens: int) -> Dict[FrozenSet[Hashable
     k = paths.top_k
     grouped = bool(paths.moe_gemms) and k > 0
     if grouped:  # sgl_kernel imports triton: only when a grouped GEMM is in the plan
-        from sgl_kernel.moe_grouped_gemm import launch_int_args, select_config
+        from sgl_kernel.moe_grouped_gemm_configs import launch_int_args, select_config
     for lo, hi in _regions(paths, max_tokens):
         tiles = []
         if grouped and lo * k > (paths.moe_small_m_pairs or 0):
@@ -296,7 +296,7 @@ def _grouped_gemms(runner: "ModelRunner", blocks: Sequence[Any]) -> Tuple[Groupe
     """The up and down grouped GEMMs of every distinct expert weight shape among the MoE
     ``blocks`` (with or without the shared expert as pairs), with the tile table's entries for
     the runner's GPU."""
-    from sgl_kernel.moe_grouped_gemm import config_key, table_entry
+    from sgl_kernel.moe_grouped_gemm_configs import config_key, table_entry
 
     device_name = torch.cuda.get_device_name(runner.device)
     out: Dict[str, GroupedGemm] = {}

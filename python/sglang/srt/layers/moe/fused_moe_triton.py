@@ -86,7 +86,7 @@ def fused_moe_grouped(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       shared_weights: Optional[SharedExpertWeights] = None) -> torch.Tensor:
     """``sum_i w_i * Expert_{id_i}(x) (+ shared)`` per token ``[T, H]`` for large batches.
 
-    The pairs sorted by expert on the device (:func:`sgl_kernel.moe_grouped_gemm.moe_align`),
+    The pairs sorted by expert on the device (:func:`sgl_kernel.moe_align.moe_align`),
     the up-projection as a grouped GEMM with the (clamped) SwiGLU in its epilogue, the
     down-projection as another, both writing pair-major rows, then the fp32 combine with the
     router weights and the shared expert's output ``shared [T, H]`` (the one-launch kernel, or
