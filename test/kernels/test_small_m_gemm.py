@@ -73,9 +73,9 @@ def test_split_k_matches_reference_and_is_batch_invariant(dtype, tol):
         wide = torch.zeros(m, n + 8, dtype=dtype, device=DEVICE)
         small_m_gemm(x, w, bias, out=wide[:, 4:4 + n], config=cfg)
         assert torch.equal(wide[:, 4:4 + n], got) and not wide[:, :4].any()
-    from sgl_kernel.small_m_gemm import _COUNTS  # every tile's arrival count reset for the next
+    from sgl_kernel._triton_mode import arrival_counts  # every tile's count reset for the next
 
-    assert not _COUNTS[x.device].any()
+    assert not arrival_counts("small_m_gemm", x.device, 1).any()
 
 
 @pytest.mark.parametrize("dtype,tol", CASES)

@@ -108,6 +108,27 @@ def _cuda_sm_count(index: int) -> int:
 
 
 _PLACEHOLDERS: dict = {}
+_ARRIVAL_COUNTS: dict = {}
+_REPLACED_COUNTS: list = []
+
+
+def arrival_counts(owner: str, device: torch.device, count: int) -> torch.Tensor:
+    """At least ``count`` int32 arrival counters, zero between launches, for a kernel (named by
+    ``owner``) whose last program to arrive at an output tile finishes it (a K split's sum, the
+    MoE combine): each program raises its tile's count, and the one that sees the last arrival
+    does the work and sets the count back to zero. One buffer per kernel and device (at least
+    4096 counters), so two such kernels never share a count, and launches of one kernel on a
+    device must not overlap: the engine launches its kernels on one stream (the side stream of
+    ``sglang.srt.rounds.relay`` only copies). A larger grid gets a larger buffer; a replaced one
+    stays allocated, since a captured CUDA graph may still point at it."""
+    key = (owner, str(device))
+    counts = _ARRIVAL_COUNTS.get(key)
+    if counts is None or counts.numel() < count:
+        if counts is not None:
+            _REPLACED_COUNTS.append(counts)
+        counts = torch.zeros(max(count, 4096), dtype=torch.int32, device=device)
+        _ARRIVAL_COUNTS[key] = counts
+    return counts
 
 
 def placeholder(device: torch.device) -> torch.Tensor:

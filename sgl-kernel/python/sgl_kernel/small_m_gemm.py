@@ -27,7 +27,8 @@ import triton.language as tl
 
 from sgl_kernel import pdl
 from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
-from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options, sm_count
+from sgl_kernel._triton_mode import (INTERPRETED, LaunchConfig, arrival_counts,
+                                     compiler_options, sm_count)
 
 __all__ = ["small_m_gemm", "small_m_gemm_reference", "gated_norm_reference", "launch_config",
            "split_target_programs", "SMALL_M_MAX_ROWS", "BLOCK_M", "GatedNormPrologue"]
@@ -169,26 +170,10 @@ def _small_m_gemm_kernel(x_ptr, w_ptr, b_ptr, out_ptr, s_ptr, srow_ptr, z_ptr, n
         tl.store(out_ptr + offs_o, acc.to(out_ptr.dtype.element_ty), mask=mask_o)
 
 
-# Per device: one arrival count per output tile of a K split, zero between launches (each
-# launch's last range resets its tiles), so split launches on a device must not run
-# concurrently: the engine launches its kernels on one stream (the side stream of
-# sglang.srt.rounds.relay only copies). The first buffer holds 4096 counts: launch_config
-# splits only a weight of fewer row blocks than split_target_programs (about four per SM)
-# and SMALL_M_MAX_ROWS rows make at most four row tiles, so the split grids of GPUs up to 256
-# SMs fit. A larger grid (more SMs, a swept config, more rows) gets a larger buffer; a
-# replaced one stays allocated, since a captured graph may still point at it.
-_COUNTS: dict = {}
-_REPLACED: list = []
-
-
-def _split_counts(device: torch.device, tiles: int) -> torch.Tensor:
-    counts = _COUNTS.get(device)
-    if counts is None or counts.numel() < tiles:
-        if counts is not None:
-            _REPLACED.append(counts)
-        counts = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
-        _COUNTS[device] = counts
-    return counts
+# Arrival counts of a K split (one per output tile; _triton_mode.arrival_counts): the first
+# buffer's 4096 counts hold every split grid of GPUs up to 256 SMs, since launch_config splits
+# only a weight of fewer row blocks than split_target_programs (about four per SM) and
+# SMALL_M_MAX_ROWS rows make at most four row tiles.
 
 
 def launch_config(n: int, k: int, weight_dtype: torch.dtype = torch.bfloat16,
@@ -318,7 +303,7 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
     part, counts = x, x
     if split > 1:
         part = torch.empty(split, m, n, dtype=torch.float32, device=x.device)
-        counts = _split_counts(x.device, grid[0] * grid[1])
+        counts = arrival_counts("small_m_gemm", x.device, grid[0] * grid[1])
     _small_m_gemm_kernel[grid](
         x, w, bias if bias is not None else x, out, w_scale if fp8 else x,
         w_scale_rows if w_scale_rows is not None else x, z, nw, part, counts, m, n, k,
