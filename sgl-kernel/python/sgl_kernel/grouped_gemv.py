@@ -224,8 +224,6 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
     elif tuple(out.shape) != (p, n) or out.stride(1) != 1:
         raise ValueError(f"grouped_gemv: out must be a [{p}, {n}] tensor with a contiguous last "
                          f"dim, got {tuple(out.shape)}")
-    if p == 0 or n == 0:
-        return out
     combine = combine_weights is not None
     if combine:
         topk = combine_weights.shape[-1] if combine_weights.dim() == 2 else 0
@@ -241,6 +239,8 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
             raise ValueError(f"grouped_gemv: combine_out must be [{t}, {n}] and both combine "
                              f"tensors need a contiguous last dim, got "
                              f"{tuple(combine_out.shape)}")
+    if p == 0 or n == 0:
+        return combine_out if combine else out
     cfg = launch_config(n, k, swiglu, fp8)
     block_n, block_k = block_n or cfg.block_n, block_k or cfg.block_k
     if fp8 and (block_n > QBLOCK or QBLOCK % block_n):
@@ -264,7 +264,7 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
         -(-n // QBLOCK), limit, float(extra_limit),
         SWIGLU=swiglu, HAS_LIMIT=limit > 0 or extra_limit > 0, HAS_SCALE=fp8, QB=QBLOCK,
         USE_PDL=pdl_on, COMBINE=combine, TOPK=topk if combine else 1,
-        HAS_EXTRA=extra_w is not None, BLOCK_N=block_n, BLOCK_K=block_k, **opts,
+        HAS_EXTRA=combine and extra_w is not None, BLOCK_N=block_n, BLOCK_K=block_k, **opts,
         **(NO_FP_FUSION if combine else {}), **pdl.launch_options(pdl_on))
     return combine_out if combine else out
 
