@@ -373,7 +373,11 @@ def main(argv: Optional[List[str]] = None) -> List[Dict[str, Any]]:
     add_kernel_choices_arg(parser)
     args = parser.parse_args(argv)
     if args.small_m_fp8_tile:
-        patch_small_m_fp8_tile(*(int(v) for v in args.small_m_fp8_tile.split("/")))
+        parts = args.small_m_fp8_tile.split("/")
+        if len(parts) != 3 or not all(p.isdigit() and int(p) > 0 for p in parts):
+            parser.error(f"--small-m-fp8-tile takes BLOCK_N/BLOCK_K/STAGES (positive integers), "
+                         f"got {args.small_m_fp8_tile!r}")
+        patch_small_m_fp8_tile(*(int(p) for p in parts))
     server_args = ServerArgs.from_cli_args(args)
     server_args.kernel_choices = kernel_choices_from_args(args)  # read by the target's runner
     sched = Scheduler(server_args)

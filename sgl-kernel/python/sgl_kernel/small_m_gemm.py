@@ -243,7 +243,9 @@ def small_m_gemm(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor] 
     ``w_scale_rows [N]``, the scale row of every weight row.
     ``gated_norm`` (:class:`GatedNormPrologue`) normalises x per head with its gate as the tiles
     are loaded (KDA's output norm feeding ``o_proj``: one launch for both).
-    ``config`` overrides :func:`launch_config` (the tuning script's sweep)."""
+    ``config`` overrides :func:`launch_config` (the tuning script's sweep); for a block-fp8
+    weight its ``block_k`` is rounded down to whole 128-column scale blocks (at least one), each
+    block's sum scaled and added in order, so the step width changes no bit of the result."""
     if x.dim() != 2 or w.dim() != 2 or x.shape[1] != w.shape[1]:
         raise ValueError(f"small_m_gemm: expected x [M, K] and w [N, K], got {tuple(x.shape)} "
                          f"and {tuple(w.shape)}")
