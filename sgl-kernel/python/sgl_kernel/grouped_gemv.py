@@ -24,6 +24,7 @@ import triton.language as tl
 
 from sgl_kernel import pdl
 from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
+from sgl_kernel.moe_combine import combine_rows
 from sgl_kernel._triton_mode import (INTERPRETED, NO_FP_FUSION, LaunchConfig, arrival_counts,
                                      compiler_options, placeholder)
 
@@ -98,18 +99,12 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, ex_ptr, ew_ptr, out_ptr, ws_ptr,
         count = count_ptr + token * tl.num_programs(1) + tl.program_id(1)
         arrivals = TOPK + 1 if HAS_EXTRA else TOPK
         if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
-            # moe_combine's sum: fp32 products of slots 0 .. k-1 in order, then the shared
-            # row, one rounding (the launch is compiled without mul+add contraction).
-            rows = out_ptr + token * TOPK * stride_o + offs_n
-            total = tl.load(rows, mask=mask_n, other=0.0, cache_modifier=".cg").to(
-                tl.float32) * tl.load(cw_ptr + token * stride_cw).to(tl.float32)
-            for j in tl.static_range(1, TOPK):
-                yj = tl.load(rows + j * stride_o, mask=mask_n, other=0.0, cache_modifier=".cg")
-                total += yj.to(tl.float32) * tl.load(cw_ptr + token * stride_cw + j).to(
-                    tl.float32)
-            if HAS_EXTRA:
-                total += tl.load(out_ptr + (routed_pairs + token) * stride_o + offs_n,
-                                 mask=mask_n, other=0.0, cache_modifier=".cg").to(tl.float32)
+            # moe_combine's sum, one rounding (the launch is compiled without mul+add
+            # contraction, as moe_combine's).
+            total = combine_rows(out_ptr + token * TOPK * stride_o + offs_n, stride_o,
+                                 cw_ptr + token * stride_cw,
+                                 out_ptr + (routed_pairs + token) * stride_o + offs_n, mask_n,
+                                 TOPK, HAS_EXTRA)
             tl.store(co_ptr + token * stride_co + offs_n, total.to(co_ptr.dtype.element_ty),
                      mask=mask_n)
             tl.atomic_xchg(count, 0)
