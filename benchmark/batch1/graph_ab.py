@@ -324,12 +324,9 @@ def patch_small_m_fp8_tile(block_n: int, block_k: int, num_stages: int) -> None:
     base = smg.launch_config
 
     def launch_config(n: int, k: int, weight_dtype: torch.dtype = torch.bfloat16, device=None):
-        cfg = base(n, k, weight_dtype, device)
         if weight_dtype != torch.float8_e4m3fn:
-            return cfg
-        programs = smg.split_target_programs(smg.sm_count(device))
-        return cfg._replace(block_n=block_n, block_k=block_k, num_stages=num_stages,
-                            split_k=smg._split_for(n, k, block_n, block_k, programs))
+            return base(n, k, weight_dtype, device)
+        return smg.tile_config(n, k, block_n, block_k, num_stages, device)
 
     smg.launch_config = launch_config
 

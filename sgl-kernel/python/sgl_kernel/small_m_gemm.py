@@ -31,7 +31,8 @@ from sgl_kernel._triton_mode import (INTERPRETED, LaunchConfig, arrival_counts,
                                      compiler_options, sm_count)
 
 __all__ = ["small_m_gemm", "small_m_gemm_reference", "gated_norm_reference", "launch_config",
-           "split_target_programs", "SMALL_M_MAX_ROWS", "BLOCK_M", "GatedNormPrologue"]
+           "tile_config", "split_target_programs", "SMALL_M_MAX_ROWS", "BLOCK_M",
+           "GatedNormPrologue"]
 
 BLOCK_M = 16
 
@@ -202,8 +203,17 @@ def launch_config(n: int, k: int, weight_dtype: torch.dtype = torch.bfloat16,
         block_n, block_k = 32, QBLOCK
     else:
         block_n, block_k = 16, 128 if weight_dtype == torch.float32 else 256
+    return tile_config(n, k, block_n, block_k, device=device)
+
+
+def tile_config(n: int, k: int, block_n: int, block_k: int, num_stages: int = 4,
+                device: Union[torch.device, str, None] = None) -> LaunchConfig:
+    """The launch of an ``[n, k]`` weight in ``block_n x block_k`` tiles (4 warps): the K split
+    of :func:`_split_for` on ``device``'s SMs. :func:`launch_config`'s tiles go through it, and
+    so does a swept tile tried in the model (``benchmark/batch1/graph_ab.py``)."""
     programs = split_target_programs(sm_count(device))
-    return LaunchConfig(block_n, block_k, 4, 4, _split_for(n, k, block_n, block_k, programs))
+    return LaunchConfig(block_n, block_k, 4, num_stages,
+                        _split_for(n, k, block_n, block_k, programs))
 
 
 def split_target_programs(sms: int) -> int:
