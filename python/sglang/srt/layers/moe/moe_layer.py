@@ -218,8 +218,9 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device,
     ``fused_combine`` has the Triton backend carry the shared expert and combine in one kernel
     (no effect on the native backend, whose experts never take the Triton path), and
     ``combine_in_gemv`` that combine inside the small-M down-projection's launch (with
-    ``fused_combine`` only); ``align_kernel`` has the Triton backend's grouped GEMM path sort its pairs by expert with
-    ``sgl_kernel.moe_align`` (same alignment as the torch ops; same no-effect rule).
+    ``fused_combine`` only); ``align_kernel`` has the Triton backend's grouped GEMM path sort
+    its pairs by expert with ``sgl_kernel.moe_align`` (same alignment as the torch ops; same
+    no-effect rule).
     """
     if backend not in KERNEL_BACKEND_CHOICES:
         raise ValueError(f"moe runner backend must be one of {KERNEL_BACKEND_CHOICES}, got "
