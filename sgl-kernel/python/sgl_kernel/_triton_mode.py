@@ -121,7 +121,7 @@ def arrival_counts(owner: str, device: torch.device, count: int) -> torch.Tensor
     device must not overlap: the engine launches its kernels on one stream (the side stream of
     ``sglang.srt.rounds.relay`` only copies). A larger grid gets a larger buffer; a replaced one
     stays allocated, since a captured CUDA graph may still point at it."""
-    key = (owner, str(device))
+    key = (owner, device)  # a tensor's device (always indexed); no str() on every launch
     counts = _ARRIVAL_COUNTS.get(key)
     if counts is None or counts.numel() < count:
         if counts is not None:
