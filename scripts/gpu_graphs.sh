@@ -38,7 +38,9 @@
 #                 About 9 minutes in all: SPECS / SERVED split it over calls.
 #   STAGE=fp8ab   the fp8 42-layer model's graph_ab per setting, one process each, same call:
 #                 FP8AB_SETTINGS "PDL CHOICES label,..." (PDL: SGLANG_ENABLE_PDL 0/1; CHOICES:
-#                 graph_ab's --kernel-choices, - for none; default: the defaults, PDL on with /
+#                 graph_ab's --kernel-choices with its fields joined by +, e.g.
+#                 moe_combine_in_gemv=1+gated_act=0, - for none; more graph_ab flags of
+#                 that process after the label; default: the defaults, PDL on with /
 #                 without the weight prefetch, the torch MLA RoPE, KDA's output norm inside
 #                 o_proj), FP8AB_SPECS (default "0"), FP8AB_STEPS (iterations per row, 16),
 #                 FP8AB_ARGS (more graph_ab flags, e.g. "--prefill-graph-ab 1024": decode before
@@ -195,14 +197,15 @@ fp8ab)
   [ -n "${LAYERS:-}" ] && FULL="$FULL --json-model-override-args {\"num_hidden_layers\":$LAYERS}"
   IFS=, read -ra settings <<< "${FP8AB_SETTINGS:-0 - defaults,1 - pdl+prefetch,1 pdl_weight_prefetch=0 pdl,0 mla_rope=0 torch-rope,0 kda_norm_in_o_proj=1 norm-in-o_proj}"
   for setting in "${settings[@]}"; do
-    read -r pdl choices label <<< "$setting"
+    read -r pdl choices label extra <<< "$setting"
+    choices=${choices//+/,}  # several fields joined by + (the settings list splits on commas)
     ckc=$([ "$choices" = - ] && echo "" || echo "--kernel-choices $choices")
     for steps in ${FP8AB_SPECS:-0}; do
       spec=$([ "$steps" = 0 ] && echo "" || echo "--speculative-algorithm NEXTN --speculative-num-steps $steps")
       echo "== fp8ab $label nextn $steps"
       SGLANG_ENABLE_PDL=$pdl timeout ${AB_TIMEOUT:-150} python3 benchmark/batch1/graph_ab.py $FULL $KARGS $ckc $spec \
         --prompt-len 8192 --steps ${FP8AB_STEPS:-16} --replays 30 --label "flash42 fp8 $label nextn$steps" \
-        ${FP8AB_ARGS:-} --result-filename $OUT/fp8ab.jsonl 2>&1 | grep -v Warn | grep -E "graph|replay"
+        ${FP8AB_ARGS:-} $extra --result-filename $OUT/fp8ab.jsonl 2>&1 | grep -v Warn | grep -E "graph|replay"
     done
   done
   ;;
