@@ -190,8 +190,7 @@ def test_model_with_triton_moe_matches_native(triton_mode, tmp_path, monkeypatch
     ``moe_runner_backend='triton'`` equal the torch-native MoE's, also with the shared expert
     riding the routed launches plus the one-kernel combine (``KernelChoices.moe_combine``) and
     the dense projections / LM head through the small-M GEMM (``KernelChoices.small_m_gemm``),
-    with KDA's output norm inside o_proj's loads or (``kda_norm_in_o_proj=False``) apart, and
-    with the combine inside the down-projection's launch (``moe_combine_in_gemv``, variant 2)."""
+    with KDA's output norm inside o_proj's loads or (``kda_norm_in_o_proj=False``) apart."""
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.layers.kernel_choices import KernelChoices
     from sglang.srt.model_executor.model_runner import ModelRunner
@@ -203,26 +202,23 @@ def test_model_with_triton_moe_matches_native(triton_mode, tmp_path, monkeypatch
     ids = [5, 17, 99, 3, 250, 42]
     logits = {}
     for backend, fused, norm_in in (("torch_native", "0", "1"), ("triton", "0", "1"),
-                                    ("triton", "1", "1"), ("triton", "1", "0"),
-                                    ("triton", "2", "0")):
-        choices = KernelChoices(moe_combine=fused != "0", small_m_gemm=fused != "0",
-                                kda_norm_in_o_proj=norm_in == "1",
-                                moe_combine_in_gemv=fused == "2")
+                                    ("triton", "1", "1"), ("triton", "1", "0")):
+        choices = KernelChoices(moe_combine=fused == "1", small_m_gemm=fused == "1",
+                                kda_norm_in_o_proj=norm_in == "1")
         runner = ModelRunner(ModelConfig.from_path(path), device=DEVICE, dtype=torch.float32,
                              moe_runner_backend=backend, max_running_requests=2,
                              max_total_tokens=64, kernel_choices=choices)
         moes = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
         assert moes and all(m.runner_backend == backend for m in moes)
-        assert all(m.fused_combine == (fused != "0") for m in moes)
-        assert all(m.combine_in_gemv == (fused == "2") for m in moes)
-        assert runner.small_m_gemm == (fused != "0")
-        if fused != "0":  # the tiny model's shared expert has the routed experts' shape
+        assert all(m.fused_combine == (fused == "1") for m in moes)
+        assert runner.small_m_gemm == (fused == "1")
+        if fused == "1":  # the tiny model's shared expert has the routed experts' shape
             assert all(m.shared_as_pairs() is not None for m in runner.model.modules()
                        if isinstance(m, BailingMoE))
         kda = [m for m in runner.model.modules() if hasattr(m, "norm_in_o_proj")]
         assert kda and all(m.norm_in_o_proj == (norm_in == "1") for m in kda)
         logits[backend + fused + norm_in] = greedy_logits(runner, ids, 1)
-    for variant in ("triton01", "triton11", "triton10", "triton20"):
+    for variant in ("triton01", "triton11", "triton10"):
         for got, ref in zip(logits[variant], logits["torch_native01"]):
             assert _rel(got, ref) < 1e-5, variant
 
@@ -248,87 +244,6 @@ def test_small_m_moe_bf16_on_cuda(triton_mode):
     exact = fused_moe_gather(hidden.float(), w13.float(), w2.float(), weights, ids, 7.0)
     # Both bf16 paths round h13, the activation and y alike; only the accumulation order differs.
     assert _rel(got, exact) <= 1.5 * _rel(ref, exact) + 1e-3
-    # The combine inside the down-projection's launch: the same block output up to the rows'
-    # fp32 rounding; a token alone as beside others; replayed from a CUDA graph twice (the
-    # arrival counts are back at zero after every launch).
-    fused = fused_moe_small_m(hidden, w13, w2, weights, ids, 7.0, combine_in_gemv=True)
-    assert _rel(fused, exact) <= 1.5 * _rel(ref, exact) + 1e-3
-    alone = fused_moe_small_m(hidden[4:5], w13, w2, weights[4:5], ids[4:5], 7.0,
-                              combine_in_gemv=True)
-    assert torch.equal(alone[0], fused[4])
-    fused_moe_small_m(hidden, w13, w2, weights, ids, 7.0, combine_in_gemv=True)  # warm-up
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        replayed = fused_moe_small_m(hidden, w13, w2, weights, ids, 7.0, combine_in_gemv=True)
-    for _ in range(2):
-        replayed.zero_()
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(replayed, fused)
-
-
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.float16, 2e-3)])
-def test_combine_in_the_down_projection_launch(triton_mode, dtype, tol):
-    """``combine_weights``: the down-projection's launch also writes the MoE combine (the last
-    pair of a token to store a column tile sums the token's rows, slot order, then the shared
-    row): equal to the combine of the launch's own rows (its rows as the plain launch's within
-    fp32 rounding), a token's row the same alone as beside others, the arrival counts back at
-    zero, bad shapes refused."""
-    from sgl_kernel._triton_mode import arrival_counts
-    from sgl_kernel.moe_combine import moe_combine_reference
-
-    gen = torch.Generator().manual_seed(11)
-    t, e, h, i, k = 4, 7, 40, 24, 3
-    act = torch.randn(t * k, i, generator=gen).to(DEVICE, dtype)
-    shared_act = torch.randn(t, i, generator=gen).to(DEVICE, dtype)
-    w2 = (torch.randn(e, h, i, generator=gen) / i ** 0.5).to(DEVICE, dtype)
-    sw2 = (torch.randn(h, i, generator=gen) / i ** 0.5).to(DEVICE, dtype)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(t)]).reshape(-1)
-    ids = ids.to(DEVICE)
-    weights = torch.rand(t, k, generator=gen).to(DEVICE)
-    for extra in ({}, {"extra_w": sw2, "extra_x": shared_act}):
-        rows = torch.empty(t * k + (t if extra else 0), h, dtype=dtype, device=DEVICE)
-        out = torch.empty(t, h, dtype=dtype, device=DEVICE)
-        got = triton_mode.grouped_gemv(act, w2, ids, out=rows, combine_weights=weights,
-                                       combine_out=out, **extra)
-        assert got is out
-        plain = triton_mode.grouped_gemv(act, w2, ids, **extra)
-        assert _rel(rows, plain) < tol
-        shared = rows[t * k:] if extra else None
-        assert torch.equal(out, moe_combine_reference(rows, weights, shared))
-        assert not arrival_counts("grouped_gemv", act.device, 1).any()
-        for tok in (0, 3):
-            one = torch.empty(1, h, dtype=dtype, device=DEVICE)
-            alone = {"extra_w": sw2, "extra_x": shared_act[tok:tok + 1]} if extra else {}
-            triton_mode.grouped_gemv(act[tok * k:(tok + 1) * k], w2, ids[tok * k:(tok + 1) * k],
-                                     combine_weights=weights[tok:tok + 1], combine_out=one,
-                                     **alone)
-            assert torch.equal(one[0], out[tok]), (extra.keys(), tok)
-    with pytest.raises(ValueError, match="combine"):
-        triton_mode.grouped_gemv(act, w2, ids, combine_weights=weights[:, :2],
-                                 combine_out=torch.empty(t, h, dtype=dtype, device=DEVICE))
-    with pytest.raises(ValueError, match="combine_out"):
-        triton_mode.grouped_gemv(act, w2, ids, combine_weights=weights,
-                                 combine_out=torch.empty(t, h + 1, dtype=dtype, device=DEVICE))
-
-
-def test_small_m_moe_with_the_combine_in_the_down_projection(triton_mode):
-    """``fused_moe_small_m(combine_in_gemv=True)`` (``KernelChoices.moe_combine_in_gemv``):
-    the MoE block's output as with the separate combine launch (with and without the shared
-    expert in the launches), and a token's output the same alone as beside others."""
-    from sglang.srt.layers.moe.fused_moe_triton import SharedExpertWeights
-
-    hidden, w13, w2, weights, ids = _moe_inputs(torch.float32, t=4)
-    gen = torch.Generator().manual_seed(3)
-    sw = SharedExpertWeights((torch.randn(w13.shape[1:], generator=gen) / 7).to(DEVICE),
-                             (torch.randn(w2.shape[1:], generator=gen) / 6).to(DEVICE), 0.3)
-    for shared in (None, sw):
-        ref = fused_moe_small_m(hidden, w13, w2, weights, ids, 0.5, shared)
-        got = fused_moe_small_m(hidden, w13, w2, weights, ids, 0.5, shared, combine_in_gemv=True)
-        assert _rel(got, ref) < 1e-6
-        alone = fused_moe_small_m(hidden[2:3], w13, w2, weights[2:3], ids[2:3], 0.5, shared,
-                                  combine_in_gemv=True)
-        assert torch.equal(alone[0], got[2])
 
 
 def test_small_m_moe_is_batch_invariant(triton_mode):

@@ -29,7 +29,6 @@ def test_defaults_on_cuda(quantized, backend):
     assert all(getattr(kc, name) == triton_moe for name in MOE_FOLLOWERS)
     assert kc.small_m_gemm == quantized  # fp8 weights: read in place by the small-M GEMM
     assert not kc.kda_norm_in_o_proj and not kc.moe_grouped_mm and kc.pdl_weight_prefetch
-    assert not kc.moe_combine_in_gemv  # opt-in until the GPU host has timed it
     assert kc.moe_align_kernel == triton_moe  # the grouped GEMM path's expert sort kernel
     # w8a8 on fp8 models: the MoE's grouped GEMMs and the dense projections on the library's
     # block-scaled GEMM (both timed faster), not the dense Triton GEMM (timed slower)
@@ -43,8 +42,8 @@ def test_defaults_off_cuda_are_the_torch_paths(quantized):
         kc = default_kernel_choices("cpu", quantized=quantized, moe_runner_backend="auto",
                                     enable_deterministic_inference=deterministic)
         assert kc == KernelChoices(rmsnorm=False, mla_rope=False, router=False,
-                                   moe_combine=False, moe_combine_in_gemv=False,
-                                   small_m_gemm=False, mla_absorb_gemv=False, kda_norm_in_o_proj=False,
+                                   moe_combine=False, small_m_gemm=False,
+                                   mla_absorb_gemv=False, kda_norm_in_o_proj=False,
                                    moe_grouped_mm=False, pdl_weight_prefetch=True,
                                    moe_align_kernel=False, moe_fp8_activations=False,
                                    dense_fp8_activations=False, dense_scaled_mm=False,
@@ -152,7 +151,6 @@ def _layer_state(runner):
         mla_rope=one(m.use_triton for m in mods if isinstance(m, RotaryEmbedding)),
         router=one(m.use_triton for m in mods if isinstance(m, MoEGate)),
         moe_combine=one(m.fused_combine for m in mods if isinstance(m, FusedMoE)),
-        moe_combine_in_gemv=one(m.combine_in_gemv for m in mods if isinstance(m, FusedMoE)),
         moe_grouped_mm=one(m.grouped_mm for m in mods if isinstance(m, FusedMoE)),
         small_m_gemm=one(m.small_m_gemm for m in mods if hasattr(m, "small_m_gemm")),
         kda_norm_in_o_proj=one(m.norm_in_o_proj for m in mods if isinstance(m, BailingKDA)),
@@ -174,19 +172,17 @@ def test_runner_on_cpu_takes_the_torch_paths_by_default(tiny_path):
 def test_runner_applies_forced_choices_to_every_layer(tiny_path):
     forced = KernelChoices(rmsnorm=True, mla_rope=True, router=True, small_m_gemm=True,
                            kda_norm_in_o_proj=True, moe_grouped_mm=True, mla_absorb_gemv=True,
-                           gated_act=True, moe_combine_in_gemv=True)
+                           gated_act=True)
     runner = _runner(tiny_path, kernel_choices=forced)
     assert runner.requested_kernel_choices is forced
     state = _layer_state(runner)
     assert state == dict(rmsnorm=True, mla_rope=True, router=True, moe_combine=False,
-                         moe_combine_in_gemv=False, moe_grouped_mm=True, small_m_gemm=True,
-                         kda_norm_in_o_proj=True, mla_absorb_gemv=True, gated_act=True)
-    # the one-kernel combine (and its place in the down-projection) only exists on the Triton
-    # MoE runner
+                         moe_grouped_mm=True, small_m_gemm=True, kda_norm_in_o_proj=True,
+                         mla_absorb_gemv=True, gated_act=True)
+    # the one-kernel combine only exists on the Triton MoE runner
     triton = _runner(tiny_path, moe_runner_backend="triton",
-                     kernel_choices=KernelChoices(router=False, moe_combine_in_gemv=True))
+                     kernel_choices=KernelChoices(router=False))
     assert _layer_state(triton)["moe_combine"] and not _layer_state(triton)["router"]
-    assert _layer_state(triton)["moe_combine_in_gemv"]
     with pytest.raises(TypeError, match="KernelChoices"):
         _runner(tiny_path, kernel_choices={"rmsnorm": True})
 

@@ -114,8 +114,8 @@ _REPLACED_COUNTS: list = []
 
 def arrival_counts(owner: str, device: torch.device, count: int) -> torch.Tensor:
     """At least ``count`` int32 arrival counters, zero between launches, for a kernel (named by
-    ``owner``) whose last program to arrive at an output tile finishes it (a K split's sum, the
-    MoE combine): each program raises its tile's count, and the one that sees the last arrival
+    ``owner``) whose last program to arrive at an output tile finishes it (the small-M GEMM's K
+    split sum): each program raises its tile's count, and the one that sees the last arrival
     does the work and sets the count back to zero. One buffer per kernel and device (at least
     4096 counters), so two such kernels never share a count, and launches of one kernel on a
     device must not overlap: the engine launches its kernels on one stream (the side stream of

@@ -24,22 +24,18 @@ import triton.language as tl
 
 from sgl_kernel import pdl
 from sgl_kernel.fp8_blocks import QBLOCK, block_dequantize, check_block_scale
-from sgl_kernel.moe_combine import combine_rows
-from sgl_kernel._triton_mode import (INTERPRETED, NO_FP_FUSION, LaunchConfig, arrival_counts,
-                                     compiler_options, placeholder)
+from sgl_kernel._triton_mode import INTERPRETED, LaunchConfig, compiler_options, placeholder
 
 __all__ = ["grouped_gemv", "grouped_gemv_reference", "launch_config", "LaunchConfig"]
 
 
 @triton.jit
 def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, ex_ptr, ew_ptr, out_ptr, ws_ptr, ews_ptr,
-                         cw_ptr, co_ptr, count_ptr,
                          N, K, routed_pairs, rows_per_x, stride_x, stride_we, stride_wn,
                          stride_ex, stride_ewn, stride_o, stride_wse, stride_wsn, stride_ewsn,
-                         stride_cw, stride_co, up_scale_row, limit, extra_limit,
+                         up_scale_row, limit, extra_limit,
                          SWIGLU: tl.constexpr, HAS_LIMIT: tl.constexpr, HAS_SCALE: tl.constexpr,
                          QB: tl.constexpr, USE_PDL: tl.constexpr,
-                         COMBINE: tl.constexpr, TOPK: tl.constexpr, HAS_EXTRA: tl.constexpr,
                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pair = tl.program_id(0)
     n0 = tl.program_id(1) * BLOCK_N  # BLOCK_N divides the scale block: one scale row
@@ -93,21 +89,6 @@ def _grouped_gemv_kernel(x_ptr, w_ptr, ids_ptr, ex_ptr, ew_ptr, out_ptr, ws_ptr,
         acc = act * up
     tl.store(out_ptr + pair.to(tl.int64) * stride_o + offs_n,
              acc.to(out_ptr.dtype.element_ty), mask=mask_n)
-    if COMBINE:  # the token's last pair to store this column tile combines all of them
-        token = tl.where(pair < routed_pairs, pair // TOPK, pair - routed_pairs).to(tl.int64)
-        tl.debug_barrier()  # every thread's row stored before the count is raised
-        count = count_ptr + token * tl.num_programs(1) + tl.program_id(1)
-        arrivals = TOPK + 1 if HAS_EXTRA else TOPK
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == arrivals - 1:
-            # moe_combine's sum, one rounding (the launch is compiled without mul+add
-            # contraction, as moe_combine's).
-            total = combine_rows(out_ptr + token * TOPK * stride_o + offs_n, stride_o,
-                                 cw_ptr + token * stride_cw,
-                                 out_ptr + (routed_pairs + token) * stride_o + offs_n, mask_n,
-                                 TOPK, HAS_EXTRA)
-            tl.store(co_ptr + token * stride_co + offs_n, total.to(co_ptr.dtype.element_ty),
-                     mask=mask_n)
-            tl.atomic_xchg(count, 0)
 
 
 def launch_config(n: int, k: int, swiglu: bool, fp8: bool = False) -> LaunchConfig:
@@ -143,22 +124,10 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
                  num_stages: Optional[int] = None, extra_w: Optional[torch.Tensor] = None,
                  extra_limit: float = 0.0, extra_x: Optional[torch.Tensor] = None,
                  w_scale: Optional[torch.Tensor] = None,
-                 extra_w_scale: Optional[torch.Tensor] = None,
-                 combine_weights: Optional[torch.Tensor] = None,
-                 combine_out: Optional[torch.Tensor] = None) -> torch.Tensor:
+                 extra_w_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``out [P (+ T'), N]`` with ``out[p] = w[ids[p]] @ x[p // rows_per_x]`` for the ``P``
     routed pairs, then, with ``extra_w [N, K]``, ``out[P + t] = extra_w @ extra_x[t]`` for every
     row ``t`` of ``extra_x [T', K]`` (default ``x``).
-
-    With ``combine_weights [T, k]`` (the router weights; ``P = T * k`` pairs, token-major, and
-    ``T' = T`` shared rows when ``extra_w`` is given) the launch also writes the MoE combine
-    into ``combine_out [T, N]`` (returned; ``out`` still holds every pair's row): per token and
-    column tile, the last of its pairs' programs to store its rows (an arrival count,
-    :func:`sgl_kernel._triton_mode.arrival_counts`) sums them as
-    :func:`sgl_kernel.moe_combine.moe_combine` does, so the down-projection and the combine are
-    one launch. The whole launch is then compiled without mul+add contraction (the combine's
-    sum must round alike in decode and verify; the products round as the torch reference's):
-    its rows equal the plain launch's within fp32 rounding, not bit for bit.
 
     The extra pairs are the shared expert riding in the routed experts' launch (one launch for
     both).
@@ -219,23 +188,8 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
     elif tuple(out.shape) != (p, n) or out.stride(1) != 1:
         raise ValueError(f"grouped_gemv: out must be a [{p}, {n}] tensor with a contiguous last "
                          f"dim, got {tuple(out.shape)}")
-    combine = combine_weights is not None
-    if combine:
-        topk = combine_weights.shape[-1] if combine_weights.dim() == 2 else 0
-        t = routed // max(topk, 1)
-        if (swiglu or combine_out is None or topk < 1 or t * topk != routed or rows_per_x != 1
-                or (extra_w is not None and ex.shape[0] != t)):
-            raise ValueError(f"grouped_gemv: combine_weights needs a plain (not SwiGLU) launch "
-                             f"of T * k pairs, one row each, a [T, k] weight tensor, T shared "
-                             f"rows if any, and combine_out; got {routed} pairs, weights "
-                             f"{tuple(combine_weights.shape)}, swiglu {swiglu}")
-        if (tuple(combine_out.shape) != (t, n) or combine_out.stride(1) != 1
-                or combine_weights.stride(1) != 1):
-            raise ValueError(f"grouped_gemv: combine_out must be [{t}, {n}] and both combine "
-                             f"tensors need a contiguous last dim, got "
-                             f"{tuple(combine_out.shape)}")
     if p == 0 or n == 0:
-        return combine_out if combine else out
+        return out
     cfg = launch_config(n, k, swiglu, fp8)
     block_n, block_k = block_n or cfg.block_n, block_k or cfg.block_k
     if fp8 and (block_n > QBLOCK or QBLOCK % block_n):
@@ -247,21 +201,14 @@ def grouped_gemv(x: torch.Tensor, w: torch.Tensor, ids: torch.Tensor,
     ews = extra_w_scale if fp8 and extra_w is not None else ws
     limit = float(swiglu_limit or 0.0)
     pdl_on = pdl.use_pdl(p)
-    tiles_n = triton.cdiv(n, block_n)
-    cw = combine_weights if combine else ws  # placeholders when there is no combine
-    co = combine_out if combine else out
-    counts = arrival_counts("grouped_gemv", x.device, t * tiles_n) if combine else ws
-    _grouped_gemv_kernel[(p, tiles_n)](
-        x, w, ids.contiguous(), ex, ew, out, ws, ews, cw, co, counts, n, k, routed, rows_per_x,
-        x.stride(0), w.stride(0), w.stride(1), ex.stride(0), ew.stride(0), out.stride(0),
+    _grouped_gemv_kernel[(p, triton.cdiv(n, block_n))](
+        x, w, ids.contiguous(), ex, ew, out, ws, ews, n, k, routed, rows_per_x, x.stride(0),
+        w.stride(0), w.stride(1), ex.stride(0), ew.stride(0), out.stride(0),
         ws.stride(0) if fp8 else 0, ws.stride(-2) if fp8 else 0, ews.stride(-2) if fp8 else 0,
-        cw.stride(0) if combine else 0, co.stride(0) if combine else 0,
         -(-n // QBLOCK), limit, float(extra_limit),
         SWIGLU=swiglu, HAS_LIMIT=limit > 0 or extra_limit > 0, HAS_SCALE=fp8, QB=QBLOCK,
-        USE_PDL=pdl_on, COMBINE=combine, TOPK=topk if combine else 1,
-        HAS_EXTRA=combine and extra_w is not None, BLOCK_N=block_n, BLOCK_K=block_k, **opts,
-        **(NO_FP_FUSION if combine else {}), **pdl.launch_options(pdl_on))
-    return combine_out if combine else out
+        USE_PDL=pdl_on, BLOCK_N=block_n, BLOCK_K=block_k, **opts, **pdl.launch_options(pdl_on))
+    return out
 
 
 def _silu_and_mul(x: torch.Tensor, limit: float) -> torch.Tensor:

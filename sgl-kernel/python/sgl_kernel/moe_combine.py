@@ -19,26 +19,7 @@ import triton.language as tl
 from sgl_kernel import pdl
 from sgl_kernel._triton_mode import INTERPRETED, NO_FP_FUSION
 
-__all__ = ["moe_combine", "moe_combine_reference", "combine_rows"]
-
-
-@triton.jit
-def combine_rows(y_rows, stride_y, w_row, shared_row, mask, TOPK: tl.constexpr,
-                 HAS_SHARED: tl.constexpr):
-    """One token's combine over a tile of columns, in fp32: ``y_rows`` points at the tile of its
-    first expert row (the others ``stride_y`` apart), ``w_row`` at its ``TOPK`` router weights,
-    ``shared_row`` at its shared row's tile; products of slots 0 .. k-1 in order, then the
-    shared row (the order :func:`moe_combine_reference` sums in). The rows are read past L1
-    (``.cg``): in :func:`sgl_kernel.grouped_gemv.grouped_gemv`'s combine (``combine_weights``)
-    other programs of the same launch wrote them."""
-    acc = tl.load(y_rows, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32) * tl.load(
-        w_row).to(tl.float32)
-    for j in tl.static_range(1, TOPK):
-        yj = tl.load(y_rows + j * stride_y, mask=mask, other=0.0, cache_modifier=".cg")
-        acc += yj.to(tl.float32) * tl.load(w_row + j).to(tl.float32)
-    if HAS_SHARED:
-        acc += tl.load(shared_row, mask=mask, other=0.0, cache_modifier=".cg").to(tl.float32)
-    return acc
+__all__ = ["moe_combine", "moe_combine_reference"]
 
 
 @triton.jit
@@ -50,8 +31,15 @@ def _moe_combine_kernel(y_ptr, w_ptr, s_ptr, out_ptr, H, stride_y, stride_w, str
     mask = offs < H
     pdl.wait(USE_PDL)
     pdl.launch_dependents(USE_PDL)
-    acc = combine_rows(y_ptr + t * TOPK * stride_y + offs, stride_y, w_ptr + t * stride_w,
-                       s_ptr + t * stride_s + offs, mask, TOPK, HAS_SHARED)
+    y_rows = y_ptr + t * TOPK * stride_y + offs
+    acc = tl.load(y_rows, mask=mask, other=0.0).to(tl.float32) * tl.load(
+        w_ptr + t * stride_w).to(tl.float32)
+    for j in tl.static_range(1, TOPK):
+        wj = tl.load(w_ptr + t * stride_w + j).to(tl.float32)
+        yj = tl.load(y_rows + j * stride_y, mask=mask, other=0.0)
+        acc += yj.to(tl.float32) * wj
+    if HAS_SHARED:
+        acc += tl.load(s_ptr + t * stride_s + offs, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + t * stride_o + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -53,11 +53,6 @@ knows (:func:`default_kernel_choices`):
   fp32 intermediates): on for CUDA, where its CUDA test passed and the 42-layer fp8 decode step
   took 3.738 ms with it against 3.781 ms without (graphs + overlap, one call,
   docs/performance.md); off elsewhere.
-* ``moe_combine_in_gemv`` (with ``moe_combine``: that combine written by the small-M MoE's
-  down-projection launch, whose last pair of a token to finish a column tile sums the token's
-  rows, ``sgl_kernel.grouped_gemv``'s ``combine_weights``: one launch fewer per MoE layer of a
-  decode or verify step): off until the GPU host has timed it (docs/performance.md, "Not
-  measured yet").
 * ``kda_norm_in_o_proj`` (KDA's output norm inside o_proj's loads; measured slower than its own
   launch) and ``moe_grouped_mm`` (the torch-native MoE's large batches through
   ``torch._grouped_mm``; never measured): off. ``pdl_weight_prefetch`` (the small-M GEMM's
@@ -99,7 +94,6 @@ class KernelChoices:
     mla_rope: Optional[bool] = None
     router: Optional[bool] = None
     moe_combine: Optional[bool] = None
-    moe_combine_in_gemv: Optional[bool] = None
     small_m_gemm: Optional[bool] = None
     mla_absorb_gemv: Optional[bool] = None
     kda_norm_in_o_proj: Optional[bool] = None
@@ -181,7 +175,6 @@ def default_kernel_choices(device_type: str, *, quantized: bool, moe_runner_back
         mla_rope=cuda,
         router=triton_moe,
         moe_combine=triton_moe,
-        moe_combine_in_gemv=False,
         small_m_gemm=cuda and (quantized or bool(enable_deterministic_inference)),
         mla_absorb_gemv=cuda and bool(enable_deterministic_inference),
         kda_norm_in_o_proj=False,

@@ -523,7 +523,7 @@ class ModelRunner:
         self.moe_runner_backend = set_moe_runner_backend(
             self.model, moe_runner_backend, self.device, router=kc.router,
             fused_combine=kc.moe_combine, grouped_mm=kc.moe_grouped_mm,
-            align_kernel=kc.moe_align_kernel, combine_in_gemv=kc.moe_combine_in_gemv)
+            align_kernel=kc.moe_align_kernel)
         self.triton_norms = set_norm_backend(self.model, kc.rmsnorm, self.device)
         self.triton_rope = set_rope_backend(self.model, kc.mla_rope, self.device)
         set_gated_act_backend(self.model, kc.gated_act, self.device)

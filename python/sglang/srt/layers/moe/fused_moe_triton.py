@@ -48,18 +48,13 @@ def fused_moe_small_m(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
                       shared_weights: Optional[SharedExpertWeights] = None,
                       shared: Optional[torch.Tensor] = None,
                       combine_kernel: bool = True, w13_scale: Optional[torch.Tensor] = None,
-                      w2_scale: Optional[torch.Tensor] = None,
-                      combine_in_gemv: bool = False) -> torch.Tensor:
+                      w2_scale: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``sum_i w_i * Expert_{id_i}(x) + Shared(x)`` per token ``[T, H]``.
 
     The shared expert either runs inside the two grouped mat-vecs (``shared_weights``) or was
     computed by the caller (``shared [T, H]``, added in the combine); with neither, routed only.
     ``combine_kernel`` picks the one-launch combine; else its torch reference (same result).
-    ``combine_in_gemv`` (with ``combine_kernel`` and the shared expert in the launches or
-    absent) folds that combine into the down-projection's launch (``grouped_gemv``'s
-    ``combine_weights``: the last pair of a token to finish a column tile sums the token's
-    rows), one launch fewer per MoE layer. Block-fp8 experts pass their scales (``w13_scale``,
-    ``w2_scale``; ``sgl_kernel.fp8_blocks``).
+    Block-fp8 experts pass their scales (``w13_scale``, ``w2_scale``; ``sgl_kernel.fp8_blocks``).
     """
     from sgl_kernel.grouped_gemv import grouped_gemv  # Triton: imported on first use
     from sgl_kernel.moe_combine import moe_combine
@@ -72,14 +67,8 @@ def fused_moe_small_m(hidden: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor,
     # Up-projection with SwiGLU in its epilogue -> [T*k (+ T), I]; then the down-projection.
     act = grouped_gemv(x, w13, ids, rows_per_x=k, swiglu_limit=limit, extra_w=sw.w13,
                        extra_limit=sw.limit, w_scale=w13_scale, extra_w_scale=sw.w13_scale)
-    in_gemv = combine_kernel and combine_in_gemv and shared is None
-    combined = torch.empty(t, w2.shape[1], dtype=x.dtype, device=x.device) if in_gemv else None
     y = grouped_gemv(act[:t * k], w2, ids, extra_w=sw.w2, extra_x=act[t * k:],
-                     w_scale=w2_scale, extra_w_scale=sw.w2_scale,
-                     combine_weights=topk_weights.contiguous() if in_gemv else None,
-                     combine_out=combined)
-    if in_gemv:
-        return y  # the combine, written by the down-projection's launch
+                     w_scale=w2_scale, extra_w_scale=sw.w2_scale)
     if shared_weights is not None:
         shared = y[t * k:]
     if combine_kernel:

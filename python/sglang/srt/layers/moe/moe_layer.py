@@ -85,10 +85,8 @@ class FusedMoE(nn.Module):
         # above its small-batch path through torch._grouped_mm instead of the expert loop).
         self.runner_backend = "torch_native"
         self.grouped_mm = False
-        # KernelChoices.moe_combine: the shared expert as extra pairs and the one-kernel combine;
-        # KernelChoices.moe_combine_in_gemv: that combine inside the small-M down-projection.
+        # KernelChoices.moe_combine: the shared expert as extra pairs and the one-kernel combine.
         self.fused_combine = False
-        self.combine_in_gemv = False
         # KernelChoices.moe_align_kernel: the grouped GEMM path's expert sort as Triton launches.
         self.align_kernel = False
         # KernelChoices.moe_fp8_activations (quantization.fp8.set_fp8_activations): block-fp8
@@ -205,8 +203,7 @@ class BailingMoE(nn.Module):
 
 def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device, *,
                            router: bool = False, fused_combine: bool = False,
-                           grouped_mm: bool = False, align_kernel: bool = False,
-                           combine_in_gemv: bool = False) -> str:
+                           grouped_mm: bool = False, align_kernel: bool = False) -> str:
     """Point every :class:`FusedMoE` of ``model`` at ``backend`` and return the one chosen.
 
     ``auto`` is resolved by ``engine_defaults.resolve_kernel_backend`` (Triton on CUDA).
@@ -216,11 +213,9 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device,
     ``grouped_mm`` sends the native backend's large batches through torch's grouped GEMMs;
     ``router`` runs the routers' selection as one kernel (routers whose layout the kernel takes);
     ``fused_combine`` has the Triton backend carry the shared expert and combine in one kernel
-    (no effect on the native backend, whose experts never take the Triton path), and
-    ``combine_in_gemv`` that combine inside the small-M down-projection's launch (with
-    ``fused_combine`` only); ``align_kernel`` has the Triton backend's grouped GEMM path sort
-    its pairs by expert with ``sgl_kernel.moe_align`` (same alignment as the torch ops; same
-    no-effect rule).
+    (no effect on the native backend, whose experts never take the Triton path);
+    ``align_kernel`` has the Triton backend's grouped GEMM path sort its pairs by expert with
+    ``sgl_kernel.moe_align`` (same alignment as the torch ops; same no-effect rule).
     """
     if backend not in KERNEL_BACKEND_CHOICES:
         raise ValueError(f"moe runner backend must be one of {KERNEL_BACKEND_CHOICES}, got "
@@ -229,7 +224,6 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device,
     if chosen == "triton":
         require_triton_runtime("--moe-runner-backend triton", device.type)
     fused_combine = chosen == "triton" and fused_combine
-    combine_in_gemv = fused_combine and combine_in_gemv
     align_kernel = chosen == "triton" and align_kernel
     if router:
         require_triton_runtime("KernelChoices(router=True)", device.type)
@@ -238,7 +232,6 @@ def set_moe_runner_backend(model: nn.Module, backend: str, device: torch.device,
         if isinstance(module, FusedMoE):
             module.runner_backend, module.grouped_mm = chosen, grouped_mm
             module.fused_combine = fused_combine
-            module.combine_in_gemv = combine_in_gemv
             module.align_kernel = align_kernel
         elif isinstance(module, MoEGate):  # routers whose layout the kernel takes
             module.use_triton = router and router_kernel_supports(

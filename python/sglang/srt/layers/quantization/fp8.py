@@ -390,7 +390,6 @@ class Fp8MoEMethod(FusedMoEMethodBase):
             return fused_moe_small_m(hidden, layer.w13_weight, layer.w2_weight, topk_weights,
                                      topk_ids, layer.swiglu_limit, shared_weights, shared,
                                      combine_kernel=layer.fused_combine,
-                                     combine_in_gemv=layer.combine_in_gemv,
                                      w13_scale=layer.w13_weight_scale_inv,
                                      w2_scale=layer.w2_weight_scale_inv)
         if layer.large_m(topk_ids):

@@ -113,8 +113,7 @@ class UnquantizedFusedMoEMethod(FusedMoEMethodBase):
         if layer.small_m(topk_ids):
             return fused_moe_small_m(hidden, layer.w13_weight, layer.w2_weight, topk_weights,
                                      topk_ids, layer.swiglu_limit, shared_weights, shared,
-                                     combine_kernel=layer.fused_combine,
-                                     combine_in_gemv=layer.combine_in_gemv)
+                                     combine_kernel=layer.fused_combine)
         if layer.large_m(topk_ids):
             return fused_moe_grouped(hidden, layer.w13_weight, layer.w2_weight, topk_weights,
                                      topk_ids, layer.swiglu_limit, shared,
