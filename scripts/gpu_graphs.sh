@@ -39,7 +39,7 @@
 #   STAGE=fp8ab   the fp8 42-layer model's graph_ab per setting, one process each, same call:
 #                 FP8AB_SETTINGS "PDL CHOICES label,..." (PDL: SGLANG_ENABLE_PDL 0/1; CHOICES:
 #                 graph_ab's --kernel-choices with its fields joined by +, e.g.
-#                 moe_combine_in_gemv=1+gated_act=0, - for none; more graph_ab flags of
+#                 mla_absorb_gemv=1+gated_act=0, - for none; more graph_ab flags of
 #                 that process after the label; default: the defaults, PDL on with /
 #                 without the weight prefetch, the torch MLA RoPE, KDA's output norm inside
 #                 o_proj), FP8AB_SPECS (default "0"), FP8AB_STEPS (iterations per row, 16),

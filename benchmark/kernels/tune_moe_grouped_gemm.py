@@ -19,8 +19,9 @@ graph replay of one launch (median of ``--iters`` replays, CUDA events; the expe
 at Ling's size, are far beyond L2, so every call streams them from HBM). The fastest config of
 every pair bucket goes into ``--output`` under ``torch.cuda.get_device_name()`` and
 ``moe_grouped_gemm_configs.config_key(E, N, K, dtype)``, merged into what the file already
-holds (other GPUs, shapes, buckets stay); default: the table shipped in the package. A markdown table of the
-winners against the fallback config (and, for fp8, the best time of each inner loop) is printed.
+holds (other GPUs, shapes, buckets stay); default: the table shipped in the package. A
+markdown table of the winners against the fallback config (and, for fp8, the best time of each
+inner loop) is printed.
 
 ``--shared-expert`` times the launches as the model runs them: one more expert (id E, its own
 weight) that every token is routed to, its rows in the same launch (``shared_w``), so a bucket is
